@@ -1,0 +1,111 @@
+"""The rollout engine: the one module that calls vLLM's Python API.
+
+vLLM upgrades rename things (weight-update RPCs, engine arguments); keeping every call
+here means an upgrade touches one file. Generation is token-in/token-out: the prompt
+is token ids, and the result is the generated token ids with the behaviour policy's
+log-probabilities of exactly those tokens (``processed_logprobs``: after temperature,
+so they match ``log_softmax(logits / T)`` computed by the learner).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+
+from horizonrl.config import EngineConfig
+
+log = logging.getLogger("horizonrl.actors.engine")
+
+WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end of turn), "length" (max tokens) or "abort"
+
+
+class RolloutEngine:
+    def __init__(self, llm, on_gpu: bool) -> None:
+        self._llm = llm
+        self.on_gpu = on_gpu
+
+    @classmethod
+    def start(cls, model_path: str, *, dtype: str, engine: EngineConfig, max_model_len: int, seed: int) -> "RolloutEngine":
+        """Start an AsyncLLM (an EngineCore and a Worker process). The caller needs a
+        ``if __name__ == "__main__"`` guard: vLLM spawns its processes."""
+        import torch
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(engine.kv_cache_gib)))))
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=engine.max_num_seqs,
+            enforce_eager=engine.enforce_eager,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        return cls(AsyncLLM.from_engine_args(args), on_gpu)
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
+                       stop_token_ids: list[int]) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # exactly the sampled token's logprob at each position
+            stop_token_ids=stop_token_ids,
+            detokenize=False,
+        )
+        final = None
+        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
+            final = output
+        completion = final.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids)]
+        return Generation(ids, logprobs, completion.finish_reason or "abort")
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        backend = "nccl" if self.on_gpu else "gloo"
+        await self._llm.collective_rpc("horizonrl_join_weight_group", timeout=timeout_s + 30,
+                                       args=(host, port, rank, world_size, timeout_s, backend))
+
+    async def receive_weights(self, timeout_s: float) -> tuple[int, float]:
+        """Receive one weight broadcast into the live engine; returns (version, seconds).
+
+        The receive runs inside the engine's busy loop, so generation pauses meanwhile;
+        requests in flight continue afterwards under the new weights.
+        """
+        results = await self._llm.collective_rpc("horizonrl_receive_weights", timeout=timeout_s + 30)
+        version, seconds = results[0]
+        # Cached prefixes hold keys/values computed with the old weights. Running requests
+        # are preempted and recompute theirs, so every token after this point is sampled
+        # from the new weights alone.
+        await self._llm.reset_prefix_cache(reset_running_requests=True)
+        return int(version), float(seconds)
+
+    def shutdown(self) -> None:
+        if self._llm is None:
+            return
+        self._llm.shutdown()
+        # Drop the engine now: its __del__ would shut down again at interpreter exit,
+        # when module globals are already gone.
+        self._llm = None
+        import gc
+
+        gc.collect()

@@ -1,0 +1,135 @@
+"""Group assembly, staleness filtering and batching: the buffer's logic, free of sockets.
+
+Invariant: every trajectory that enters ``add`` is, at any moment, exactly one of
+(a) waiting in an incomplete group, (b) in a complete group waiting for the learner,
+(c) handed to the learner in a batch, or (d) dropped and counted under one reason in
+``dropped`` (infrastructure failure, stale, equal rewards, group timeout, group too small).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from horizonrl.protocol import FAILURE_NONE, Trajectory
+
+# Reasons a trajectory is dropped (keys of GroupBuffer.dropped, counted in trajectories).
+DROP_FAILURE = "infra_failure"
+DROP_STALE = "stale"
+DROP_EQUAL_REWARDS = "equal_rewards"
+DROP_TIMEOUT = "group_timeout"
+DROP_TOO_SMALL = "group_too_small"
+
+
+@dataclass
+class _PendingGroup:
+    size: int
+    first_seen: float
+    members: list[Trajectory] = field(default_factory=list)
+    failed: int = 0
+
+    @property
+    def arrived(self) -> int:
+        return len(self.members) + self.failed
+
+
+class GroupBuffer:
+    def __init__(
+        self,
+        *,
+        capacity_groups: int,
+        max_staleness: int,
+        skip_equal_reward_groups: bool,
+        group_timeout_s: float,
+        clock=time.monotonic,
+    ) -> None:
+        self.capacity_groups = capacity_groups
+        self.max_staleness = max_staleness
+        self.skip_equal_reward_groups = skip_equal_reward_groups
+        self.group_timeout_s = group_timeout_s
+        self._clock = clock
+        self._pending: dict[str, _PendingGroup] = {}
+        self._ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self.dropped: Counter[str] = Counter()
+        self.received = 0
+        self.served_groups = 0
+        self.served_trajectories = 0
+
+    # ---- intake -------------------------------------------------------------------
+    @property
+    def full(self) -> bool:
+        """True when the learner has not kept up: stop taking trajectories (backpressure)."""
+        return len(self._ready) >= self.capacity_groups
+
+    def add(self, traj: Trajectory) -> None:
+        self.received += 1
+        group = self._pending.get(traj.group_id)
+        if group is None:
+            group = self._pending[traj.group_id] = _PendingGroup(traj.group_size, self._clock())
+        if traj.failure != FAILURE_NONE:
+            # Infrastructure failures are never trained on; the rest of the group still is.
+            group.failed += 1
+            self.dropped[DROP_FAILURE] += 1
+        else:
+            group.members.append(traj)
+        if group.arrived >= group.size:
+            del self._pending[traj.group_id]
+            self._complete(traj.group_id, group.members)
+
+    def _complete(self, group_id: str, members: list[Trajectory]) -> None:
+        if len(members) < 2:
+            self.dropped[DROP_TOO_SMALL] += len(members)
+            return
+        if self.skip_equal_reward_groups and len({t.reward for t in members}) == 1:
+            self.dropped[DROP_EQUAL_REWARDS] += len(members)
+            return
+        self._ready[group_id] = members
+
+    def expire(self) -> None:
+        """Drop groups that stayed incomplete for longer than ``group_timeout_s`` (an actor died)."""
+        now = self._clock()
+        for gid in [g for g, p in self._pending.items() if now - p.first_seen > self.group_timeout_s]:
+            self.dropped[DROP_TIMEOUT] += len(self._pending.pop(gid).members)
+
+    # ---- output -------------------------------------------------------------------
+    def drop_stale(self, learner_version: int) -> None:
+        for gid in [g for g, m in self._ready.items() if self._staleness(m, learner_version) > self.max_staleness]:
+            self.dropped[DROP_STALE] += len(self._ready.pop(gid))
+
+    def take(self, num_groups: int, learner_version: int) -> list[list[Trajectory]] | None:
+        """``num_groups`` groups, oldest first, after dropping stale ones; None if not enough yet."""
+        self.drop_stale(learner_version)
+        if len(self._ready) < num_groups:
+            return None
+        batch = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+        self.served_groups += len(batch)
+        self.served_trajectories += sum(len(g) for g in batch)
+        return batch
+
+    @staticmethod
+    def _staleness(members: list[Trajectory], learner_version: int) -> int:
+        return learner_version - min(t.oldest_version for t in members)
+
+    # ---- accounting ---------------------------------------------------------------
+    @property
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    @property
+    def pending_groups(self) -> int:
+        return len(self._pending)
+
+    def held_trajectories(self) -> int:
+        return sum(len(m) for m in self._ready.values()) + sum(len(p.members) for p in self._pending.values())
+
+    def stats(self) -> dict[str, float]:
+        out = {
+            "received": float(self.received),
+            "ready_groups": float(self.ready_groups),
+            "pending_groups": float(self.pending_groups),
+            "served_groups": float(self.served_groups),
+            "dropped_total": float(sum(self.dropped.values())),
+        }
+        out.update({f"dropped_{k}": float(v) for k, v in self.dropped.items()})
+        return out

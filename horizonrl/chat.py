@@ -1,0 +1,165 @@
+"""Token sequences of multi-turn episodes, built append-only from a chat template.
+
+An episode is token-in/token-out: the ids the engine is prompted with are exactly the
+ids the learner trains on, and the model's generated ids are kept as generated — never
+decoded and re-tokenized (decode→encode is not an identity, and it would silently change
+the tokens whose behaviour logprobs we hold).
+
+So the sequence grows by appending only::
+
+    prompt_ids(first_obs)                       system? + user(first_obs) + assistant header
+    + generated_ids                             the model's reply, usually ending in <eot>
+    + continuation_ids(obs, generated_ids)      [<eot> if truncated] + rest of the turn end
+                                                + user(obs) + assistant header
+    + generated_ids + ...
+
+``continuation_ids`` is derived from the chat template itself: a probe conversation is
+rendered with and without the new user message and the difference is taken after the
+assistant's end-of-turn token. For a ChatML template (Qwen2.5-Instruct) that is
+``"\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n"``. A template that is
+not append-only (one that rewrites earlier turns when a new one is added) raises
+:class:`ChatTemplateError` instead of producing a sequence the engine never saw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Placeholders for the probe conversation. They are plain words so that every template
+# renders them unchanged (some templates trim or escape content).
+_PROBE_USER = "horizonrlprobeuser"
+_PROBE_ASSISTANT = "horizonrlprobeassistant"
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be used to build sequences append-only."""
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer with a chat template, used to build an episode's ids append-only.
+
+    Invariant: for assistant turns whose ids are ``assistant_ids(text)``,
+    ``prompt_ids(o1) + a1 + continuation_ids(o2, a1) + a2 + ...`` equals
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+
+    ``end_of_turn_token`` defaults to the first token the template writes after an
+    assistant message's content (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3).
+    """
+
+    def __init__(self, tokenizer: Any, end_of_turn_token: str | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError("the tokenizer has no chat_template; pass a chat (instruct) tokenizer")
+        self.tokenizer = tokenizer
+        self._probe_history = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+        ]
+        history_text = self._render(self._probe_history, add_generation_prompt=False)
+        # What the template writes after the assistant content: the end-of-turn token and
+        # whatever closes the turn (ChatML: "<|im_end|>\n").
+        cut = history_text.rfind(_PROBE_ASSISTANT)
+        if cut < 0:
+            raise ChatTemplateError("the chat template does not render assistant content verbatim")
+        after_content = history_text[cut + len(_PROBE_ASSISTANT):]
+        if end_of_turn_token is None:
+            end_of_turn_token = self._first_special_token(after_content)
+        if not after_content.startswith(end_of_turn_token):
+            raise ChatTemplateError(
+                f"the chat template writes {after_content[:40]!r} after assistant content, "
+                f"not the end-of-turn token {end_of_turn_token!r}"
+            )
+        eot_id = tokenizer.convert_tokens_to_ids(end_of_turn_token)
+        if eot_id is None or eot_id == tokenizer.unk_token_id:
+            raise ChatTemplateError(f"end-of-turn token {end_of_turn_token!r} is not in the vocabulary")
+        self.end_of_turn_token = end_of_turn_token
+        self.end_of_turn_id: int = int(eot_id)
+        self._history_text = history_text
+        self._turn_close_text = after_content[len(end_of_turn_token):]
+        self._check_prompt_is_prefix()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end generation: the end-of-turn token, then eos if it is different."""
+        ids = [self.end_of_turn_id]
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in ids:
+            ids.append(int(eos))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (special tokens included)."""
+        return len(self.tokenizer)
+
+    def prompt_ids(self, first_observation: str, system_prompt: str | None = None) -> list[int]:
+        """The episode's first prompt: [system?, user(first_observation)] + assistant header."""
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        messages.append({"role": "user", "content": first_observation})
+        return self.encode(self._render(messages, add_generation_prompt=True))
+
+    def continuation_ids(self, observation: str, generated_ids: Sequence[int]) -> list[int]:
+        """Ids to append after a generated assistant turn: turn end + user(observation) + header.
+
+        When ``generated_ids`` does not end with the end-of-turn token (generation was cut
+        by max_tokens, or stopped on eos), the returned list starts with that token, so the
+        sequence always closes the assistant turn the way the template does.
+        """
+        full = self._render(
+            [*self._probe_history, {"role": "user", "content": observation}], add_generation_prompt=True
+        )
+        if not full.startswith(self._history_text):
+            raise ChatTemplateError(
+                "the chat template is not append-only: adding a user message changed the rendering "
+                "of the earlier turns, so the sequence cannot be built incrementally"
+            )
+        ids = [] if generated_ids and generated_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]
+        return ids + self.encode(self._turn_close_text + full[len(self._history_text):])
+
+    def assistant_ids(self, reply: str) -> list[int]:
+        """A reply's ids as the model would generate them: tokenize(reply) + end-of-turn.
+
+        Used only for text that did not come from the model (warm-up data, tests).
+        """
+        return self.encode(reply) + [self.end_of_turn_id]
+
+    def encode(self, text: str) -> list[int]:
+        """Plain tokenization, no BOS/EOS added (special tokens written in text are recognised)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; by default without special tokens (what an environment should see)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ internals
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def _first_special_token(self, text: str) -> str:
+        special = sorted(
+            {*self.tokenizer.all_special_tokens, *getattr(self.tokenizer, "get_added_vocab", dict)().keys()},
+            key=len,
+            reverse=True,
+        )
+        for token in special:
+            if token and text.startswith(token):
+                return token
+        raise ChatTemplateError(
+            f"cannot find the end-of-turn token: the chat template writes {text[:40]!r} after "
+            "assistant content, which does not start with a special token; pass end_of_turn_token="
+        )
+
+    def _check_prompt_is_prefix(self) -> None:
+        # The generation prompt must be exactly what precedes the assistant content once the
+        # reply is in the history; otherwise the ids we generate after differ from the ids we
+        # would train on.
+        prompt = self._render(self._probe_history[:1], add_generation_prompt=True)
+        if not self._history_text.startswith(prompt + _PROBE_ASSISTANT):
+            raise ChatTemplateError(
+                "the chat template is not append-only: the generation prompt followed by the reply "
+                "differs from the rendered assistant turn"
+            )

@@ -1,0 +1,167 @@
+"""``horizonrl`` command line. Heavy modules are imported inside each command, so
+``--help`` answers at once.
+
+Commands:
+  train CONFIG [key=value ...]   launch a whole run (coordinator, buffer, learner ranks, actors)
+  demo                           build the tiny model, evaluate, train on the CPU, evaluate again
+  eval                           success rate of a model on held-out tasks
+  make-tiny-model OUT_DIR        a tiny Qwen2 model + tokenizer, format-warmed on random episodes
+  env ...                        list / check / serve environments
+  coordinator | buffer | learner | actor --config RESOLVED.yaml
+                                 one process of a run, started alone (for debugging)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="launch a training run from a YAML config",
+                       description="Launch a training run. Overrides use dotted keys, e.g. "
+                                   "algorithm.rounds_ctrl.rounds=[10,20,30] learner.total_steps=200")
+    p.add_argument("config", type=Path)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
+    p.add_argument("--tensorboard", action="store_true", help="also start TensorBoard on 127.0.0.1 and print its URL")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    from horizonrl.config import dump_config, load_config
+    from horizonrl.launcher import launch
+
+    config = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return 0
+    return launch(config, tensorboard=args.tensorboard)
+
+
+def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
+    p = sub.add_parser(role, help=help_text, description=f"{help_text}. Reads the resolved config that "
+                                                         "`horizonrl train` writes to <output_dir>/config.yaml.")
+    p.add_argument("--config", type=Path, required=True)
+    if indexed:
+        p.add_argument("--index", type=int, default=0, help="which actor (0-based)")
+    p.set_defaults(func=_cmd_role, role=role)
+
+
+def _cmd_role(args) -> int:
+    from horizonrl.config import load_config
+    from horizonrl.runtime import setup_logging
+
+    config = load_config(args.config)
+    if not config.network.resolved:
+        print("error: this config has unresolved ports (0); start the run with `horizonrl train`, or pass "
+              "the config.yaml it wrote to the run's output directory", file=sys.stderr)
+        return 2
+    name = f"{args.role}-{args.index}" if args.role == "actor" else args.role
+    setup_logging(name, config.run.log_level)
+    if args.role == "coordinator":
+        from horizonrl.coordinator import main as role_main
+    elif args.role == "buffer":
+        from horizonrl.buffer.server import main as role_main
+    elif args.role == "learner":
+        from horizonrl.learner.main import main as role_main
+    else:
+        from horizonrl.actors.actor import main as actor_main
+
+        return actor_main(config, args.index)
+    return role_main(config)
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="success rate of a model on held-out tasks")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--env", required=True)
+    p.add_argument("--env-settings", default="{}", help="JSON settings for the environment")
+    p.add_argument("--split", default="test")
+    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--max-turns", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens-per-turn", type=int, default=64)
+    p.add_argument("--max-context-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args) -> int:
+    from horizonrl.actors.evaluate import EvalSpec, evaluate
+    from horizonrl.runtime import setup_logging
+
+    setup_logging("eval", "WARNING")
+    spec = EvalSpec(env=args.env, env_settings=json.loads(args.env_settings), split=args.split,
+                    episodes=args.episodes, max_turns=args.max_turns, temperature=args.temperature,
+                    max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
+                    seed=args.seed)
+    print(json.dumps(evaluate(args.model, spec)))
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="train the tiny model on the CPU and show success rising")
+    p.add_argument("--config", type=Path, default=None, help="default: configs/demo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--tensorboard", action="store_true")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    from horizonrl.demo import run_demo
+
+    return run_demo(args.config, args.overrides, tensorboard=args.tensorboard)
+
+
+def _add_tiny(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="build a tiny Qwen2 model and tokenizer for CPU runs",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_tiny)
+
+
+def _cmd_tiny(args) -> int:
+    from horizonrl.tiny_model import main as tiny_main
+
+    return tiny_main(args.rest) or 0
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="list, check and serve environments")
+    env_sub = p.add_subparsers(dest="env_command", required=True)
+    from horizonrl.envs.cli import add_env_commands
+
+    add_env_commands(env_sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_demo(sub)
+    _add_eval(sub)
+    _add_tiny(sub)
+    try:
+        _add_env(sub)
+    except ImportError:
+        pass  # environment commands arrive with horizonrl.envs.cli
+    _add_role(sub, "coordinator", "run the coordinator process")
+    _add_role(sub, "buffer", "run the buffer process")
+    _add_role(sub, "learner", "run one learner rank (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment)")
+    _add_role(sub, "actor", "run one actor process", indexed=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from horizonrl.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

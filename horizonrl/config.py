@@ -1,0 +1,215 @@
+"""Typed run configuration: one YAML file per run, overridable with dotted keys.
+
+Bottom layer (imports neither torch nor vllm). Parsed and validated once by
+:func:`load_config`, frozen afterwards; derived values are properties. Where
+AgentGym-RL has a name for a setting (``algorithm.adv_estimator``,
+``algorithm.rounds_ctrl.type|rounds|steps_scaling_inter``, ``rollout.n``), the same
+name is accepted so its users can bring their scripts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunConfig(_Frozen):
+    name: str = "run"
+    output_dir: str = "runs/run"  # TensorBoard events, checkpoints, logs and the resolved config
+    seed: int = 0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class ModelConfig(_Frozen):
+    path: str = Field(..., description="Hugging Face model directory on local disk")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class EnvSpec(_Frozen):
+    name: str
+    settings: dict[str, Any] = {}
+    weight: float = Field(1.0, gt=0, description="share of groups drawn from this environment")
+
+
+class EngineConfig(_Frozen):
+    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    enforce_eager: bool = True
+    max_num_seqs: int = Field(128, ge=1)
+    enable_prefix_caching: bool = True
+
+
+class RolloutConfig(_Frozen):
+    num_actors: int = Field(2, ge=1)
+    n: int = Field(8, ge=1, description="episodes per task: the GRPO group size (AgentGym-RL: rollout.n)")
+    groups_in_flight: int = Field(4, ge=1, description="groups each actor runs concurrently")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens_per_turn: int = Field(64, ge=1)
+    max_context_tokens: int = Field(2048, ge=16)
+    system_prompt: str | None = None
+    engine: EngineConfig = EngineConfig()
+
+
+class RoundsCtrlConfig(_Frozen):
+    """The max-turn budget schedule (AgentGym-RL's ``algorithm.rounds_ctrl``)."""
+
+    type: Literal["fixed", "scaling_inter_stepwise"] = "fixed"
+    rounds: list[int] = [20]
+    steps_scaling_inter: int = Field(100, ge=1)
+
+    @field_validator("rounds")
+    @classmethod
+    def _positive_rounds(cls, rounds: list[int]) -> list[int]:
+        if not rounds or any(r < 1 for r in rounds):
+            raise ValueError("rounds must be a non-empty list of positive turn counts, e.g. [10, 20, 30]")
+        return rounds
+
+
+class AlgorithmConfig(_Frozen):
+    adv_estimator: Literal["grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    rounds_ctrl: RoundsCtrlConfig = RoundsCtrlConfig()
+
+
+class LearnerConfig(_Frozen):
+    num_ranks: int = Field(1, ge=1, description="FSDP world size")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    total_steps: int = Field(100, ge=1)
+    groups_per_step: int = Field(8, ge=1)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_ratio: float = Field(0.2, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(16, ge=1, description="trajectories per forward/backward on one rank")
+    save_every: int = Field(0, ge=0, description="save a Hugging Face checkpoint every N steps (0: only at the end)")
+    batch_timeout_s: float = Field(600.0, gt=0, description="fail if no batch arrives for this long")
+    weight_sync_timeout_s: float = Field(300.0, gt=0)
+
+
+class BufferConfig(_Frozen):
+    max_staleness: int = Field(4, ge=0, description="drop groups with learner version - behaviour version above this")
+    capacity_groups: int = Field(16, ge=1, description="complete groups held before backpressure (about 2 learner "
+                                 "steps' worth keeps staleness low)")
+    skip_equal_reward_groups: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
+    group_timeout_s: float = Field(600.0, gt=0, description="drop a group still incomplete after this long")
+
+
+class NetworkConfig(_Frozen):
+    host: str = "127.0.0.1"  # every socket binds here; loopback unless configured
+    control_port: int = Field(0, ge=0, le=65535)  # 0: the launcher picks a free port
+    report_port: int = Field(0, ge=0, le=65535)
+    trajectory_port: int = Field(0, ge=0, le=65535)
+    batch_port: int = Field(0, ge=0, le=65535)
+    weight_port: int = Field(0, ge=0, le=65535)
+    dist_port: int = Field(0, ge=0, le=65535)  # the learner's own FSDP process group
+
+    def endpoint(self, port: int) -> str:
+        return f"tcp://{self.host}:{port}"
+
+    @property
+    def resolved(self) -> bool:
+        return all(
+            (self.control_port, self.report_port, self.trajectory_port, self.batch_port, self.weight_port, self.dist_port)
+        )
+
+
+class MonitorConfig(_Frozen):
+    tensorboard: bool = False  # also start TensorBoard on loopback and print its address
+    tensorboard_port: int = Field(6006, ge=1, le=65535)
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+
+
+class EvalConfig(_Frozen):
+    episodes: int = Field(100, ge=0, description="held-out episodes before and after training (0: skip)")
+    max_turns: int | None = None  # default: the schedule's last value
+    temperature: float = Field(1.0, gt=0)
+
+
+class TrainConfig(_Frozen):
+    run: RunConfig = RunConfig()
+    model: ModelConfig
+    envs: list[EnvSpec] = Field(..., min_length=1)
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    buffer: BufferConfig = BufferConfig()
+    network: NetworkConfig = NetworkConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.rollout.n < 2:
+            raise ValueError("rollout.n must be >= 2: GRPO compares episodes within a group")
+        return self
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says what to fix."""
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[1,2]"]`` -> ``{"a": {"b": 1}, "c": [1, 2]}`` (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {part!r}")
+        node[parts[-1]] = value
+    return tree
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read YAML, apply dotted overrides, validate once. Raises ConfigError with what to fix."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    data = deep_merge(data, parse_overrides(overrides or []))
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()]
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,221 @@
+"""The coordinator process: owns the turn-budget schedule, the weight version, health
+and shutdown, and is the one writer of TensorBoard scalars.
+
+Inputs (PULL): ``LearnerReport`` after each learner step, ``Heartbeat`` from every
+process. Output (PUB): ``Control`` — completed learner steps, the max-turn budget for
+episodes started now, the newest weight version, and the stop flag — sent at once on
+every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from horizonrl.config import TrainConfig
+from horizonrl.protocol import Control, Heartbeat, LearnerReport, ProtocolError, decode, encode
+from horizonrl.protocol.transport import make_socket
+from horizonrl.runtime import RateLimitedLog, StopFlag
+from horizonrl.schedule import TurnBudgetSchedule
+
+log = logging.getLogger("horizonrl.coordinator")
+
+CONTROL_PERIOD_S = 0.5
+STOP_BROADCAST_S = 2.0
+MAX_REPORT_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class ProcessHealth:
+    last_seen: dict[tuple[str, int], float] = field(default_factory=dict)
+    counters: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
+
+    def beat(self, hb: Heartbeat) -> None:
+        self.last_seen[(hb.role, hb.index)] = time.monotonic()
+        self.counters[(hb.role, hb.index)] = hb.counters
+
+    def silent(self, timeout_s: float) -> list[str]:
+        now = time.monotonic()
+        return [f"{r}-{i}" for (r, i), t in self.last_seen.items() if now - t > timeout_s]
+
+    def total(self, role: str, key: str) -> float:
+        return sum(c.get(key, 0.0) for (r, _), c in self.counters.items() if r == role)
+
+
+class RolloutRate:
+    """Actor throughput between learner steps, from the actors' cumulative counters."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, float] | None = None
+
+    def update(self, tokens: float, episodes: float) -> dict[str, float]:
+        now = time.monotonic()
+        out: dict[str, float] = {}
+        if self._last is not None and now > self._last[0]:
+            dt = now - self._last[0]
+            out = {
+                "rollout/tokens_per_s": (tokens - self._last[1]) / dt,
+                "rollout/episodes_per_s": (episodes - self._last[2]) / dt,
+            }
+        self._last = (now, tokens, episodes)
+        return out
+
+
+class Coordinator:
+    def __init__(self, config: TrainConfig, stop: StopFlag, *, start_step: int = 0) -> None:
+        self.config = config
+        self.stop = stop
+        self.schedule = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
+        self.learner_step = start_step
+        self.weight_version = start_step
+        self.finished = False
+        self.health = ProcessHealth()
+        self.rate = RolloutRate()
+        self.bad_messages = 0
+        self._bad_log = RateLimitedLog(log)
+        self._silent_log = RateLimitedLog(log, 30.0)
+        self._started = time.monotonic()
+        net = config.network
+        self.ctx = zmq.Context()
+        self.pub = make_socket(self.ctx, zmq.PUB)
+        self.pub.bind(net.endpoint(net.control_port))
+        self.pull = make_socket(self.ctx, zmq.PULL, hwm=1024)
+        self.pull.bind(net.endpoint(net.report_port))
+        self.writer = _make_writer(config)
+        log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
+                 net.endpoint(net.report_port), self.max_turns)
+
+    @property
+    def rollout_paused(self) -> bool:
+        """Backpressure before the work is done: while the buffer holds a full load of
+        groups, actors start no new ones (generating them would only make stale data and
+        take CPU from the learner). Groups in flight still finish and are delivered."""
+        ready = self.health.total("buffer", "ready_groups")
+        return ready >= self.config.buffer.capacity_groups
+
+    @property
+    def max_turns(self) -> int:
+        return self.schedule.budget_after(self.learner_step)
+
+    def control(self) -> Control:
+        return Control(
+            run_id=self.config.run.name,
+            learner_step=self.learner_step,
+            max_turns=self.max_turns,
+            weight_version=self.weight_version,
+            pause_rollout=self.rollout_paused,
+            stop=self.finished or bool(self.stop),
+        )
+
+    def run(self) -> None:
+        last_publish = 0.0
+        finished_at = None
+        while True:
+            if self.pull.poll(100):
+                self._read_reports()
+            now = time.monotonic()
+            if now - last_publish >= CONTROL_PERIOD_S:
+                self.publish()
+                last_publish = now
+                silent = self.health.silent(self.config.monitor.heartbeat_timeout_s)
+                if silent:
+                    self._silent_log.warning("no heartbeat for %.0f s from: %s",
+                                             self.config.monitor.heartbeat_timeout_s, ", ".join(silent))
+            if (self.finished or self.stop) and finished_at is None:
+                finished_at = now
+                self.publish()
+            if finished_at is not None and now - finished_at > STOP_BROADCAST_S:
+                return
+
+    def publish(self) -> None:
+        self.pub.send(encode(self.control()))
+
+    def _read_reports(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode(data, MAX_REPORT_BYTES)
+            except ProtocolError as exc:
+                self.bad_messages += 1
+                self._bad_log.warning("rejected malformed report #%d: %s", self.bad_messages, exc)
+                continue
+            if isinstance(message, Heartbeat):
+                paused = self.rollout_paused
+                self.health.beat(message)
+                if self.rollout_paused != paused:
+                    self.publish()  # pause or resume the actors at once
+            elif isinstance(message, LearnerReport):
+                self.on_learner_report(message)
+            else:
+                self.bad_messages += 1
+                self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
+
+    def on_learner_report(self, report: LearnerReport) -> None:
+        repeated = report.step == self.learner_step and report.step > 0
+        self.learner_step = report.step
+        self.weight_version = report.weight_version
+        self.finished = report.final
+        self.publish()  # actors learn the new version and budget at once
+        if report.checkpoint:
+            log.info("checkpoint saved: %s", report.checkpoint)
+        if repeated:
+            return  # the learner's closing report repeats its last step; its scalars are written
+        scalars = dict(report.metrics)
+        scalars.update(self.rate.update(self.health.total("actor", "generated_tokens"),
+                                        self.health.total("actor", "episodes")))
+        scalars["schedule/max_turns"] = float(self.schedule.max_turns(report.step))
+        scalars["schedule/next_max_turns"] = float(self.max_turns)
+        scalars["rollout/infra_failures"] = self.health.total("actor", "infra_failures")
+        scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
+        scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
+        scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")
+        scalars["time/elapsed_s"] = time.monotonic() - self._started
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, report.step)
+            self.writer.flush()
+        print(progress_line(report.step, self.config.learner.total_steps, scalars), flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.pub.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def progress_line(step: int, total: int, s: dict[str, float]) -> str:
+    def g(key: str, fmt: str = "{:.2f}") -> str:
+        return fmt.format(s[key]) if key in s else "-"
+
+    return (
+        f"step {step}/{total} | reward {g('batch/reward_mean')} | success {g('batch/success_mean')}"
+        f" | turns {g('batch/turns_mean', '{:.1f}')} | max_turns {g('schedule/max_turns', '{:.0f}')}"
+        f" | staleness {g('batch/staleness_mean')} | rollout {g('rollout/tokens_per_s', '{:.0f}')} tok/s"
+        f" | learner {g('throughput/learner_tokens_per_s', '{:.0f}')} tok/s | step {g('time/step_s')} s"
+        f" | dropped {g('buffer/dropped_total', '{:.0f}')}"
+    )
+
+
+def _make_writer(config: TrainConfig):
+    from torch.utils.tensorboard import SummaryWriter  # torch only here, and lazily
+
+    return SummaryWriter(log_dir=str(config.output_dir / "tensorboard"))
+
+
+def main(config: TrainConfig) -> int:
+    stop = StopFlag().install()
+    coordinator = Coordinator(config, stop)
+    try:
+        coordinator.run()
+    finally:
+        coordinator.close()
+    log.info("stopped at learner step %d (%s)", coordinator.learner_step,
+             "finished" if coordinator.finished else stop.signal_name or "stopped")
+    return 0

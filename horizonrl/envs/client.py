@@ -1,0 +1,156 @@
+"""Client of an environment server: the same async Environment interface, over HTTP.
+
+``make_env("http", {"url": "http://host:8000", "env": "babyai"})``. Server and network failures
+(connection refused, timeouts, HTTP 5xx, a lost session) raise :class:`EnvironmentFailure`; a bad
+task id (HTTP 400 on reset) raises ``ValueError`` as the in-process environment does. Requests
+that are safe to repeat (create, reset, metadata) are retried; ``step`` is sent once, because
+repeating it could apply an action twice.
+
+``protocol="agentgym"`` talks to AgentGym's own servers (``agentenv-*``): they answer errors
+with HTTP 200 and ``{"error": ...}`` (turned into EnvironmentFailure here), expect the bare
+action (extracted here from the reply with the ``Action:`` rule), and have no task metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from horizonrl.envs.base import EnvironmentFailure, StepResult, extract_react_action
+
+MAX_ACTION_CHARS = 65_536  # longer replies are cut so they never trip the server's body limit
+
+
+class HTTPEnv:
+    """One remote session; created on the first reset, closed by ``close``."""
+
+    def __init__(self, url: str, env: str | None = None, timeout_s: float = 60.0, retries: int = 2,
+                 protocol: str = "horizonrl") -> None:
+        if protocol not in ("horizonrl", "agentgym"):
+            raise ValueError("protocol must be 'horizonrl' or 'agentgym'")
+        self.url = url.rstrip("/")
+        self.env_name = env
+        self.name = env or "http"
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.protocol = protocol
+        self._session: Any = None
+        self._id: int | None = None
+        self._metadata: dict[str, Any] | None = None
+
+    # -------------------------------------------------------------- episode
+    async def reset(self, task_id: int) -> str:
+        if self._id is None:
+            body = {"env": self.env_name} if self.env_name and self.protocol == "horizonrl" else {}
+            self._id = (await self._post("/create", body, retry=True))["id"]
+        payload = await self._post("/reset", {"id": self._id, "data_idx": task_id}, retry=True)
+        observation = payload.get("observation", "")
+        if self.protocol == "agentgym" and "task_description" in payload:
+            observation = f"{payload['task_description']}\n{observation}"
+        return observation
+
+    async def step(self, action_text: str) -> StepResult:
+        if self._id is None:
+            return StepResult("The episode is over; no more actions are accepted.", 0.0, True,
+                              info={"invalid_action": True})
+        action = action_text[:MAX_ACTION_CHARS]
+        if self.protocol == "agentgym":
+            action = extract_react_action(action) or action
+        p = await self._post("/step", {"id": self._id, "action": action}, retry=False)
+        done = bool(p.get("done", p.get("terminated", False)) or p.get("truncated", False))
+        reward, score = float(p.get("reward", 0.0)), float(p.get("score", 0.0))
+        success = bool(p["success"]) if "success" in p else done and (reward >= 1.0 or score >= 100)
+        return StepResult(str(p.get("observation", "")), reward, done, success, score, p.get("info", {}))
+
+    async def close(self) -> None:
+        session_id, self._id = self._id, None
+        try:
+            if session_id is not None:
+                await self._post("/close", {"id": session_id}, retry=False, missing_ok=True)
+        finally:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    # ------------------------------------------------------------ metadata
+    def task_ids(self, split: str) -> list[int]:
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
+        return list(self._tasks()[split])
+
+    def task_category(self, task_id: int) -> str:
+        return self._tasks()["categories"].get(str(task_id), "unknown")
+
+    def random_action(self, rng: random.Random) -> str:
+        """Asks the server (a blocking call: meant for building warm-up data, not for hot loops)."""
+        if self._id is None:
+            return "Action: look around"
+        query = urllib.parse.urlencode({"id": self._id, "seed": rng.getrandbits(32)})
+        return self._get_blocking(f"/random_action?{query}")["action"]
+
+    def _tasks(self) -> dict[str, Any]:
+        if self._metadata is None:
+            if self.protocol == "agentgym":
+                raise EnvironmentFailure("AgentGym servers publish no task ids; use id files instead")
+            query = urllib.parse.urlencode({"env": self.env_name} if self.env_name else {})
+            self._metadata = self._get_blocking(f"/tasks?{query}")
+        return self._metadata
+
+    def _get_blocking(self, path: str) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except Exception as error:
+            raise EnvironmentFailure(f"environment server {self.url}{path} failed: {error!r}") from error
+
+    # ------------------------------------------------------------ transport
+    async def _post(self, path: str, body: dict[str, Any], retry: bool, missing_ok: bool = False) -> dict[str, Any]:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        attempts = self.retries + 1 if retry else 1
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            try:
+                async with self._session.post(self.url + path, json=body) as response:
+                    text = await response.text()
+                    status = response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                last = error
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(0.1 * 2**attempt)
+                continue
+            payload = _parse(text)
+            if status == 404 and missing_ok:
+                return payload
+            if status == 400 and path == "/reset":
+                raise ValueError(payload.get("error", "bad task id"))
+            if status == 404:
+                raise EnvironmentFailure(f"lost session on {self.url}: {payload.get('error', text[:200])}")
+            if status >= 400:
+                last = EnvironmentFailure(f"{self.url}{path} answered HTTP {status}: {payload.get('error', text[:200])}")
+                if status >= 500 and attempt + 1 < attempts:
+                    await asyncio.sleep(0.1 * 2**attempt)
+                    continue
+                raise last
+            if "error" in payload:  # AgentGym's servers report failures with HTTP 200
+                raise EnvironmentFailure(f"{self.url}{path}: {payload['error']}")
+            return payload
+        if isinstance(last, EnvironmentFailure):
+            raise last
+        raise EnvironmentFailure(f"environment server {self.url}{path} unreachable: {last!r}") from last
+
+
+def _parse(text: str) -> dict[str, Any]:
+    try:
+        payload = json.loads(text) if text else {}
+    except ValueError:
+        return {"error": text[:200]}
+    if isinstance(payload, str):  # some AgentGym endpoints return a bare string
+        return {"observation": payload}
+    return payload if isinstance(payload, dict) else {"value": payload}

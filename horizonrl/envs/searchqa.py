@@ -1,0 +1,159 @@
+"""SearchQA (Deep Search) in Search-R1's protocol.
+
+The agent reasons in ``<think>...</think>``, queries with ``<search>query</search>`` and gets
+``<information>Doc 1(Title: ...) ...</information>`` (top ``topk``, default 3), and ends with
+``<answer>...</answer>``. A right answer (exact match after normalisation: lower case, no
+punctuation, no articles, single spaces) ends the episode with reward 1; a wrong one gets
+"Sorry, your answer is incorrect. Please try again." and the episode goes on.
+
+Data: ``data_dir`` holding Search-R1-style ``train.jsonl`` / ``test.jsonl`` (rows with
+``question`` and ``golden_answers``, optionally ``hops``) and, for BM25, ``corpus.jsonl``;
+or ``retriever_url`` for a Search-R1 retrieval server. Without ``data_dir`` the synthetic
+corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``.
+Ids: train rows are ``0..n_train-1`` and test rows follow, so the splits are disjoint.
+The category is ``hops-<n>`` (``hops-unknown`` if the row does not say).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+import string
+import threading
+from pathlib import Path
+from typing import Any
+
+from horizonrl.envs.base import StepResult
+from horizonrl.envs.retrieval import BM25Retriever, RemoteRetriever, Retriever, format_information
+
+INSTRUCTION = (
+    "Answer the question below. Think inside <think> and </think> whenever you get new information. "
+    "If you are missing knowledge, search with <search> query </search>; results come back between "
+    "<information> and </information>, and you may search as often as you need. When you know the answer, "
+    "give it inside <answer> and </answer> with no explanation, e.g. <answer> Paris </answer>.\n"
+    "Question: {question}\n"
+)
+WRONG_ANSWER = "Sorry, your answer is incorrect. Please try again."
+INVALID = ("Invalid reply: put a search query between <search> and </search>, or the final answer "
+           "between <answer> and </answer>.")
+_TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_RETRIEVERS: dict[Any, Retriever] = {}
+_RETRIEVERS_LOCK = threading.Lock()
+MAX_QUERY_CHARS = 1000
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1 / SQuAD normalisation for exact match."""
+    text = text.lower()
+    text = "".join(c for c in text if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, golden_answers: list[str]) -> bool:
+    return normalize_answer(prediction) in {normalize_answer(g) for g in golden_answers}
+
+
+@functools.lru_cache(maxsize=8)
+def _synthetic(seed: int) -> dict[str, Any]:
+    from horizonrl.envs.synthetic_corpus import generate
+
+    return generate(seed=seed)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class SearchQAEnv:
+    """One question at a time (see the module docstring for the protocol)."""
+
+    name = "searchqa"
+
+    def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
+                 seed: int = 0) -> None:
+        if data_dir is None:
+            data = _synthetic(seed)
+            self.train, self.test = data["train"], data["test"]
+            corpus_key: Any = ("synthetic", seed)
+            corpus = lambda: [row["contents"] for row in data["corpus"]]  # noqa: E731
+        else:
+            root = Path(data_dir)
+            self.train, self.test = _read_jsonl(root / "train.jsonl"), _read_jsonl(root / "test.jsonl")
+            corpus_key = str((root / "corpus.jsonl").resolve())
+            corpus = lambda: [row["contents"] for row in _read_jsonl(root / "corpus.jsonl")]  # noqa: E731
+        if retriever_url:
+            self.retriever: Retriever = RemoteRetriever(retriever_url)
+        else:
+            with _RETRIEVERS_LOCK:  # one index per corpus per process
+                if corpus_key not in _RETRIEVERS:
+                    _RETRIEVERS[corpus_key] = BM25Retriever(corpus())
+                self.retriever = _RETRIEVERS[corpus_key]
+        self.topk = topk
+        self.row: dict[str, Any] | None = None
+        self._done = True
+        self._success = False
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [*self.train, *self.test]
+
+    def task_ids(self, split: str) -> list[int]:
+        if split == "train":
+            return list(range(len(self.train)))
+        if split == "test":
+            return list(range(len(self.train), len(self.train) + len(self.test)))
+        raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
+
+    def task_category(self, task_id: int) -> str:
+        return f"hops-{self._row(task_id).get('hops', 'unknown')}"
+
+    def _row(self, task_id: int) -> dict[str, Any]:
+        n = len(self.train) + len(self.test)
+        if not isinstance(task_id, int) or isinstance(task_id, bool) or not 0 <= task_id < n:
+            raise ValueError(f"searchqa task id must be an integer in 0..{n - 1}, got {task_id!r}")
+        return self.train[task_id] if task_id < len(self.train) else self.test[task_id - len(self.train)]
+
+    async def reset(self, task_id: int) -> str:
+        self.row = self._row(task_id)
+        self._done = False
+        self._success = False
+        return INSTRUCTION.format(question=self.row["question"])
+
+    async def step(self, action_text: str) -> StepResult:
+        if self._done or self.row is None:
+            return StepResult("The episode is over; no more actions are accepted.", 0.0, True, self._success,
+                              float(self._success), {"invalid_action": True})
+        match = _TAG.search(action_text or "")
+        if match is None:
+            return StepResult(INVALID, 0.0, False, info={"invalid_action": True})
+        kind, content = match.group(1), match.group(2).strip()
+        if kind == "search":
+            if not content or len(content) > MAX_QUERY_CHARS:
+                return StepResult(INVALID, 0.0, False, info={"invalid_action": True})
+            documents = await self.retriever.search(content, self.topk)
+            return StepResult(f"\n\n<information>{format_information(documents)}</information>\n\n", 0.0, False,
+                              info={"invalid_action": False, "search": True})
+        if exact_match(content, self.row["golden_answers"]):
+            self._done = self._success = True
+            return StepResult("Your answer is correct.", 1.0, True, True, 1.0, {"invalid_action": False})
+        return StepResult(WRONG_ANSWER, 0.0, False, info={"invalid_action": False})
+
+    async def close(self) -> None:
+        self._done = True
+
+    def random_action(self, rng: random.Random) -> str:
+        words = re.findall(r"[A-Za-z]+", self.row["question"] if self.row else "the answer")
+        picked = " ".join(rng.sample(words, min(len(words), rng.randint(1, 3))))
+        if rng.random() < 0.5:
+            return f"<think>I should look this up.</think>\n<search> {picked} </search>"
+        return f"<think>I will guess.</think>\n<answer> {picked} </answer>"
+
+    def expert_plan(self) -> list[str]:
+        """The oracle: search each supporting page in order, then answer (needs supporting_titles)."""
+        titles = self.row.get("supporting_titles") or [self.row["question"]]
+        steps = [f"<think>I need the page about {t}.</think>\n<search> {t} </search>" for t in titles]
+        return [*steps, f"<think>I have it.</think>\n<answer> {self.row['golden_answers'][0]} </answer>"]

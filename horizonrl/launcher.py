@@ -1,0 +1,188 @@
+"""The launcher: start every process of a run from one config, watch them, stop them.
+
+It only starts, watches and stops (STYLE.md §1): each role is a separate program
+(``horizonrl coordinator|buffer|learner|actor --config run/config.yaml``) that can also
+be started by hand for debugging. The launcher resolves free ports, writes the
+resolved config next to the logs, streams progress lines and warnings to the terminal
+(full logs go to ``<output_dir>/logs/``), and on Ctrl-C, SIGTERM or any process's
+failure stops all of them — each in its own process group, so the engine processes
+vLLM spawns go too — and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from horizonrl.config import TrainConfig, dump_config
+from horizonrl.protocol.transport import free_port
+from horizonrl.runtime import StopFlag
+
+log = logging.getLogger("horizonrl.launcher")
+
+TERMINATE_GRACE_S = 20.0
+# Lines of a child's output shown on the terminal; everything goes to its log file.
+_SHOWN = ("step ", "ERROR", "WARNING", "Traceback", "Error", "horizonrl.", "error:")
+
+
+def resolve_ports(config: TrainConfig) -> TrainConfig:
+    """A copy of ``config`` with every port that is 0 replaced by a free one."""
+    net = config.network.model_dump()
+    taken: set[int] = set()
+    for key in ("control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port"):
+        while not net[key] or net[key] in taken:
+            net[key] = free_port(config.network.host)
+        taken.add(net[key])
+    return config.model_copy(update={"network": type(config.network).model_validate(net)})
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    essential: bool  # the run is over when every essential child has exited 0
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, show_all: bool) -> None:
+    for raw in iter(stream.readline, b""):
+        log_file.write(raw)
+        log_file.flush()
+        line = raw.decode(errors="replace").rstrip()
+        if show_all or any(tag in line for tag in _SHOWN):
+            print(f"[{name}] {line}" if not line.startswith("step ") else line, flush=True)
+    stream.close()
+
+
+class Launcher:
+    def __init__(self, config: TrainConfig, config_path: Path, *, tensorboard: bool = False) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.tensorboard = tensorboard
+        self.children: list[Child] = []
+        self.log_dir = config.output_dir / "logs"
+
+    def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None,
+              show_all: bool = False) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # its own process group: stopping it stops what it spawned
+        )
+        child = Child(name, proc, essential)
+        t = threading.Thread(target=_pump, args=(proc.stdout, log_file, name, show_all), daemon=True)
+        t.start()
+        child.threads.append(t)
+        self.children.append(child)
+        log.info("started %s (pid %d)", name, proc.pid)
+        return child
+
+    def role_args(self, role: str, index: int | None = None) -> list[str]:
+        args = [sys.executable, "-m", "horizonrl", role, "--config", str(self.config_path)]
+        return args + (["--index", str(index)] if index is not None else [])
+
+    def start_all(self) -> None:
+        cfg = self.config
+        self.spawn("coordinator", self.role_args("coordinator"), essential=True)
+        self.spawn("buffer", self.role_args("buffer"), essential=False)
+        world = cfg.learner.num_ranks
+        for rank in range(world):
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": cfg.network.host, "MASTER_PORT": str(cfg.network.dist_port)}
+            self.spawn(f"learner-{rank}", self.role_args("learner"), essential=True, env=env)
+        for i in range(cfg.rollout.num_actors):
+            self.spawn(f"actor-{i}", self.role_args("actor", i), essential=False)
+        if self.tensorboard:
+            self.start_tensorboard()
+
+    def start_tensorboard(self) -> None:
+        port = self.config.monitor.tensorboard_port
+        tb = [sys.executable, "-m", "tensorboard.main", "--logdir", str(self.config.output_dir / "tensorboard"),
+              "--host", "127.0.0.1", "--port", str(port)]
+        self.spawn("tensorboard", tb, essential=False)
+        print(f"TensorBoard: http://127.0.0.1:{port}/", flush=True)
+
+    def watch(self, stop: StopFlag) -> int:
+        """Wait until the essential processes finish (0), one fails, or we are stopped."""
+        while True:
+            if stop:
+                log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
+                return 130
+            for child in self.children:
+                rc = child.proc.poll()
+                if rc is None:
+                    continue
+                if rc != 0:
+                    log.error("%s exited with code %d; stopping the run (see %s)", child.name, rc,
+                              self.log_dir / f"{child.name}.log")
+                    return 1
+                learners_done = all(c.proc.poll() == 0 for c in self.children if c.name.startswith("learner"))
+                if not child.essential and not learners_done and child.name != "tensorboard":
+                    log.error("%s exited before the run finished; stopping the run", child.name)
+                    return 1
+            if all(c.proc.poll() == 0 for c in self.children if c.essential):
+                return 0
+            time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child's process group, then SIGKILL what is left after the grace period."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                _signal_group(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", child.name, TERMINATE_GRACE_S)
+            # Kill the group even if the leader exited: engine processes may linger.
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+        for child in self.children:
+            for t in child.threads:
+                t.join(timeout=5)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own group (start_new_session), so pgid == pid
+    except ProcessLookupError:
+        pass
+
+
+def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
+    """Resolve ports and write ``<output_dir>/config.yaml``, the file every process reads."""
+    config = resolve_ports(config)
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    path = config.output_dir / "config.yaml"
+    path.write_text(dump_config(config))
+    return config, path
+
+
+def launch(config: TrainConfig, *, tensorboard: bool = False) -> int:
+    """Run training to the end; returns the exit code (0 on success)."""
+    config, path = prepare_run(config)
+    launcher = Launcher(config, path, tensorboard=tensorboard)
+    stop = StopFlag().install()
+    print(f"run {config.run.name}: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner rank(s), "
+          f"{config.learner.total_steps} steps; logs in {launcher.log_dir}", flush=True)
+    rc = 1
+    try:
+        launcher.start_all()
+        rc = launcher.watch(stop)
+    finally:
+        launcher.stop_all()
+    return rc

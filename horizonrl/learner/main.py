@@ -1,0 +1,296 @@
+"""The learner process, run once per rank (torchrun-style env vars: RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+One loop, with named, timed phases:
+
+    batch_wait   rank 0 asks the buffer for ``groups_per_step`` groups; all ranks get its bytes
+    step         GRPO advantages → micro-batches → clipped loss, backward, grad clip, AdamW
+    gather       the full state dict on rank 0 (a collective: every rank takes part)
+    report       rank 0 pushes LearnerReport(step, weight_version = step) to the coordinator
+    weight_sync  rank 0 broadcasts weight version ``step`` to the K actors' engines
+    save         every ``save_every`` steps and at the end: a Hugging Face checkpoint
+
+Version 0 is the initial weights, which the actors load from ``model.path`` themselves, so
+nothing is broadcast before the first step. Every trajectory of a batch is either trained on
+or, if it carries a failure, skipped and counted (``batch/failed_skipped``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from horizonrl.config import TrainConfig
+from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
+from horizonrl.learner.model import (
+    gather_full_state_dict,
+    load_model,
+    resolve_backend,
+    save_hf_checkpoint,
+    shard_model,
+    weights_to_send,
+)
+from horizonrl.learner.train_step import optimizer_step
+from horizonrl.protocol import Batch, LearnerReport, decode_as
+
+log = logging.getLogger("horizonrl.learner")
+
+# Not (yet) in LearnerConfig: extra slack on the learner's own process group, whose ranks
+# wait on rank 0 while it waits for a batch or broadcasts weights.
+PROCESS_GROUP_SLACK_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> "RankInfo":
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env["MASTER_PORT"]),
+        )
+
+
+@dataclass
+class Resources:
+    """Everything that must be released on the way out, whatever way that is."""
+
+    context: Any = None  # zmq.Context (rank 0)
+    batches: Any = None
+    reports: Any = None
+    heartbeat: Any = None
+    weight_group: Any = None
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        for channel in (self.batches, self.reports):
+            if channel is not None:
+                channel.close()
+        if self.weight_group is not None:
+            self.weight_group.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.context is not None:
+            self.context.term()
+
+
+def main(config: TrainConfig) -> int:
+    """Train for ``config.learner.total_steps`` steps; 0 on success or a requested stop, 1 on failure."""
+    ranks = RankInfo.from_environ()
+    _setup_logging(config.run.log_level, ranks.rank)
+    stop = threading.Event()
+    _install_stop_handlers(stop)
+    resources = Resources()
+    try:
+        train(config, ranks, stop, resources)
+        return 0
+    except Exception:
+        log.exception("learner rank %d failed", ranks.rank)
+        return 1
+    finally:
+        resources.close()
+
+
+def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Resources) -> None:
+    import zmq
+
+    from horizonrl.learner.channels import BatchClient, HeartbeatThread, ReportSender, share_bytes
+    from horizonrl.weight_sync import broadcast_weights, create_weight_group
+
+    lc, net = config.learner, config.network
+    is_main = ranks.rank == 0
+    backend = resolve_backend(lc.backend)
+    device = _device(backend, ranks.local_rank)
+    torch.manual_seed(config.run.seed)
+    dist.init_process_group(
+        # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
+        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
+        init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        timeout=timedelta(seconds=lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S),
+    )
+    counters: dict[str, float] = defaultdict(float)
+    if is_main:
+        res.context = zmq.Context()
+        res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters)
+        res.heartbeat.start()
+        res.batches = BatchClient(res.context, net.endpoint(net.batch_port))
+        res.reports = ReportSender(res.context, net.endpoint(net.report_port))
+
+    start = time.perf_counter()
+    model = shard_model(load_model(config.model.path, config.model.dtype, device), device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+    log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s", config.model.path, ranks.world_size, backend, time.perf_counter() - start)
+    if is_main:
+        start = time.perf_counter()
+        num_actors = config.rollout.num_actors
+        log.info("waiting for %d actor engines to join the weight group on port %d", num_actors, net.weight_port)
+        res.weight_group = create_weight_group(
+            net.host, net.weight_port, rank=0, world_size=1 + num_actors, timeout_s=lc.weight_sync_timeout_s,
+            backend="nccl" if backend == "nccl" else "gloo",
+        )
+        log.info("weight group formed with %d engines in %.1f s", num_actors, time.perf_counter() - start)
+
+    step, saved_step, state_dict, weight_sync_s, checkpoint = 0, -1, {}, 0.0, ""
+    while step < lc.total_steps and not _all_agree_to_stop(stop):
+        times: dict[str, float] = {}
+        with _timed(times, "batch_wait"):
+            payload = None
+            if is_main:
+                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s, stop.is_set)
+            payload = share_bytes(payload, ranks.rank)
+        if payload is None:
+            break  # rank 0 was asked to stop while waiting
+        batch = decode_as(payload, Batch)
+
+        with _timed(times, "step"):
+            samples, failed = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo)
+            micro_batches = micro_batches_for_rank(samples, ranks.rank, ranks.world_size, lc.micro_batch_size)
+            loss_metrics = optimizer_step(
+                model, optimizer, micro_batches,
+                temperature=config.rollout.temperature, clip_ratio=lc.clip_ratio, grad_clip=lc.grad_clip,
+                num_loss_tokens=sum(s.num_loss_tokens for s in samples), device=device,
+            )
+        step += 1
+        with _timed(times, "gather"):
+            state_dict = gather_full_state_dict(model)
+
+        num_tokens = sum(s.num_tokens for s in samples)
+        counters.update(step=step, weight_version=step)
+        counters["trajectories_trained"] += len(samples)
+        counters["tokens_trained"] += num_tokens
+        counters["failed_skipped"] += failed
+        if not is_main:
+            continue
+        if lc.save_every and step % lc.save_every == 0 and step < lc.total_steps:
+            with _timed(times, "save"):
+                checkpoint, saved_step = str(_save(config, model, state_dict, step)), step
+        metrics = {
+            **loss_metrics,
+            **batch_metrics(batch, learner_version=step - 1),
+            "batch/failed_skipped": float(failed),
+            "batch/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
+            "batch/tokens": float(num_tokens),
+            **{f"time/{name}_s": seconds for name, seconds in times.items()},
+            "time/weight_sync_s": weight_sync_s,  # of the previous broadcast
+            "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
+        }
+        res.reports.send(LearnerReport(step=step, weight_version=step, metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
+        sync = broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
+        weight_sync_s = sync["total_s"]
+        log.info(
+            "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs (%.1f MB)",
+            step, metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
+            metrics["batch/staleness_mean"], times["batch_wait"], times["step"], times["gather"], weight_sync_s,
+            sync["bytes"] / 1e6,
+        )
+
+    if is_main:
+        if step > saved_step and step > 0:
+            start = time.perf_counter()
+            checkpoint = str(_save(config, model, state_dict, step))
+            log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
+        stopped_early = step < lc.total_steps
+        res.reports.send(
+            LearnerReport(step=step, weight_version=step, metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint, final=True)
+        )
+        log.info("learner done after %d steps%s; checkpoint %s", step, " (stopped early)" if stopped_early else "", checkpoint or "-")
+
+
+def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
+    """What the batch says about the actors: returns, success, turns, policy lag, per environment."""
+    trajectories = [t for group in batch.groups for t in group]
+    metrics = {"batch/groups": float(len(batch.groups)), "batch/trajectories": float(len(trajectories))}
+    if trajectories:
+        staleness = [learner_version - t.oldest_version for t in trajectories]
+        metrics.update({
+            "batch/reward_mean": _mean(t.reward for t in trajectories),
+            "batch/success_mean": _mean(float(t.success) for t in trajectories),
+            "batch/turns_mean": _mean(t.num_turns for t in trajectories),
+            "batch/max_turns": float(max(t.max_turns for t in trajectories)),
+            "batch/staleness_mean": _mean(staleness),
+            "batch/staleness_max": float(max(staleness)),
+        })
+    by_env: dict[str, list] = defaultdict(list)
+    for trajectory in trajectories:
+        by_env[trajectory.env].append(trajectory)
+    for env, members in by_env.items():
+        metrics[f"env/{env}/success_mean"] = _mean(float(t.success) for t in members)
+        metrics[f"env/{env}/reward_mean"] = _mean(t.reward for t in members)
+    metrics.update({f"buffer/{name}": float(value) for name, value in batch.buffer_stats.items()})
+    return metrics
+
+
+def _save(config: TrainConfig, model, state_dict: dict[str, torch.Tensor], step: int) -> Path:
+    out_dir = config.output_dir / "checkpoints" / f"step_{step:06d}"
+    return save_hf_checkpoint(model.config, state_dict, config.model.path, out_dir)
+
+
+def _all_agree_to_stop(stop: threading.Event) -> bool:
+    """A stop signal seen by any rank stops all of them at the same phase boundary."""
+    flag = torch.tensor([int(stop.is_set())], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@contextmanager
+def _timed(times: dict[str, float], name: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = time.perf_counter() - start
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _install_stop_handlers(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def request_stop(signum, _frame):
+        log.warning("received %s: stopping at the next phase boundary", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+
+def _setup_logging(level: str, rank: int) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format=f"%(asctime)s learner[{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("horizonrl").setLevel(level)

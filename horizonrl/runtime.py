@@ -1,0 +1,87 @@
+"""What every process does the same way: logging, stop signals, timed phases.
+
+Bottom layer (no torch, no vllm), shared by all processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
+    """One line per record, prefixed with the role and pid so interleaved logs stay readable."""
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    return logging.getLogger(f"horizonrl.{role.split('-')[0]}")
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; loops check it at phase boundaries and exit cleanly."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal_name = ""
+
+    def install(self) -> "StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+
+class PhaseTimer:
+    """Named, timed phases of a main loop: ``with timer("rollout"): ...``; ``timer.seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class RateLimitedLog:
+    """Log a recurring condition at most once per ``interval_s`` (with the count since)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._logger = logger
+        self._interval = interval_s
+        self._last = 0.0
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last >= self._interval:
+            extra = f" (+{self._suppressed} similar)" if self._suppressed else ""
+            self._logger.warning(msg + extra, *args)
+            self._last, self._suppressed = now, 0
+        else:
+            self._suppressed += 1

@@ -1,0 +1,107 @@
+"""SearchQA (Search-R1 protocol, BM25, remote retriever, synthetic corpus) and id files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+
+from horizonrl.envs.base import EnvironmentFailure
+from horizonrl.envs.ids import parse_item_id, read_ids, write_split_files
+from horizonrl.envs.retrieval import RemoteRetriever
+from horizonrl.envs.searchqa import WRONG_ANSWER, SearchQAEnv, exact_match, normalize_answer
+from horizonrl.envs.synthetic_corpus import generate, write
+
+
+def test_synthetic_corpus_is_deterministic_and_has_multi_hop():
+    a, b = generate(seed=3), generate(seed=3)
+    assert a == b and generate(seed=4) != a
+    assert {row["hops"] for row in a["train"]} == {1, 2}
+    assert all(json.loads(json.dumps(row))["contents"].startswith('"') for row in a["corpus"])
+
+
+def test_normalisation():
+    assert normalize_answer("  The Kingdom of X! ") == "kingdom of x"
+    assert exact_match("the paris", ["Paris"]) and not exact_match("Lyon", ["Paris"])
+
+
+async def test_protocol_and_oracle():
+    env = SearchQAEnv()
+    train, test = set(env.task_ids("train")), set(env.task_ids("test"))
+    assert not train & test
+    wins = 0
+    for task_id in sorted(test)[:30]:
+        obs = await env.reset(task_id)
+        assert "Question: " in obs and "<search>" in obs
+        plan = env.expert_plan()
+        for reply in plan[:-1]:
+            result = await env.step(reply)
+            title = reply.split("<search>")[1].split("</search>")[0].strip()
+            assert result.observation.strip().startswith("<information>Doc 1(Title: ")
+            assert f"(Title: {title})" in result.observation  # BM25 finds the supporting page
+        wrong = await env.step("<answer> certainly not this </answer>")
+        assert wrong.observation == WRONG_ANSWER and not wrong.done
+        final = await env.step(plan[-1])
+        wins += final.success and final.reward == 1.0 and final.done
+        assert env.task_category(task_id) in ("hops-1", "hops-2")
+    assert wins == 30
+
+
+async def test_bad_input():
+    env = SearchQAEnv()
+    assert (await env.step("<answer>x</answer>")).done  # before reset
+    await env.reset(0)
+    for reply in ["", "no tags", "<search></search>", "<search>" + "q" * 5000 + "</search>", "<answer>unclosed"]:
+        result = await env.step(reply)
+        assert not result.done and result.info["invalid_action"]
+    for bad in (-1, 10**6, "0"):
+        with pytest.raises(ValueError):
+            await env.reset(bad)
+
+
+async def test_local_corpus_files_and_remote_retriever(tmp_path, unused_tcp_port):
+    write(tmp_path, seed=1, num_people=30)
+    local = SearchQAEnv(data_dir=str(tmp_path))
+    corpus = [json.loads(line)["contents"] for line in open(tmp_path / "corpus.jsonl")]
+
+    async def retrieve(request):
+        body = await request.json()
+        hits = local.retriever.search_blocking(body["queries"][0], body["topk"])
+        by_title = {c.partition("\n")[0].strip('"'): c for c in corpus}
+        return web.json_response({"result": [[{"document": {"id": "0", "contents": by_title[h.title]},
+                                               "score": h.score} for h in hits]]})
+
+    app = web.Application()
+    app.router.add_post("/retrieve", retrieve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    try:
+        remote = SearchQAEnv(data_dir=str(tmp_path), retriever_url=f"http://127.0.0.1:{unused_tcp_port}")
+        task_id = remote.task_ids("test")[0]
+        await remote.reset(task_id)
+        await local.reset(task_id)
+        reply = remote.expert_plan()[0]
+        assert (await remote.step(reply)).observation == (await local.step(reply)).observation
+    finally:
+        await runner.cleanup()
+    with pytest.raises(EnvironmentFailure):
+        await RemoteRetriever(f"http://127.0.0.1:{unused_tcp_port}", timeout_s=1, retries=0).search("x", 3)
+
+
+def test_id_files(tmp_path):
+    assert parse_item_id("babyai_12") == ("babyai", 12)
+    with pytest.raises(ValueError):
+        parse_item_id("babyai-12")
+    (tmp_path / "rows.json").write_text(json.dumps([{"item_id": "textcraft_3"}, {"item_id": "babyai_40"}]))
+    assert read_ids(tmp_path / "rows.json") == [("textcraft", 3), ("babyai", 40)]
+    (tmp_path / "rows.jsonl").write_text('{"item_id": "sciworld_7"}\n')
+    assert read_ids(tmp_path / "rows.jsonl") == [("sciworld", 7)]
+    from horizonrl.envs.textcraft import TextCraftEnv
+
+    env = TextCraftEnv()
+    paths = write_split_files(env, tmp_path)
+    train = {i for _, i in read_ids(paths["train"])}
+    test = {i for _, i in read_ids(paths["test"])}
+    assert train == set(env.task_ids("train")) and test == set(env.task_ids("test")) and not train & test

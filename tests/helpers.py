@@ -1,0 +1,60 @@
+"""Shared test helpers: trajectories, processes started and ended by pid, free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from horizonrl.protocol import Trajectory
+from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
+
+
+def make_trajectory(group_id: str, index: int, *, reward: float = 0.0, group_size: int = 4, version: int = 0,
+                    failure: str = "", tokens: int = 12) -> Trajectory:
+    ids = list(range(tokens))
+    mask = [0] * (tokens // 2) + [1] * (tokens - tokens // 2)
+    return Trajectory(
+        trajectory_id=f"{group_id}-{index}", group_id=group_id, group_size=group_size, env="signpost", task_id=1,
+        actor_id=0, token_ids=pack(ids, TOKEN_DTYPE), loss_mask=pack(mask, MASK_DTYPE),
+        logprobs=pack([-0.5 * m for m in mask], LOGPROB_DTYPE), prompt_length=tokens // 2,
+        turn_spans=[(tokens // 2, tokens)], turn_versions=[version], turn_rewards=[reward], reward=reward,
+        success=reward > 0, score=reward, num_turns=1, max_turns=6, stop_reason="done", failure=failure,
+    )
+
+
+def start_process(args: list[str], log_path) -> subprocess.Popen:
+    """Start a process in its own group so ``stop_process`` ends everything it spawned."""
+    return subprocess.Popen(args, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever the leader left behind in its group
+    except ProcessLookupError:
+        pass
+    return proc.wait()
+
+
+def horizonrl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "horizonrl", *args]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")

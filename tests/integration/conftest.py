@@ -1,0 +1,18 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Built once and reused across sessions while the recipe and arguments match (its spec file says so).
+TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
+TINY_MODEL_ARGS = dict(envs=("signpost",), env_settings={"signpost": {"length": 4}}, episodes_per_env=1500,
+                       warmup_steps=200, max_turns=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from horizonrl.tiny_model import ensure_tiny_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return Path(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))

@@ -1,0 +1,72 @@
+"""Run as a script (vLLM spawns processes, so it needs the __main__ guard).
+
+Starts a real engine with the worker extension, perturbs a copy of the model in this
+process (the "learner"), broadcasts it over a real gloo weight group into the live
+engine, and prints JSON comparing the engine's logprobs with transformers'.
+"""
+
+import asyncio
+import json
+import sys
+import threading
+
+
+def hf_logprobs(model, prompt, generated, temperature):
+    import torch
+
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
+
+
+async def check(model_dir: str, port: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.actors.engine import RolloutEngine
+    from horizonrl.config import EngineConfig
+    from horizonrl.learner.model import weights_to_send
+    from horizonrl.weight_sync import broadcast_weights, create_weight_group
+
+    temperature = 0.7
+    engine = RolloutEngine.start(model_dir, dtype="float32", engine=EngineConfig(), max_model_len=512, seed=0)
+    chat = load_chat_tokenizer(model_dir)
+    original = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    learner = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    groups = {}
+    joiner = threading.Thread(target=lambda: groups.setdefault("g", create_weight_group("127.0.0.1", port, 0, 2, 60)))
+    joiner.start()
+    await engine.join_weight_group("127.0.0.1", port, 1, 2, 60)
+    joiner.join()
+    prompt = chat.prompt_ids("Follow the signs to the exit.\nA sign points left.")
+    kwargs = dict(max_tokens=24, temperature=temperature, top_p=1.0, stop_token_ids=[])
+    before = await engine.generate(prompt, **kwargs)
+    sender = threading.Thread(target=broadcast_weights,
+                              args=(groups["g"], 1, weights_to_send(learner.config, learner.state_dict())))
+    sender.start()
+    version, seconds = await engine.receive_weights(60)
+    sender.join()
+    after = await engine.generate(prompt, **kwargs)
+    engine.shutdown()
+
+    def max_diff(a, b):
+        return max(abs(x - y) for x, y in zip(a, b))
+
+    return {
+        "version": version,
+        "receive_s": seconds,
+        "tokens": len(after.token_ids),
+        "before_vs_original": max_diff(before.logprobs, hf_logprobs(original, prompt, before.token_ids, temperature)),
+        "before_vs_learner": max_diff(before.logprobs, hf_logprobs(learner, prompt, before.token_ids, temperature)),
+        "after_vs_learner": max_diff(after.logprobs, hf_logprobs(learner, prompt, after.token_ids, temperature)),
+    }
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(asyncio.run(check(sys.argv[1], int(sys.argv[2])))), flush=True)

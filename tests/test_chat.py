@@ -1,0 +1,209 @@
+"""ChatTokenizer builds an episode's ids append-only and equal to the template's full render."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from horizonrl.chat import ChatTemplateError, ChatTokenizer
+from horizonrl.tiny_model import CHATML_TEMPLATE, build_tokenizer
+
+# Qwen2.5-Instruct's rendering without tools: ChatML with a default system message.
+QWEN25_STYLE_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Llama-3 style: BOS written by the template, no newline after the end-of-turn token, trimmed content.
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# Not append-only: the header counts the messages, so adding one rewrites the first line.
+COUNTING_TEMPLATE = (
+    "{{- '<|im_start|>system\\n' + (messages | length | string) + ' messages<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Not append-only (the way Qwen3 drops old reasoning): assistant turns before the latest
+# user message are rendered differently from the latest one.
+REWRITES_OLD_REPLIES_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = ('(earlier) ' + message.content) if (message.role == 'assistant' and loop.index0 < ns.last_user) else message.content %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Not append-only: the generation prompt opens an empty think block that history turns do not have.
+THINKING_PROMPT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+
+TEXTS = [
+    "Follow the signs to the exit. Actions: go left, go right, go straight.\nA sign points left.",
+    "Action: go left",
+    "Thought: the sign points right.\nAction: go right",
+    "red ball: 3 steps forward, 2 steps left",
+    "Dead end. You walk back. A sign points straight.",
+    "user\nassistant\nsystem\n",
+] * 20
+
+CONVERSATIONS = [
+    [
+        ("user", "Follow the signs to the exit. Actions: go left, go right, go straight.\nA sign points left."),
+        ("assistant", "Action: go left"),
+        ("user", "A sign points right."),
+        ("assistant", "Thought: the sign points right.\nAction: go right"),
+        ("user", "Dead end. You walk back. A sign points straight."),
+    ],
+    [
+        ("system", "You are an agent. Reply with Thought: ... then Action: ..."),
+        ("user", "red ball: 3 steps forward, 12 steps left\n\n  indented line"),
+        ("assistant", "Action: turn left"),
+        ("user", "red ball: not visible  "),
+        ("assistant", "Thought: où est la balle? 🙂\nAction: move forward"),
+        ("user", "Invalid action. Reply with one of: go left, go right, go straight."),
+        ("assistant", "Action: go straight"),
+        ("user", "42"),
+    ],
+    [("user", "A sign points left.")],
+]
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer():
+    return build_tokenizer(TEXTS, vocab_size=400)
+
+
+def _with_template(tokenizer, template: str):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def _llama3_tokenizer(tokenizer):
+    from tokenizers import AddedToken
+
+    tokenizer = _with_template(tokenizer, LLAMA3_STYLE_TEMPLATE)
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in specials], special_tokens=True)
+    tokenizer.bos_token = "<|begin_of_text|>"
+    tokenizer.eos_token = "<|eot_id|>"
+    return tokenizer
+
+
+def _incremental_ids(chat: ChatTokenizer, conversation) -> list[int]:
+    system = conversation[0][1] if conversation[0][0] == "system" else None
+    turns = conversation[1:] if system is not None else conversation
+    ids = chat.prompt_ids(turns[0][1], system)
+    reply: list[int] = []
+    for role, content in turns[1:]:
+        if role == "assistant":
+            reply = chat.assistant_ids(content)
+            ids += reply
+        else:
+            ids += chat.continuation_ids(content, reply)
+    return ids
+
+
+def _full_render_ids(tokenizer, conversation) -> list[int]:
+    messages = [{"role": r, "content": c} for r, c in conversation]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+@pytest.mark.parametrize("template_name", ["chatml", "qwen25", "llama3"])
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["signpost", "system-unicode", "one-turn"])
+def test_incremental_ids_equal_full_render(base_tokenizer, template_name, conversation):
+    if template_name == "llama3":
+        tokenizer = _llama3_tokenizer(base_tokenizer)
+    else:
+        template = CHATML_TEMPLATE if template_name == "chatml" else QWEN25_STYLE_TEMPLATE
+        tokenizer = _with_template(base_tokenizer, template)
+    chat = ChatTokenizer(tokenizer)
+    assert _incremental_ids(chat, conversation) == _full_render_ids(tokenizer, conversation)
+
+
+def test_end_of_turn_token_is_found_from_the_template(base_tokenizer):
+    chatml = ChatTokenizer(_with_template(base_tokenizer, CHATML_TEMPLATE))
+    assert chatml.end_of_turn_token == "<|im_end|>"
+    assert chatml.stop_token_ids == [chatml.end_of_turn_id]  # eos is <|im_end|> too
+    llama = ChatTokenizer(_llama3_tokenizer(base_tokenizer))
+    assert llama.end_of_turn_token == "<|eot_id|>"
+
+
+def test_chatml_continuation_is_the_qwen_turn_boundary(base_tokenizer):
+    chat = ChatTokenizer(_with_template(base_tokenizer, CHATML_TEMPLATE))
+    reply = chat.assistant_ids("Action: go left")
+    continuation = chat.continuation_ids("A sign points right.", reply)
+    expected = "\n<|im_start|>user\nA sign points right.<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.decode(continuation, skip_special_tokens=False) == expected
+
+
+def test_truncated_generation_gets_the_end_of_turn_token(base_tokenizer):
+    tokenizer = _with_template(base_tokenizer, CHATML_TEMPLATE)
+    chat = ChatTokenizer(tokenizer)
+    prompt = chat.prompt_ids("A sign points left.")
+    truncated = chat.encode("Thought: the sign")  # cut by max_tokens: no <|im_end|>
+    continuation = chat.continuation_ids("A sign points left.", truncated)
+    assert continuation[0] == chat.end_of_turn_id
+    conversation = [("user", "A sign points left."), ("assistant", "Thought: the sign"), ("user", "A sign points left.")]
+    assert prompt + truncated + continuation == _full_render_ids(tokenizer, conversation)
+    # After a complete turn, the end-of-turn token is not repeated.
+    complete = chat.assistant_ids("Action: go left")
+    assert chat.continuation_ids("x", complete)[0] != chat.end_of_turn_id
+    # A reply that stopped on eos (not the end-of-turn token) is closed as well.
+    assert chat.continuation_ids("x", [])[0] == chat.end_of_turn_id
+
+
+def test_decode_drops_special_tokens(base_tokenizer):
+    chat = ChatTokenizer(_with_template(base_tokenizer, CHATML_TEMPLATE))
+    assert chat.decode(chat.assistant_ids("Action: go left")) == "Action: go left"
+    assert chat.decode(chat.assistant_ids("Action: go left"), skip_special_tokens=False) == "Action: go left<|im_end|>"
+
+
+def test_template_that_rewrites_history_is_rejected(base_tokenizer):
+    with pytest.raises(ChatTemplateError, match="not append-only"):
+        chat = ChatTokenizer(_with_template(base_tokenizer, COUNTING_TEMPLATE))
+        chat.continuation_ids("A sign points left.", chat.assistant_ids("Action: go left"))
+
+
+def test_template_that_rewrites_old_replies_is_rejected(base_tokenizer):
+    chat = ChatTokenizer(_with_template(base_tokenizer, REWRITES_OLD_REPLIES_TEMPLATE))
+    with pytest.raises(ChatTemplateError, match="adding a user message changed"):
+        chat.continuation_ids("A sign points left.", chat.assistant_ids("Action: go left"))
+
+
+def test_generation_prompt_that_differs_from_history_is_rejected(base_tokenizer):
+    with pytest.raises(ChatTemplateError, match="not append-only"):
+        ChatTokenizer(_with_template(base_tokenizer, THINKING_PROMPT_TEMPLATE))
+
+
+def test_tokenizer_without_template_is_rejected(base_tokenizer):
+    tokenizer = copy.deepcopy(base_tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
+        ChatTokenizer(tokenizer)

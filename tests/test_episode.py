@@ -1,0 +1,111 @@
+"""The episode loop with a scripted generator (the real engine runs in tests/integration)."""
+
+import pytest
+
+from horizonrl.actors.actor import to_trajectory
+from horizonrl.actors.engine import Generation
+from horizonrl.actors.episode import SamplingSettings, run_episode
+from horizonrl.envs import EnvironmentFailure
+from horizonrl.envs.signpost import SignpostEnv
+from horizonrl.protocol import Trajectory, decode_as, encode
+from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
+
+EOT = 1
+
+
+class CharChat:
+    """One token per character (+100), end-of-turn token 1: enough to check the bookkeeping."""
+
+    stop_token_ids = [EOT]
+
+    def prompt_ids(self, observation, system_prompt=None):
+        return [ord(c) + 100 for c in "U:" + observation] + [2]
+
+    def continuation_ids(self, observation, generated_ids):
+        prefix = [] if generated_ids and generated_ids[-1] == EOT else [EOT]
+        return prefix + [ord(c) + 100 for c in "U:" + observation] + [2]
+
+    def decode(self, ids):
+        return "".join(chr(i - 100) for i in ids if i >= 100)
+
+
+class ScriptedEngine:
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.prompts = []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, stop_token_ids):
+        self.prompts.append(list(prompt_ids))
+        text = self.replies.pop(0)
+        ids = [ord(c) + 100 for c in text][:max_tokens]
+        if len(ids) < max_tokens:
+            ids.append(EOT)
+        return Generation(ids, [-0.1 * (k + 1) for k in range(len(ids))], "stop")
+
+
+SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_tokens_per_turn=64, max_context_tokens=4096)
+
+
+async def play(replies, env=None, max_turns=10, version=lambda: 7):
+    env = env or SignpostEnv(length=2)
+    engine = ScriptedEngine(replies)
+    ep = await run_episode(engine, env, CharChat(), 3, max_turns=max_turns, sampling=SAMPLING, weight_version=version)
+    return ep, engine
+
+
+def signs(task_id=3, length=2):
+    import random
+
+    rng = random.Random(task_id)
+    return [rng.choice(("left", "right", "straight")) for _ in range(length)]
+
+
+async def test_tokens_masks_and_logprobs_stay_aligned_and_append_only():
+    s = signs()
+    ep, engine = await play(["Action: go nowhere", f"Action: go {s[0]}", f"Thought: ok\nAction: go {s[1]}"])
+    assert ep.success and ep.stop_reason == "done" and ep.num_turns == 3
+    assert len(ep.token_ids) == len(ep.loss_mask) == len(ep.logprobs)
+    # Each prompt the engine saw is a prefix of the final sequence: nothing was re-tokenized.
+    for prompt in engine.prompts:
+        assert ep.token_ids[: len(prompt)] == prompt
+    for (start, end), version in zip(ep.turn_spans, ep.turn_versions):
+        assert all(m == 1 for m in ep.loss_mask[start:end]) and version == 7
+        assert ep.logprobs[start:end] == pytest.approx([-0.1 * (k + 1) for k in range(end - start)])
+    assert sum(ep.loss_mask) == sum(e - s for s, e in ep.turn_spans)  # observations carry mask 0
+    assert ep.turn_rewards == [0.0, 0.5, 0.5] and ep.reward == 1.0
+
+
+async def test_unparseable_action_gets_a_helpful_observation_and_the_episode_goes_on():
+    s = signs()
+    ep, engine = await play(["I don't know", f"Action: go {s[0]}", f"Action: go {s[1]}"])
+    assert ep.success and ep.num_turns == 3
+    second_prompt = CharChat().decode(engine.prompts[1])
+    assert "Invalid action" in second_prompt and "go left" in second_prompt
+
+
+async def test_turn_budget_ends_the_episode():
+    ep, _ = await play(["Action: go up"] * 5, max_turns=3)
+    assert ep.stop_reason == "max_turns" and ep.num_turns == 3 and not ep.success
+
+
+class BrokenEnv(SignpostEnv):
+    async def step(self, action_text):
+        raise EnvironmentFailure("server went away")
+
+
+async def test_environment_exception_marks_an_infrastructure_failure():
+    ep, _ = await play(["Action: go left"], env=BrokenEnv(length=2))
+    assert ep.failure == "environment" and "server went away" in ep.failure_message
+    traj = to_trajectory(ep, trajectory_id="t", group_id="g", group_size=2, env="signpost", task_id=3, actor_id=0,
+                         max_turns=10, category="x")
+    back = decode_as(encode(traj), Trajectory)
+    assert back.failure == "environment"
+    assert len(unpack(back.token_ids, TOKEN_DTYPE)) == len(unpack(back.loss_mask, MASK_DTYPE)) == len(
+        unpack(back.logprobs, LOGPROB_DTYPE))
+
+
+async def test_context_limit_stops_before_overflow():
+    sampling = SamplingSettings(1.0, 1.0, 64, max_context_tokens=120)
+    ep = await run_episode(ScriptedEngine(["Action: go up"] * 10), SignpostEnv(length=3), CharChat(), 3,
+                           max_turns=10, sampling=sampling, weight_version=lambda: 0)
+    assert ep.stop_reason == "context_limit" and len(ep.token_ids) <= 120
