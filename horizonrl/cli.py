@@ -22,7 +22,9 @@ from pathlib import Path
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="launch a training run from a YAML config",
                        description="Launch a training run. Overrides use dotted keys, e.g. "
-                                   "algorithm.rounds_ctrl.rounds=[10,20,30] learner.total_steps=200")
+                                   "algorithm.rounds_ctrl.rounds=[10,20,30] learner.total_steps=200; "
+                                   "resume=PATH|auto continues from a checkpoint (auto: the newest in "
+                                   "run.output_dir)")
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
     p.add_argument("--tensorboard", action="store_true", help="also start TensorBoard on 127.0.0.1 and print its URL")
@@ -34,7 +36,9 @@ def _cmd_train(args) -> int:
     from horizonrl.config import dump_config, load_config
     from horizonrl.launcher import launch
 
-    config = load_config(args.config, args.overrides)
+    # `resume=PATH|auto` is short for learner.resume=...
+    overrides = [f"learner.{o}" if o.startswith("resume=") else o for o in args.overrides]
+    config = load_config(args.config, overrides)
     if args.dry_run:
         print(dump_config(config), end="")
         return 0
@@ -86,20 +90,41 @@ def _add_eval(sub) -> None:
     p.add_argument("--max-tokens-per-turn", type=int, default=64)
     p.add_argument("--max-context-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ids", type=Path, default=None, help="file of task ids (one per line, or a JSON list); "
+                                                        "default: the first --episodes ids of --split")
+    p.add_argument("--k", type=int, default=1, help="report pass@1 and pass@K (unbiased, Chen et al. 2021)")
+    p.add_argument("--samples", type=int, default=None, help="episodes per task (>= K; default K)")
+    p.add_argument("--json", type=Path, default=None, help="also write the JSON result to this file")
     p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_eval(args) -> int:
-    from horizonrl.actors.evaluate import EvalSpec, evaluate
+    from horizonrl.actors.evaluate import EvalSpec, evaluate, format_table
     from horizonrl.runtime import setup_logging
 
+    if args.k < 1 or (args.samples is not None and args.samples < args.k):
+        print("error: need --k >= 1 and --samples >= --k", file=sys.stderr)
+        return 2
     setup_logging("eval", "WARNING")
     spec = EvalSpec(env=args.env, env_settings=json.loads(args.env_settings), split=args.split,
                     episodes=args.episodes, max_turns=args.max_turns, temperature=args.temperature,
                     max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
-                    seed=args.seed)
-    print(json.dumps(evaluate(args.model, spec)))
+                    seed=args.seed, task_ids=_read_ids(args.ids) if args.ids else None, k=args.k, samples=args.samples)
+    result = evaluate(args.model, spec)
+    print(format_table(result))
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _read_ids(path: Path) -> tuple[int, ...]:
+    """Task ids from a file: a JSON list, or one integer per line (blank lines and # comments ignored)."""
+    text = path.read_text().strip()
+    if text.startswith("["):
+        return tuple(int(x) for x in json.loads(text))
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return tuple(int(line) for line in lines if line)
 
 
 def _add_demo(sub) -> None:
@@ -117,16 +142,9 @@ def _cmd_demo(args) -> int:
 
 
 def _add_tiny(sub) -> None:
-    p = sub.add_parser("make-tiny-model", help="build a tiny Qwen2 model and tokenizer for CPU runs",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_tiny)
-
-
-def _cmd_tiny(args) -> int:
-    from horizonrl.tiny_model import main as tiny_main
-
-    return tiny_main(args.rest) or 0
+    # Listed for --help; main() hands its arguments to horizonrl.tiny_model.main.
+    sub.add_parser("make-tiny-model", help="build a tiny Qwen2 model and tokenizer for CPU runs "
+                                           "(see `horizonrl make-tiny-model --help`)")
 
 
 def _add_env(sub) -> None:
@@ -157,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-tiny-model"]:
+        # Its own parser (argparse.REMAINDER would swallow neither --help nor flags reliably).
+        from horizonrl.tiny_model import main as tiny_main
+
+        return tiny_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     from horizonrl.config import ConfigError
 

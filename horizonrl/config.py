@@ -74,8 +74,15 @@ class RoundsCtrlConfig(_Frozen):
 
 
 class AlgorithmConfig(_Frozen):
-    adv_estimator: Literal["grpo"] = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
+        "grpo", description="grpo: group-normalised outcome; rloo: leave-one-out baseline; reinforce_plus_plus: "
+        "discounted return whitened over the batch; gae: GAE with a critic (docs/algorithms.md)")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="grpo: divide by the group's std (False: Dr. GRPO)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per generated token (reinforce_plus_plus, gae)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae)")
+    whiten_gae_advantages: bool = Field(True, description="gae: whiten advantages over the batch, as verl does")
+    critic_lr: float | None = Field(None, gt=0, description="gae: the critic's learning rate (default: learner.lr)")
+    vf_coef: float = Field(0.5, gt=0, description="gae: weight of the critic's squared error ½(V − R)²")
     rounds_ctrl: RoundsCtrlConfig = RoundsCtrlConfig()
 
 
@@ -87,11 +94,38 @@ class LearnerConfig(_Frozen):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_ratio: float = Field(0.2, gt=0)
+    clip_ratio_low: float | None = Field(None, gt=0, description="PPO clip below 1 (default: clip_ratio)")
+    clip_ratio_high: float | None = Field(None, gt=0, description="PPO clip above 1 (default: clip_ratio; "
+                                          "DAPO's clip-higher uses e.g. 0.28)")
+    clip_ratio_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages (verl: 3.0)")
+    decoupled_loss: bool = Field(False, description="AReaL's decoupled PPO: clip against the proximal policy, "
+                                 "weight by the truncated importance weight pi_prox / mu")
+    behav_imp_weight_cap: float | None = Field(None, gt=0, description="decoupled_loss: truncate pi_prox / mu here")
+    use_kl_loss: bool = Field(False, description="add kl_loss_coef * KL(pi || pi_ref) to a frozen copy of model.path")
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["low_var_kl", "k1", "k2", "k3"] = "low_var_kl"
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus: the loss subtracts entropy_coeff * H")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant, or decay to min_lr_ratio * lr at total_steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1, description="trajectories per forward/backward on one rank")
-    save_every: int = Field(0, ge=0, description="save a Hugging Face checkpoint every N steps (0: only at the end)")
+    save_every: int = Field(0, ge=0, description="save a checkpoint (Hugging Face weights + the full training "
+                            "state) every N steps (0: only at the end)")
+    resume: str | None = Field(None, description="a checkpoint directory (<output_dir>/checkpoints/step_N) to "
+                               "continue from, or 'auto' for the newest complete one (`horizonrl train ... resume=`)")
     batch_timeout_s: float = Field(600.0, gt=0, description="fail if no batch arrives for this long")
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 class BufferConfig(_Frozen):

@@ -18,6 +18,7 @@ import zmq
 from horizonrl.config import TrainConfig
 from horizonrl.protocol import Control, Heartbeat, LearnerReport, ProtocolError, decode, encode
 from horizonrl.protocol.transport import make_socket
+from horizonrl.run_dirs import resumed_step
 from horizonrl.runtime import RateLimitedLog, StopFlag
 from horizonrl.schedule import TurnBudgetSchedule
 
@@ -45,22 +46,32 @@ class ProcessHealth:
         return sum(c.get(key, 0.0) for (r, _), c in self.counters.items() if r == role)
 
 
-class RolloutRate:
-    """Actor throughput between learner steps, from the actors' cumulative counters."""
+class RolloutWindow:
+    """What the actors did between two learner steps, from their cumulative counters.
+
+    ``rollout/success_rate`` counts every episode the actors finished (no filtering), so
+    unlike ``batch/success_mean`` it is not biased by the buffer dropping equal-reward
+    groups; it rises only if new weights reach the actors.
+    """
+
+    KEYS = ("generated_tokens", "episodes", "completed", "successes", "reward_sum")
 
     def __init__(self) -> None:
-        self._last: tuple[float, float, float] | None = None
+        self._last: tuple[float, dict[str, float]] | None = None
 
-    def update(self, tokens: float, episodes: float) -> dict[str, float]:
+    def update(self, health: "ProcessHealth") -> dict[str, float]:
         now = time.monotonic()
+        totals = {k: health.total("actor", k) for k in self.KEYS}
         out: dict[str, float] = {}
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
-            out = {
-                "rollout/tokens_per_s": (tokens - self._last[1]) / dt,
-                "rollout/episodes_per_s": (episodes - self._last[2]) / dt,
-            }
-        self._last = (now, tokens, episodes)
+            delta = {k: totals[k] - self._last[1][k] for k in self.KEYS}
+            out["rollout/tokens_per_s"] = delta["generated_tokens"] / dt
+            out["rollout/episodes_per_s"] = delta["episodes"] / dt
+            if delta["completed"] > 0:
+                out["rollout/success_rate"] = delta["successes"] / delta["completed"]
+                out["rollout/reward_mean"] = delta["reward_sum"] / delta["completed"]
+        self._last = (now, totals)
         return out
 
 
@@ -73,7 +84,7 @@ class Coordinator:
         self.weight_version = start_step
         self.finished = False
         self.health = ProcessHealth()
-        self.rate = RolloutRate()
+        self.window = RolloutWindow()
         self.bad_messages = 0
         self._bad_log = RateLimitedLog(log)
         self._silent_log = RateLimitedLog(log, 30.0)
@@ -167,8 +178,7 @@ class Coordinator:
         if repeated:
             return  # the learner's closing report repeats its last step; its scalars are written
         scalars = dict(report.metrics)
-        scalars.update(self.rate.update(self.health.total("actor", "generated_tokens"),
-                                        self.health.total("actor", "episodes")))
+        scalars.update(self.window.update(self.health))
         scalars["schedule/max_turns"] = float(self.schedule.max_turns(report.step))
         scalars["schedule/next_max_turns"] = float(self.max_turns)
         scalars["rollout/infra_failures"] = self.health.total("actor", "infra_failures")
@@ -195,7 +205,7 @@ def progress_line(step: int, total: int, s: dict[str, float]) -> str:
         return fmt.format(s[key]) if key in s else "-"
 
     return (
-        f"step {step}/{total} | reward {g('batch/reward_mean')} | success {g('batch/success_mean')}"
+        f"step {step}/{total} | reward {g('batch/reward_mean')} | success {g('rollout/success_rate')}"
         f" | turns {g('batch/turns_mean', '{:.1f}')} | max_turns {g('schedule/max_turns', '{:.0f}')}"
         f" | staleness {g('batch/staleness_mean')} | rollout {g('rollout/tokens_per_s', '{:.0f}')} tok/s"
         f" | learner {g('throughput/learner_tokens_per_s', '{:.0f}')} tok/s | step {g('time/step_s')} s"
@@ -211,7 +221,10 @@ def _make_writer(config: TrainConfig):
 
 def main(config: TrainConfig) -> int:
     stop = StopFlag().install()
-    coordinator = Coordinator(config, stop)
+    # A resumed run continues the schedule from the checkpoint's completed step (the turn budget
+    # is a pure function of it, so it matches an uninterrupted run at every step).
+    start_step = resumed_step(config.learner.resume, config.output_dir)
+    coordinator = Coordinator(config, stop, start_step=start_step)
     try:
         coordinator.run()
     finally:

@@ -163,9 +163,26 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def resolve_resume_setting(config: TrainConfig) -> TrainConfig:
+    """``learner.resume=auto`` -> the newest complete checkpoint's directory (or no resume when there
+    is none), fixed once here so that every process resumes from the same step."""
+    from horizonrl.run_dirs import resolve_resume
+
+    if config.learner.resume is None:
+        return config
+    path = resolve_resume(config.learner.resume, config.output_dir)
+    if path is None:
+        log.info("resume=auto: no checkpoint in %s yet; starting a fresh run", config.output_dir)
+    else:
+        print(f"resuming from {path}", flush=True)
+    learner = config.learner.model_copy(update={"resume": None if path is None else str(path)})
+    return config.model_copy(update={"learner": learner})
+
+
 def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     """Resolve ports and write ``<output_dir>/config.yaml``, the file every process reads."""
     config = resolve_ports(config)
+    config = resolve_resume_setting(config)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     path = config.output_dir / "config.yaml"
     path.write_text(dump_config(config))

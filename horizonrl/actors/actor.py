@@ -159,8 +159,9 @@ class Actor:
             # Every announced version is one collective broadcast; receive them in order.
             while self.weight_version < control.weight_version:
                 version, seconds = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
-                if version != self.weight_version + 1:
-                    raise RuntimeError(f"received weight version {version}, expected {self.weight_version + 1}")
+                # Versions only grow; a resumed learner's first broadcast jumps to its step.
+                if version <= self.weight_version:
+                    raise RuntimeError(f"received weight version {version} after {self.weight_version}")
                 self.weight_version = version
                 self.counters["weight_updates"] += 1
                 self.counters["weight_receive_s"] += seconds
@@ -200,6 +201,10 @@ class Actor:
         self.counters["episodes"] += 1
         self.counters["generated_tokens"] += ep.generated_tokens
         self.counters["turns"] += ep.num_turns
+        if not ep.failure:
+            self.counters["completed"] += 1
+            self.counters["successes"] += ep.success
+            self.counters["reward_sum"] += ep.reward
         if ep.failure == "environment":
             self.counters["infra_failures"] += 1
             log.warning("environment failure in %s task %d: %s", env_name, task_id, ep.failure_message)

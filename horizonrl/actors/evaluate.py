@@ -1,15 +1,19 @@
 """Evaluation with the actor's own machinery: the same engine wrapper, the same
 token-in/token-out episode loop, no learner and no sockets.
 
-Metrics: ``success_rate`` = successful episodes / episodes that did not fail for
-infrastructure reasons; ``mean_reward`` and ``mean_turns`` over the same episodes.
-Task ids are the first ``episodes`` ids of ``split`` (deterministic), so before/after
-comparisons see the same tasks.
+Metrics (definitions in docs/evaluation.md): ``success_rate`` = successful episodes / episodes
+that did not fail for infrastructure reasons; ``mean_score`` (the environment's own scale),
+``mean_reward`` and ``mean_turns`` over the same episodes; ``pass@k`` = the unbiased estimator of
+Chen et al. 2021 from ``samples`` episodes per task, averaged over tasks; all of them also per
+category (BabyAI level, TextCraft depth, SciWorld task type, SearchQA hops).
+Task ids are the given ``task_ids``, else the first ``episodes`` ids of ``split``
+(deterministic), so before/after comparisons see the same tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +36,25 @@ class EvalSpec:
     max_tokens_per_turn: int = 64
     max_context_tokens: int = 2048
     seed: int = 0
+    task_ids: tuple[int, ...] | None = None  # overrides split/episodes
+    k: int = 1  # pass@k is reported for k = 1 and this k
+    samples: int | None = None  # episodes per task (n >= k); default k
+
+    @property
+    def samples_per_task(self) -> int:
+        return max(self.k, self.samples or self.k)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c succeed (Chen et al. 2021, arXiv 2107.03374, eq. 1):
+
+        pass@k = 1 − C(n − c, k) / C(n, k) = 1 − Π_{i = n−c+1}^{n} (1 − k / i)    (their numerically stable form)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def evaluate(model_path: str, spec: EvalSpec, engine_config: EngineConfig | None = None) -> dict:
@@ -49,7 +72,8 @@ def evaluate(model_path: str, spec: EvalSpec, engine_config: EngineConfig | None
 
 async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
     probe = make_env(spec.env, spec.env_settings)
-    task_ids = probe.task_ids(spec.split)[: spec.episodes]
+    task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
+    plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
     sampling = SamplingSettings(spec.temperature, 1.0, spec.max_tokens_per_turn, spec.max_context_tokens)
     semaphore = asyncio.Semaphore(MAX_CONCURRENT_EPISODES)
 
@@ -63,23 +87,62 @@ async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
                 await env.close()
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(play(t) for t in task_ids))
+    results = await asyncio.gather(*(play(t) for t in plays))
     wall = time.perf_counter() - start
     valid = [(t, ep) for t, ep in results if not ep.failure]
-    by_category: dict[str, list[bool]] = defaultdict(list)
+    categories: dict[str, list] = defaultdict(list)
     for t, ep in valid:
-        by_category[probe.task_category(t)].append(ep.success)
-    n = max(1, len(valid))
+        categories[probe.task_category(t)].append((t, ep))
     return {
         "env": spec.env,
-        "split": spec.split,
+        "split": spec.split if spec.task_ids is None else "ids",
+        "tasks": len(task_ids),
+        "samples_per_task": spec.samples_per_task,
         "episodes": len(results),
         "infra_failures": len(results) - len(valid),
-        "success_rate": sum(ep.success for _, ep in valid) / n,
-        "mean_reward": sum(ep.reward for _, ep in valid) / n,
-        "mean_turns": sum(ep.num_turns for _, ep in valid) / n,
+        **summarise(valid, spec.k),
         "max_turns": spec.max_turns,
         "generated_tokens_per_s": sum(ep.generated_tokens for _, ep in results) / max(wall, 1e-9),
         "wall_s": wall,
-        "by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())},
+        "by_category": {c: summarise(v, spec.k)["success_rate"] for c, v in sorted(categories.items())},
+        "categories": {c: summarise(v, spec.k) for c, v in sorted(categories.items())},
     }
+
+
+def summarise(played: list, k: int) -> dict:
+    """Metrics of (task_id, episode) pairs without infrastructure failures; see docs/evaluation.md.
+
+    pass@k per task uses that task's own n (its valid samples); tasks with fewer than k valid
+    samples are left out of pass@k (and counted in ``pass_at_k_tasks``).
+    """
+    n = max(1, len(played))
+    per_task: dict[int, list[bool]] = defaultdict(list)
+    for t, ep in played:
+        per_task[t].append(bool(ep.success))
+    out = {
+        "episodes_valid": len(played),
+        "success_rate": sum(ep.success for _, ep in played) / n,
+        "mean_score": sum(ep.score for _, ep in played) / n,
+        "mean_reward": sum(ep.reward for _, ep in played) / n,
+        "mean_turns": sum(ep.num_turns for _, ep in played) / n,
+    }
+    for kk in sorted({1, k}):
+        values = [pass_at_k(len(s), sum(s), kk) for s in per_task.values() if len(s) >= kk]
+        out[f"pass@{kk}"] = sum(values) / len(values) if values else 0.0
+    out["pass_at_k_tasks"] = sum(1 for s in per_task.values() if len(s) >= k)
+    return out
+
+
+def format_table(result: dict) -> str:
+    """The overall row and one row per category, aligned, for the terminal."""
+    passes = [key for key in result if key.startswith("pass@")]
+    cols = ["episodes_valid", "success_rate", "mean_score", "mean_reward", "mean_turns", *passes]
+    rows = [("all", result)] + list(result.get("categories", {}).items())
+    width = max(8, *(len(name) for name, _ in rows))
+    lines = [f"{result['env']}: {result['tasks']} tasks x {result['samples_per_task']} samples, "
+             f"max {result['max_turns']} turns, {result['infra_failures']} infrastructure failures",
+             f"{'category':<{width}}  " + "  ".join(f"{c.replace('episodes_valid', 'episodes'):>12}" for c in cols)]
+    for name, r in rows:
+        lines.append(f"{name:<{width}}  " + "  ".join(
+            f"{r[c]:>12d}" if isinstance(r[c], int) else f"{r[c]:>12.3f}" for c in cols))
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The buffer: trajectories in, whole GRPO groups out, staleness-bounded, with backpressure."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from horizonrl.learner.advantages import grpo_outcome_advantages, token_advantages
+from horizonrl.learner.advantages import OUTCOME_ESTIMATORS, outcome_advantages, place_token_rewards, token_advantages
 from horizonrl.protocol import FAILURE_NONE, Batch, Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
 
@@ -22,12 +22,17 @@ PAD_TOKEN_ID = 0  # right padding: with causal attention it never influences rea
 
 @dataclass
 class Sample:
-    """One trajectory as tensors. token_ids/loss_mask/behaviour_logprobs: (L,); advantage: A_i."""
+    """One trajectory as tensors. token_ids/loss_mask/behaviour_logprobs/token_rewards: (L,).
+
+    ``advantage`` is the outcome estimators' A_i (grpo, rloo); the token-level estimators
+    (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0.
+    """
 
     token_ids: torch.Tensor
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     advantage: float
+    token_rewards: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,16 +50,18 @@ class MicroBatch:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
-    advantages: torch.Tensor  # (B, T): A_i broadcast over the generated tokens
+    advantages: torch.Tensor  # (B, T): A_t on generated tokens (outcome estimators: A_i broadcast)
     num_sequences: int
+    token_rewards: torch.Tensor | None = None  # (B, T): r_t on the last generated token of each turn
+    returns: torch.Tensor | None = None  # (B, T): the critic's target (gae)
 
     def to(self, device: torch.device) -> "MicroBatch":
+        def move(x):
+            return None if x is None else x.to(device)
+
         return MicroBatch(
-            self.input_ids.to(device),
-            self.loss_mask.to(device),
-            self.behaviour_logprobs.to(device),
-            self.advantages.to(device),
-            self.num_sequences,
+            self.input_ids.to(device), self.loss_mask.to(device), self.behaviour_logprobs.to(device),
+            self.advantages.to(device), self.num_sequences, move(self.token_rewards), move(self.returns),
         )
 
 
@@ -62,8 +69,9 @@ def trainable(trajectory: Trajectory) -> bool:
     return trajectory.failure == FAILURE_NONE
 
 
-def samples_from_batch(batch: Batch, norm_adv_by_std: bool) -> tuple[list[Sample], int]:
-    """GRPO advantages per group, then one Sample per trainable trajectory.
+def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo") -> tuple[list[Sample], int]:
+    """Outcome advantages per group (grpo, rloo), then one Sample per trainable trajectory;
+    every Sample also carries its per-token rewards for the token-level estimators.
 
     Trajectories with a failure are never trained on (the buffer filters them already; this
     is the defensive second line) and are left out of their group's baseline too.
@@ -76,8 +84,11 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool) -> tuple[list[Sample
         skipped += len(group) - len(members)
         if not members:
             continue
-        advantages = grpo_outcome_advantages(torch.tensor([t.reward for t in members]), norm_adv_by_std)
-        for trajectory, advantage in zip(members, advantages.tolist()):
+        if estimator in OUTCOME_ESTIMATORS:
+            advantages = outcome_advantages(torch.tensor([t.reward for t in members]), estimator, norm_adv_by_std).tolist()
+        else:
+            advantages = [0.0] * len(members)
+        for trajectory, advantage in zip(members, advantages):
             samples.append(_sample(trajectory, advantage))
     return samples, skipped
 
@@ -91,11 +102,14 @@ def _sample(trajectory: Trajectory, advantage: float) -> Sample:
             f"trajectory {trajectory.trajectory_id}: {len(token_ids)} tokens, {len(loss_mask)} mask entries, "
             f"{len(logprobs)} logprobs"
         )
+    mask = torch.from_numpy(loss_mask.astype("float32"))
+    mask[0] = 0  # the first token has no prediction
     return Sample(
         token_ids=torch.from_numpy(token_ids.astype("int64")),
-        loss_mask=torch.from_numpy(loss_mask.astype("float32")),
+        loss_mask=mask,
         behaviour_logprobs=torch.from_numpy(logprobs.copy()),
         advantage=advantage,
+        token_rewards=place_token_rewards(mask, trajectory.turn_spans, trajectory.turn_rewards, trajectory.reward),
     )
 
 
@@ -126,16 +140,20 @@ def collate(samples: list[Sample]) -> MicroBatch:
     input_ids = torch.full((len(samples), length), PAD_TOKEN_ID, dtype=torch.int64)
     loss_mask = torch.zeros(len(samples), length)
     logprobs = torch.zeros(len(samples), length)
+    rewards = torch.zeros(len(samples), length)
     for row, sample in enumerate(samples):
         n = sample.num_tokens
         input_ids[row, :n] = sample.token_ids
         loss_mask[row, :n] = sample.loss_mask
         logprobs[row, :n] = sample.behaviour_logprobs
+        if sample.token_rewards is not None:
+            rewards[row, :n] = sample.token_rewards
     loss_mask[:, 0] = 0  # the first token has no prediction
     advantages = token_advantages(torch.tensor([s.advantage for s in samples]), loss_mask)
-    return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples))
+    return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards)
 
 
 def empty_micro_batch() -> MicroBatch:
     zero = torch.zeros(1, 1)
-    return MicroBatch(torch.full((1, 1), PAD_TOKEN_ID, dtype=torch.int64), zero, zero.clone(), zero.clone(), 0)
+    return MicroBatch(torch.full((1, 1), PAD_TOKEN_ID, dtype=torch.int64), zero, zero.clone(), zero.clone(), 0,
+                      token_rewards=zero.clone())

@@ -4,14 +4,17 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 One loop, with named, timed phases:
 
     batch_wait   rank 0 asks the buffer for ``groups_per_step`` groups; all ranks get its bytes
-    step         GRPO advantages → micro-batches → clipped loss, backward, grad clip, AdamW
+    step         advantages (algorithm.adv_estimator) → micro-batches → loss, backward, grad clip,
+                 AdamW, LR schedule
     gather       the full state dict on rank 0 (a collective: every rank takes part)
+    save         every ``save_every`` steps and at the end: a Hugging Face checkpoint plus the full
+                 training state (DCP, see checkpoint.py), so that ``resume=`` continues exactly
     report       rank 0 pushes LearnerReport(step, weight_version = step) to the coordinator
     weight_sync  rank 0 broadcasts weight version ``step`` to the K actors' engines
-    save         every ``save_every`` steps and at the end: a Hugging Face checkpoint
 
 Version 0 is the initial weights, which the actors load from ``model.path`` themselves, so
-nothing is broadcast before the first step. Every trajectory of a batch is either trained on
+nothing is broadcast before the first step. A run resumed at step k broadcasts its weights as
+version k once the actors have joined. Every trajectory of a batch is either trained on
 or, if it carries a failure, skipped and counted (``batch/failed_skipped``).
 """
 
@@ -34,15 +37,19 @@ import torch.distributed as dist
 
 from horizonrl.config import TrainConfig
 from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
+from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
 from horizonrl.learner.model import (
     gather_full_state_dict,
+    load_critic,
     load_model,
+    load_reference,
     resolve_backend,
     save_hf_checkpoint,
     shard_model,
     weights_to_send,
 )
-from horizonrl.learner.train_step import optimizer_step
+from horizonrl.learner.train_step import AdvantageSettings, LossSettings, lr_multiplier, optimizer_step
+from horizonrl.schedule import TurnBudgetSchedule
 from horizonrl.protocol import Batch, LearnerReport, decode_as
 
 log = logging.getLogger("horizonrl.learner")
@@ -70,6 +77,44 @@ class RankInfo:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env["MASTER_PORT"]),
         )
+
+
+@dataclass
+class Trainables:
+    """What the optimizer steps touch, and what a checkpoint holds."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    reference: Any = None  # frozen π_ref (learner.use_kl_loss)
+    critic: Any = None  # value model (adv_estimator=gae)
+    critic_optimizer: Any = None
+    critic_scheduler: Any = None
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        return dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, critic=self.critic,
+                    critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
+
+
+def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
+    """Policy (+ reference, + critic), each FSDP-sharded, with AdamW and the LR schedule."""
+    lc = config.learner
+
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_multiplier(s, lc.lr_warmup_steps, lc.total_steps, lc.lr_schedule, lc.min_lr_ratio))
+
+    model = shard_model(load_model(config.model.path, config.model.dtype, device), device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+    out = Trainables(model, optimizer, schedule(optimizer))
+    if lc.use_kl_loss and lc.kl_loss_coef > 0:
+        out.reference = shard_model(load_reference(config.model.path, config.model.dtype, device), device.type)
+    if config.algorithm.adv_estimator == "gae":
+        out.critic = shard_model(load_critic(config.model.path, config.model.dtype, device), device.type)
+        out.critic_optimizer = torch.optim.AdamW(out.critic.parameters(), lr=config.algorithm.critic_lr or lc.lr,
+                                                 weight_decay=lc.weight_decay)
+        out.critic_scheduler = schedule(out.critic_optimizer)
+    return out
 
 
 @dataclass
@@ -123,6 +168,10 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     is_main = ranks.rank == 0
     backend = resolve_backend(lc.backend)
     device = _device(backend, ranks.local_rank)
+    if device.type == "cpu":
+        # The learner ranks and the actors' engines share this host's cores; oversubscribed
+        # torch threads run several times slower than one thread each.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks.world_size + config.rollout.num_actors)))
     torch.manual_seed(config.run.seed)
     dist.init_process_group(
         # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
@@ -141,9 +190,20 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         res.reports = ReportSender(res.context, net.endpoint(net.report_port))
 
     start = time.perf_counter()
-    model = shard_model(load_model(config.model.path, config.model.dtype, device), device.type)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-    log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s", config.model.path, ranks.world_size, backend, time.perf_counter() - start)
+    tr = build_trainables(config, device)
+    model = tr.model
+    log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
+             backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
+             " + critic" if tr.critic is not None else "")
+    step, state_dict = 0, {}
+    resume_from = resolve_resume(lc.resume, config.output_dir)
+    if resume_from is not None:
+        state = load_train_state(resume_from, **tr.checkpoint_parts())
+        step = int(state["step"])
+        if is_main:
+            res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
+        state_dict = gather_full_state_dict(model)  # collective; rank 0 sends it once the actors joined
+        log.info("resumed from %s at step %d", resume_from, step)
     if is_main:
         start = time.perf_counter()
         num_actors = config.rollout.num_actors
@@ -153,8 +213,11 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             backend="nccl" if backend == "nccl" else "gloo",
         )
         log.info("weight group formed with %d engines in %.1f s", num_actors, time.perf_counter() - start)
+        if step > 0:
+            broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
 
-    step, saved_step, state_dict, weight_sync_s, checkpoint = 0, -1, {}, 0.0, ""
+    loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
+    saved_step, weight_sync_s, checkpoint = step, 0.0, ""
     while step < lc.total_steps and not _all_agree_to_stop(stop):
         times: dict[str, float] = {}
         with _timed(times, "batch_wait"):
@@ -167,13 +230,18 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         batch = decode_as(payload, Batch)
 
         with _timed(times, "step"):
-            samples, failed = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo)
+            samples, failed = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
+                                                 config.algorithm.adv_estimator)
             micro_batches = micro_batches_for_rank(samples, ranks.rank, ranks.world_size, lc.micro_batch_size)
             loss_metrics = optimizer_step(
-                model, optimizer, micro_batches,
-                temperature=config.rollout.temperature, clip_ratio=lc.clip_ratio, grad_clip=lc.grad_clip,
-                num_loss_tokens=sum(s.num_loss_tokens for s in samples), device=device,
+                model, tr.optimizer, micro_batches, settings=loss_settings, grad_clip=lc.grad_clip,
+                num_loss_tokens=sum(s.num_loss_tokens for s in samples), num_sequences=len(samples), device=device,
+                advantage=adv_settings, reference=tr.reference, critic=tr.critic, critic_optimizer=tr.critic_optimizer,
             )
+            loss_metrics["optim/lr"] = tr.scheduler.get_last_lr()[0]
+            tr.scheduler.step()
+            if tr.critic_scheduler is not None:
+                tr.critic_scheduler.step()
         step += 1
         with _timed(times, "gather"):
             state_dict = gather_full_state_dict(model)
@@ -183,11 +251,11 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         counters["trajectories_trained"] += len(samples)
         counters["tokens_trained"] += num_tokens
         counters["failed_skipped"] += failed
-        if not is_main:
-            continue
         if lc.save_every and step % lc.save_every == 0 and step < lc.total_steps:
             with _timed(times, "save"):
-                checkpoint, saved_step = str(_save(config, model, state_dict, step)), step
+                checkpoint, saved_step = str(_save(config, tr, state_dict, step, res, ranks)), step
+        if not is_main:
+            continue
         metrics = {
             **loss_metrics,
             **batch_metrics(batch, learner_version=step - 1),
@@ -208,11 +276,11 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             sync["bytes"] / 1e6,
         )
 
+    if step > saved_step and step > 0:
+        start = time.perf_counter()
+        checkpoint = str(_save(config, tr, state_dict, step, res, ranks))
+        log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
     if is_main:
-        if step > saved_step and step > 0:
-            start = time.perf_counter()
-            checkpoint = str(_save(config, model, state_dict, step))
-            log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
         stopped_early = step < lc.total_steps
         res.reports.send(
             LearnerReport(step=step, weight_version=step, metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint, final=True)
@@ -244,9 +312,23 @@ def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
     return metrics
 
 
-def _save(config: TrainConfig, model, state_dict: dict[str, torch.Tensor], step: int) -> Path:
-    out_dir = config.output_dir / "checkpoints" / f"step_{step:06d}"
-    return save_hf_checkpoint(model.config, state_dict, config.model.path, out_dir)
+def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tensor], step: int, res: Resources,
+          ranks: RankInfo) -> Path:
+    """Collective: rank 0 writes the Hugging Face files, then every rank its share of the training state."""
+    out_dir = checkpoint_dir(config.output_dir, step)
+    if ranks.rank == 0:
+        save_hf_checkpoint(tr.model.config, state_dict, config.model.path, out_dir)
+    dist.barrier()
+    schedule = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
+    state = {
+        "step": step,
+        "weight_version": step,
+        "data_cursor": {"next_request_id": res.batches.next_request_id if res.batches is not None else 0,
+                        "batches_consumed": step},
+        "coordinator": {"learner_step": step, "next_max_turns": schedule.budget_after(step)},
+    }
+    save_train_state(out_dir, state=state, **tr.checkpoint_parts())
+    return out_dir
 
 
 def _all_agree_to_stop(stop: threading.Event) -> bool:

@@ -111,3 +111,38 @@ def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+class Critic(nn.Module):
+    """The value model for ``adv_estimator=gae``: the policy's transformer, initialised from
+    ``model.path`` as verl/AgentGym-RL's PPO critic is, with a scalar head (zero-initialised, so
+    every value starts at 0). It is sharded and trained by FSDP alongside the policy; its weights
+    never leave the learner (they are in the training-state checkpoints only)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.model = backbone  # named like the causal LM's trunk, so decoder_layers() finds its layers
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) -> (B, T) float32 values after reading tokens 0..t."""
+        hidden = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float().clone()  # not a view (FSDP2 hooks the output)
+
+
+def load_critic(path: str, dtype: str, device: torch.device) -> Critic:
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attention_implementation(device))
+    backbone.config.use_cache = False
+    return Critic(backbone, backbone.config.hidden_size).to(getattr(torch, dtype))
+
+
+def load_reference(path: str, dtype: str, device: torch.device) -> nn.Module:
+    """A frozen copy of the starting policy for the KL loss: sharded like the policy, never trained."""
+    model = load_model(path, dtype, device)
+    model.requires_grad_(False)
+    model.eval()
+    return model

@@ -1,17 +1,135 @@
-"""One optimizer step over a rank's micro-batches: forward, clipped loss, backward, clip, step."""
+"""One optimizer step over a rank's micro-batches: advantages, forward, loss, backward, clip, step.
+
+    advantages   grpo/rloo: already on the micro-batches (per trajectory);
+                 reinforce_plus_plus: discounted returns, whitened over the whole batch;
+                 gae: the critic's values (no-grad forward), GAE, whitened over the whole batch
+    loss         per micro-batch: clipped policy loss − β·entropy + kl_coef·KL(π‖π_ref)
+                 (+ vf_coef·½(V − R)² for the critic), aggregated with the step's global weights
+    update       grad clip and AdamW step for the policy (and the critic), then the LR schedule
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from horizonrl.learner.advantages import discounted_returns, gae_advantages, masked_moments, whiten
 from horizonrl.learner.batching import MicroBatch
-from horizonrl.learner.policy_loss import PolicyLossStats, ppo_clip_loss, token_logprobs_and_entropy
+from horizonrl.learner.policy_loss import (
+    ClipSettings,
+    PolicyLossStats,
+    aggregation_weights,
+    clipped_policy_loss,
+    kl_penalty,
+    token_logprobs_and_entropy,
+)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    temperature: float = 1.0
+    clip: ClipSettings = ClipSettings()
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0  # 0: no reference model
+    kl_loss_type: str = "low_var_kl"
+    vf_coef: float = 0.5
+
+    @classmethod
+    def from_config(cls, config) -> "LossSettings":
+        lc = config.learner
+        return cls(
+            temperature=config.rollout.temperature,
+            clip=ClipSettings(lc.clip_low, lc.clip_high, lc.clip_ratio_c, lc.decoupled_loss, lc.behav_imp_weight_cap),
+            loss_agg_mode=lc.loss_agg_mode,
+            entropy_coeff=lc.entropy_coeff,
+            kl_loss_coef=lc.kl_loss_coef if lc.use_kl_loss else 0.0,
+            kl_loss_type=lc.kl_loss_type,
+            vf_coef=config.algorithm.vf_coef,
+        )
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_gae: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> "AdvantageSettings":
+        a = config.algorithm
+        return cls(a.adv_estimator, a.gamma, a.lam, a.whiten_gae_advantages)
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
+    """The learning-rate factor for optimizer step ``step`` (0-based: the number of steps already taken).
+
+    warm-up (step < W):  (step + 1) / W
+    then, with p = (step − W) / max(1, total − W) in [0, 1]:
+        constant  1
+        linear    1 − (1 − m) p
+        cosine    m + (1 − m) · ½ (1 + cos π p)          (SGDR, arXiv 1608.03983, eq. 5, one cycle)
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_schedule {schedule!r}")
+
+
+def critic_values(critic: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) V_t: the value of the state in which token t is generated, i.e. the critic's
+    output at position t − 1 (the same position whose logits predict token t). V_0 = 0."""
+    v = critic(input_ids)  # (B, T): value after reading tokens 0..t
+    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+def prepare_advantages(micro_batches: list[MicroBatch], adv: AdvantageSettings, critic: nn.Module | None,
+                       device: torch.device) -> None:
+    """Fill ``advantages`` (and ``returns`` for gae) of this rank's micro-batches in place.
+
+    Whitening uses the moments of the whole step (all micro-batches on all ranks), so the
+    result does not depend on how the batch is split. A collective: every rank calls it.
+    """
+    if adv.estimator not in ("reinforce_plus_plus", "gae"):
+        return
+    moments = torch.zeros(3, dtype=torch.float64)
+    for mb in micro_batches:
+        rewards = mb.token_rewards.float()
+        if adv.estimator == "reinforce_plus_plus":
+            mb.advantages = discounted_returns(rewards, mb.loss_mask, adv.gamma)
+        else:
+            with torch.no_grad():
+                values = critic_values(critic, mb.input_ids.to(device)).float().cpu()
+            mb.advantages, mb.returns = gae_advantages(rewards, values * mb.loss_mask, mb.loss_mask, adv.gamma, adv.lam)
+        moments += masked_moments(mb.advantages, mb.loss_mask)
+    if adv.estimator == "gae" and not adv.whiten_gae:
+        for mb in micro_batches:
+            mb.advantages = mb.advantages * mb.loss_mask
+        return
+    dist.all_reduce(moments, op=dist.ReduceOp.SUM)
+    for mb in micro_batches:
+        mb.advantages = whiten(mb.advantages, mb.loss_mask, moments)
 
 
 def micro_batch_loss(
-    model: nn.Module, micro_batch: MicroBatch, temperature: float, clip_ratio: float, num_loss_tokens: int
+    model: nn.Module,
+    micro_batch: MicroBatch,
+    settings: LossSettings,
+    num_loss_tokens: int,
+    num_sequences: int,
+    reference: nn.Module | None = None,
+    critic: nn.Module | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Forward on the full token sequences; the loss at generated tokens only.
 
@@ -21,18 +139,36 @@ def micro_batch_loss(
     """
     logits = model(input_ids=micro_batch.input_ids, use_cache=False).logits  # (B, T, V)
     selected = micro_batch.loss_mask[:, 1:].bool()  # (B, T-1)
-    logprobs, entropy = token_logprobs_and_entropy(
-        logits[:, :-1][selected], micro_batch.input_ids[:, 1:][selected], temperature
-    )  # (N_mb,)
-    loss, stats = ppo_clip_loss(
-        logprobs,
-        micro_batch.behaviour_logprobs[:, 1:][selected],
-        micro_batch.advantages[:, 1:][selected],
-        torch.ones_like(logprobs),
-        clip_ratio,
-        num_loss_tokens,
+    targets = micro_batch.input_ids[:, 1:][selected]
+    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1][selected], targets, settings.temperature)  # (N_mb,)
+    weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences)
+    w = weights[:, 1:][selected]  # (N_mb,)
+
+    pg, diag = clipped_policy_loss(
+        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected], settings.clip
     )
+    loss = (w * pg).sum() - settings.entropy_coeff * (w * entropy).sum()
+    stats = PolicyLossStats.from_tokens(pg, diag["ratio"], diag["clipped"])
     stats.entropy_sum = float(entropy.detach().sum())
+
+    if reference is not None:
+        with torch.no_grad():
+            ref_logits = reference(input_ids=micro_batch.input_ids, use_cache=False).logits
+            ref_logprobs, _ = token_logprobs_and_entropy(ref_logits[:, :-1][selected], targets, settings.temperature)
+        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_loss_type)
+        loss = loss + settings.kl_loss_coef * (w * kl).sum()
+        stats.kl_ref_sum = float(kl.detach().sum())
+
+    if critic is not None:
+        values = critic_values(critic, micro_batch.input_ids)[:, 1:][selected].float()
+        target = micro_batch.returns[:, 1:][selected]
+        value_loss = 0.5 * (values - target) ** 2  # ½ (V_t − R_t)²   (one update per batch: no value clipping)
+        loss = loss + settings.vf_coef * (w * value_loss).sum()
+        with torch.no_grad():
+            stats.value_loss_sum = float(value_loss.sum())
+            stats.value_error_sq_sum = float(((target - values) ** 2).sum())
+            stats.return_sum = float(target.sum())
+            stats.return_sq_sum = float((target * target).sum())
     return loss, stats
 
 
@@ -41,31 +177,48 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     micro_batches: list[MicroBatch],
     *,
-    temperature: float,
-    clip_ratio: float,
+    settings: LossSettings,
     grad_clip: float,
     num_loss_tokens: int,
+    num_sequences: int,
     device: torch.device,
+    advantage: AdvantageSettings = AdvantageSettings(),
+    reference: nn.Module | None = None,
+    critic: nn.Module | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
     """Accumulate the step's gradient over this rank's micro-batches, clip it and step.
 
-    Every rank passes the same ``num_loss_tokens`` N (the whole step's), so Σ_ranks Σ_mb
-    loss_mb = L^CLIP exactly. FSDP averages gradients over the W ranks; the ×W undoes that
-    average, so the update does not depend on W. Returns metrics reduced over all ranks.
+    Every rank passes the same step-wide counts (``num_loss_tokens`` N, ``num_sequences`` S),
+    so Σ_ranks Σ_mb loss_mb is the step's loss exactly. FSDP averages gradients over the W
+    ranks; the ×W undoes that average, so the update does not depend on W. Returns metrics
+    reduced over all ranks.
     """
     world_size = dist.get_world_size()
+    prepare_advantages(micro_batches, advantage, critic, device)
     optimizer.zero_grad(set_to_none=True)
+    if critic_optimizer is not None:
+        critic_optimizer.zero_grad(set_to_none=True)
     stats = PolicyLossStats()
     for micro_batch in micro_batches:
-        loss, mb_stats = micro_batch_loss(model, micro_batch.to(device), temperature, clip_ratio, num_loss_tokens)
+        loss, mb_stats = micro_batch_loss(model, micro_batch.to(device), settings, num_loss_tokens, num_sequences,
+                                          reference, critic)
         (loss * world_size).backward()
         stats.add(mb_stats)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
+    metrics = {"grad/norm": _clip(model, grad_clip)}
     optimizer.step()
+    if critic is not None and critic_optimizer is not None:
+        metrics["grad/critic_norm"] = _clip(critic, grad_clip)
+        critic_optimizer.step()
     stats = all_reduce_stats(stats)
-    return {**stats.metrics(), "grad/norm": float(grad_norm)}
+    return {**stats.metrics(), **metrics}
+
+
+def _clip(module: nn.Module, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def all_reduce_stats(stats: PolicyLossStats) -> PolicyLossStats:

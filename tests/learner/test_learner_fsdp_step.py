@@ -19,27 +19,50 @@ pytestmark = pytest.mark.slow
 MICRO_BATCH_SIZE = 3  # 7 trainable trajectories: W=1 runs 3 micro-batches; W=2 shares 4 + 3, so one rank pads with an empty one
 
 
-def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: str, variant: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
-    from horizonrl.learner.model import gather_full_state_dict, load_model, shard_model, weights_to_send
-    from horizonrl.learner.train_step import optimizer_step
+    from horizonrl.learner.model import gather_full_state_dict, load_critic, load_model, load_reference, shard_model, weights_to_send
+    from horizonrl.learner.policy_loss import ClipSettings
+    from horizonrl.learner.train_step import AdvantageSettings, LossSettings, optimizer_step
 
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         model = shard_model(load_model(model_dir, "float32", torch.device("cpu")), "cpu")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        samples, failed = samples_from_batch(Batch(request_id=1, groups=groups()), norm_adv_by_std=True)
+        cpu = torch.device("cpu")
+        estimator, extra = "grpo", {}
+        settings = LossSettings(temperature=0.8, clip=ClipSettings(0.2, 0.2))
+        if variant == "gae_kl_entropy":
+            # the critic, the frozen reference, asymmetric clip, entropy bonus, seq-mean: all under FSDP
+            estimator = "gae"
+            critic = shard_model(load_critic(model_dir, "float32", cpu), "cpu")
+            extra = dict(
+                advantage=AdvantageSettings("gae", gamma=0.95, lam=0.9),
+                reference=shard_model(load_reference(model_dir, "float32", cpu), "cpu"),
+                critic=critic, critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3),
+            )
+            settings = LossSettings(temperature=0.8, clip=ClipSettings(0.1, 0.3), loss_agg_mode="seq-mean-token-mean",
+                                    entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+        elif variant == "reinforce_plus_plus":
+            estimator, extra = variant, dict(advantage=AdvantageSettings(variant, gamma=0.99))
+        samples, failed = samples_from_batch(Batch(request_id=1, groups=groups()), True, estimator)
         assert failed == 1 and len(samples) == 7
         micro_batches = micro_batches_for_rank(samples, rank, world_size, MICRO_BATCH_SIZE)
         metrics = optimizer_step(
-            model, optimizer, micro_batches, temperature=0.8, clip_ratio=0.2, grad_clip=1.0,
-            num_loss_tokens=sum(s.num_loss_tokens for s in samples), device=torch.device("cpu"),
+            model, optimizer, micro_batches, settings=settings, grad_clip=1.0,
+            num_loss_tokens=sum(s.num_loss_tokens for s in samples), num_sequences=len(samples), device=cpu, **extra,
         )
+        if variant == "gae_kl_entropy":  # a second step: the critic has learned, the KL is no longer 0
+            metrics = optimizer_step(
+                model, optimizer, micro_batches_for_rank(samples, rank, world_size, MICRO_BATCH_SIZE), settings=settings,
+                grad_clip=1.0, num_loss_tokens=sum(s.num_loss_tokens for s in samples), num_sequences=len(samples),
+                device=cpu, **extra,
+            )
         state_dict = gather_full_state_dict(model)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in weights_to_send(model.config, state_dict)}, str(Path(out_dir) / "weights.safetensors"))
@@ -48,11 +71,11 @@ def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: st
         dist.destroy_process_group()
 
 
-def _run(world_size: int, model_dir: Path, out_dir: Path) -> dict:
+def _run(world_size: int, model_dir: Path, out_dir: Path, variant: str = "grpo") -> dict:
     out_dir.mkdir()
     ctx = mp.get_context("spawn")
     port = free_port()
-    processes = [ctx.Process(target=_one_step, args=(rank, world_size, port, str(model_dir), str(out_dir))) for rank in range(world_size)]
+    processes = [ctx.Process(target=_one_step, args=(rank, world_size, port, str(model_dir), str(out_dir), variant)) for rank in range(world_size)]
     for process in processes:
         process.start()
     try:
@@ -69,14 +92,18 @@ def _run(world_size: int, model_dir: Path, out_dir: Path) -> dict:
     return {"weights": load_file(str(out_dir / "weights.safetensors")), "metrics": json.loads((out_dir / "metrics.json").read_text())}
 
 
-def test_two_ranks_equal_one(tmp_path):
+@pytest.mark.parametrize("variant", ["grpo", "reinforce_plus_plus", "gae_kl_entropy"])
+def test_two_ranks_equal_one(tmp_path, variant):
     import torch
     from safetensors.torch import load_file
 
     model_dir = build_tiny_model(tmp_path / "model")
-    one = _run(1, model_dir, tmp_path / "w1")
-    two = _run(2, model_dir, tmp_path / "w2")
+    one = _run(1, model_dir, tmp_path / "w1", variant)
+    two = _run(2, model_dir, tmp_path / "w2", variant)
     assert one["metrics"].pop("micro_batches") == 3 and two["metrics"].pop("micro_batches") == 2
+    if variant == "gae_kl_entropy":
+        assert one["metrics"]["loss/kl_ref"] > 0 and "loss/value" in one["metrics"]
+        assert one["metrics"]["grad/critic_norm"] > 0
 
     initial = load_file(str(model_dir / "model.safetensors"))
     assert set(one["weights"]) >= set(initial)

@@ -1,0 +1,102 @@
+"""The full training state, saved with torch distributed checkpointing (DCP) and restored exactly.
+
+A checkpoint directory ``<output_dir>/checkpoints/step_N/`` holds
+
+    config.json, model.safetensors, tokenizer files   the policy as a Hugging Face model (rank 0)
+    train_state/                                       DCP: policy + optimizer (+ critic + its optimizer),
+                                                       each rank writes its own shards
+    rng/rank_<r>.pt                                    each rank's torch RNG state
+    train_state.json                                   learner step, LR schedule, data cursor, the
+                                                       coordinator's schedule state; written LAST, so
+                                                       its presence marks a complete checkpoint
+
+What a resumed run needs to be indistinguishable from one that never stopped: the weights and
+AdamW moments (DCP), the LR schedule's position, the RNG, the learner step (which is also the
+weight version and, through :class:`~horizonrl.schedule.TurnBudgetSchedule`, the turn budget)
+and the data cursor (the next batch request id).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from horizonrl.run_dirs import STATE_FILE, checkpoint_dir, latest_checkpoint, read_state, resolve_resume
+
+__all__ = ["STATE_FILE", "checkpoint_dir", "latest_checkpoint", "load_train_state", "read_state", "resolve_resume",
+           "save_train_state"]
+
+
+def _modules(model, optimizer, critic, critic_optimizer) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+    out = {"policy": (model, optimizer)}
+    if critic is not None:
+        out["critic"] = (critic, critic_optimizer)
+    return out
+
+
+def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, state: dict[str, Any],
+                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None) -> None:
+    """Collective: every rank calls it after rank 0 wrote the Hugging Face files into ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = Path(path)
+    to_save = {}
+    for name, (module, optim) in _modules(model, optimizer, critic, critic_optimizer).items():
+        model_sd, optim_sd = get_state_dict(module, optim)
+        to_save[name] = {"model": model_sd, "optim": optim_sd}
+    dcp.save(to_save, checkpoint_id=str(path / "train_state"))
+    (path / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), path / "rng" / f"rank_{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        full = {**state, "lr_scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+        if critic_scheduler is not None:
+            full["critic_lr_scheduler"] = critic_scheduler.state_dict()
+        tmp = path / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(full, indent=1))
+        tmp.rename(path / STATE_FILE)
+    dist.barrier()
+
+
+def load_train_state(path: Path, *, model: nn.Module, optimizer, scheduler,
+                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None) -> dict[str, Any]:
+    """Collective: restore everything :func:`save_train_state` saved; returns the JSON state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    state = read_state(path)
+    modules = _modules(model, optimizer, critic, critic_optimizer)
+    to_load = {}
+    for name, (module, optim) in modules.items():
+        model_sd, optim_sd = get_state_dict(module, optim)
+        to_load[name] = {"model": model_sd, "optim": optim_sd}
+    dcp.load(to_load, checkpoint_id=str(path / "train_state"))
+    for name, (module, optim) in modules.items():
+        set_state_dict(module, optim, model_state_dict=to_load[name]["model"], optim_state_dict=to_load[name]["optim"])
+    scheduler.load_state_dict(state["lr_scheduler"])
+    if critic_scheduler is not None and "critic_lr_scheduler" in state:
+        critic_scheduler.load_state_dict(state["critic_lr_scheduler"])
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return state
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,175 @@
+"""A learner stopped at step k and resumed from its checkpoint matches one that never stopped.
+
+Real learner process (W=1, gloo, FSDP2) against a test-owned buffer that serves a FIXED batch
+per learner version, so both runs see the same data at the same step. The run trains with the
+critic (gae), the KL reference, warm-up + cosine LR, so model, critic, both optimizers, both LR
+schedules and the data cursor must all come back for the losses to match.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from horizonrl.protocol import Batch, LearnerReport, decode, encode
+from horizonrl.protocol.transport import free_port, make_socket
+from horizonrl.run_dirs import latest_checkpoint, read_state, resolve_resume, resumed_step
+
+from learner_fixtures import build_tiny_model, groups
+from test_learner_main_loop import _fake_actor, _learner
+
+TOTAL_STEPS = 4
+STOP_AT = 2
+
+
+class FixedBuffer(threading.Thread):
+    """Answers a BatchRequest with the batch for its learner version; ignores requests past ``serve_up_to``."""
+
+    def __init__(self, context: zmq.Context, port: int, serve_up_to: int) -> None:
+        super().__init__(daemon=True)
+        self.socket = make_socket(context, zmq.ROUTER)
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.serve_up_to = serve_up_to
+        self.requests = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                if not self.socket.poll(100):
+                    continue
+                identity, payload = self.socket.recv_multipart()
+                request = decode(payload)
+                self.requests.append(request)
+                if request.learner_version >= self.serve_up_to:
+                    continue
+                batch = Batch(request_id=request.request_id, groups=groups(seed=100 + request.learner_version))
+                self.socket.send_multipart([identity, encode(batch)])
+        finally:
+            self.socket.close(linger=0)
+
+
+def _config(out_dir: Path, model_dir: Path, ports: dict, resume: str | None) -> dict:
+    return {
+        "run": {"output_dir": str(out_dir), "log_level": "INFO", "seed": 3},
+        "model": {"path": str(model_dir)},
+        "envs": [{"name": "fake"}],
+        "rollout": {"num_actors": 1, "n": 4, "temperature": 0.9},
+        "algorithm": {"adv_estimator": "gae", "gamma": 0.95, "lam": 0.9,
+                      "rounds_ctrl": {"type": "scaling_inter_stepwise", "rounds": [2, 3, 4, 5], "steps_scaling_inter": 1}},
+        "learner": {
+            "total_steps": TOTAL_STEPS, "groups_per_step": 2, "lr": 1e-3, "micro_batch_size": 4, "save_every": STOP_AT,
+            "lr_warmup_steps": 1, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "use_kl_loss": True,
+            "kl_loss_coef": 0.05, "entropy_coeff": 0.01, "clip_ratio_high": 0.28,
+            "batch_timeout_s": 60, "weight_sync_timeout_s": 90, "resume": resume,
+        },
+        "network": {"host": "127.0.0.1", **{n: free_port() for n in (
+            "control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port")}},
+    }
+
+
+def _run(out_dir: Path, model_dir: Path, serve_up_to: int, resume: str | None = None, stop_after: int | None = None):
+    """One learner process; returns its reports. With ``stop_after``, SIGTERM it once that step is reported."""
+    cfg = _config(out_dir, model_dir, {}, resume)
+    ports = cfg["network"]
+    context = zmq.Context()
+    buffer = FixedBuffer(context, ports["batch_port"], serve_up_to)
+    buffer.start()
+    pull = make_socket(context, zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{ports['report_port']}")
+    ctx = mp.get_context("spawn")
+    actor = ctx.Process(target=_fake_actor, args=(ports["weight_port"], str(out_dir)))
+    learner = ctx.Process(target=_learner, args=(cfg, ports["dist_port"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    actor.start()
+    learner.start()
+    reports = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(r.final for r in reports):
+            if pull.poll(200):
+                message = decode(pull.recv())
+                if isinstance(message, LearnerReport):
+                    reports.append(message)
+                    if stop_after is not None and message.step == stop_after and not message.final:
+                        while len(buffer.requests) <= stop_after and time.monotonic() < deadline:
+                            time.sleep(0.05)  # it is waiting for the batch it will never get
+                        os.kill(learner.pid, signal.SIGTERM)
+        learner.join(60)
+        assert learner.exitcode == 0
+        return reports, buffer.requests
+    finally:
+        for process in (learner, actor):
+            if process.is_alive():
+                process.kill()
+            process.join(10)
+        buffer.done.set()
+        buffer.join(5)
+        pull.close(linger=0)
+        context.term()
+
+
+KEYS = ("loss/policy", "loss/value", "loss/kl_ref", "loss/entropy", "ratio/mean", "grad/norm", "grad/critic_norm", "optim/lr")
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_uninterrupted_run(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    straight, _ = _run(tmp_path / "straight", model_dir, serve_up_to=TOTAL_STEPS)
+
+    first, _ = _run(tmp_path / "split", model_dir, serve_up_to=STOP_AT, stop_after=STOP_AT)
+    assert [r.step for r in first if not r.final] == [1, 2] and first[-1].final and first[-1].step == STOP_AT
+    checkpoint = latest_checkpoint(tmp_path / "split")
+    assert checkpoint is not None and checkpoint.name == f"step_{STOP_AT:06d}"
+    state = read_state(checkpoint)
+    assert state["step"] == STOP_AT and state["data_cursor"]["next_request_id"] == STOP_AT + 1  # requests 1, 2 answered
+    assert (checkpoint / "train_state" / ".metadata").is_file() and (checkpoint / "model.safetensors").is_file()
+
+    resumed, requests = _run(tmp_path / "split", model_dir, serve_up_to=TOTAL_STEPS, resume="auto")
+    assert [r.step for r in resumed if not r.final] == [3, 4]
+    assert requests[0].learner_version == STOP_AT and requests[0].request_id == STOP_AT + 1
+
+    by_step = {r.step: r.metrics for r in straight if not r.final}
+    for report in resumed:
+        if report.final:
+            continue
+        for key in KEYS:
+            assert report.metrics[key] == pytest.approx(by_step[report.step][key], rel=1e-4, abs=1e-6), (report.step, key)
+
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000004" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoints" / "step_000004" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_turn_budget_after_resume_is_the_uninterrupted_one(tmp_path):
+    """The coordinator's budget is a pure function of the completed step it reads from the checkpoint."""
+    from horizonrl.config import RoundsCtrlConfig
+    from horizonrl.schedule import TurnBudgetSchedule
+
+    schedule = TurnBudgetSchedule.from_config(RoundsCtrlConfig(type="scaling_inter_stepwise", rounds=[2, 3, 4, 5],
+                                                               steps_scaling_inter=2))
+    for k in range(0, 9):
+        ckpt = tmp_path / "checkpoints" / f"step_{k:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "train_state.json").write_text(f'{{"step": {k}}}')
+        assert resumed_step("auto", tmp_path) == k
+        # continuing from k: the budget of every later step equals the uninterrupted run's
+        uninterrupted = [schedule.budget_after(s) for s in range(12)]
+        assert [schedule.budget_after(s) for s in range(resumed_step(str(ckpt), tmp_path), 12)] == uninterrupted[k:]
+    assert resumed_step(None, tmp_path) == 0
+    assert resolve_resume("auto", tmp_path / "nothing") is None
+    (tmp_path / "checkpoints" / "step_000099").mkdir()  # incomplete: no train_state.json
+    assert latest_checkpoint(tmp_path).name == "step_000008"
+    with pytest.raises(FileNotFoundError):
+        resolve_resume(str(tmp_path / "checkpoints" / "step_000099"), tmp_path)
