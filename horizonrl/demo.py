@@ -17,6 +17,8 @@ from horizonrl.config import TrainConfig, load_config
 from horizonrl.schedule import TurnBudgetSchedule
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+# The recipe the integration tests use too: 1,500 random-policy episodes, 200 warm-up steps.
+TINY_MODEL_RECIPE = dict(episodes_per_env=1500, warmup_steps=200, max_turns=6)
 
 
 def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
@@ -63,7 +65,7 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     model_dir = Path(config.model.path)
     print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
     ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),
-                      env_settings={s.name: dict(s.settings) for s in config.envs})
+                      env_settings={s.name: dict(s.settings) for s in config.envs}, **TINY_MODEL_RECIPE)
 
     print(f"[demo] held-out success of the starting policy ({config.eval.episodes} episodes per env)...", flush=True)
     before = held_out_success(str(model_dir), config)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from horizonrl.chat import ChatTokenizer
 
 # Bump when the recipe changes so that ``ensure_tiny_model`` rebuilds stale directories.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: Signpost's random replies restate the sign in a ReAct thought
 SPEC_FILE = "horizonrl_tiny_model.json"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -11,6 +11,9 @@ import time
 from horizonrl.protocol import Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 
+# BabyAI as the tiny model can play it: one easy level, text like DESIGN.md's prototype.
+BABYAI_SETTINGS = {"levels": ["BabyAI-GoToRedBallNoDists-v0"], "high_level_actions": False, "observation": "compact"}
+
 
 def make_trajectory(group_id: str, index: int, *, reward: float = 0.0, group_size: int = 4, version: int = 0,
                     failure: str = "", tokens: int = 12) -> Trajectory:

@@ -56,8 +56,9 @@ async def play(replies, env=None, max_turns=10, version=lambda: 7):
 def signs(task_id=3, length=2):
     import random
 
+    env = SignpostEnv(length=length)
     rng = random.Random(task_id)
-    return [rng.choice(("left", "right", "straight")) for _ in range(length)]
+    return rng.choices(("left", "right", "straight"), weights=env._sign_weights, k=length)
 
 
 async def test_tokens_masks_and_logprobs_stay_aligned_and_append_only():

@@ -8,6 +8,11 @@ the turn budget (about 0.10 for length 4 in 6 turns), while the learnable rule (
 sign, follow it) succeeds always — so a rise in success shows that learning happened and
 that the new weights reached the actors. The turn budget matters: fewer turns, fewer
 chances to recover from a wrong guess.
+
+Replies are ReAct (``Thought: … Action: …``). The random policy's replies (``random_action``,
+used for the tiny model's format warm-up) restate what the agent sees in the thought and
+then pick a uniformly random action: the warm-up teaches the format and the perception,
+never the decision. ``straight_share`` sets how many signs point straight (default 1/3).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ INSTRUCTION = "Follow the signs to the exit. Actions: go left, go right, go stra
 class SignpostEnv:
     name = "signpost"
 
-    def __init__(self, length: int = 4, num_tasks: int = 10_000) -> None:
-        if length < 1 or num_tasks < 2:
-            raise ValueError("signpost needs length >= 1 and num_tasks >= 2")
+    def __init__(self, length: int = 4, num_tasks: int = 10_000, straight_share: float = 1 / 3) -> None:
+        if length < 1 or num_tasks < 2 or not 0.0 <= straight_share <= 1.0:
+            raise ValueError("signpost needs length >= 1, num_tasks >= 2 and 0 <= straight_share <= 1")
         self.length = length
         self.num_tasks = num_tasks
+        turn = (1.0 - straight_share) / 2
+        self._sign_weights = (turn, turn, straight_share)  # in DIRECTIONS order
         self._signs: list[str] = []
         self._progress = 0
         self._done = True
@@ -37,7 +44,7 @@ class SignpostEnv:
         if not 0 <= task_id < self.num_tasks:
             raise ValueError(f"signpost task id {task_id} is outside 0..{self.num_tasks - 1}")
         rng = random.Random(task_id)
-        self._signs = [rng.choice(DIRECTIONS) for _ in range(self.length)]
+        self._signs = rng.choices(DIRECTIONS, weights=self._sign_weights, k=self.length)
         self._progress = 0
         self._done = False
         return f"{INSTRUCTION}\n{self._sign_text()}"
@@ -75,7 +82,8 @@ class SignpostEnv:
         return f"length-{self.length}"
 
     def random_action(self, rng: random.Random) -> str:
-        return f"Action: {rng.choice(ACTIONS)}"
+        sign = self._signs[self._progress] if not self._done else rng.choice(DIRECTIONS)
+        return f"Thought: The sign points {sign}.\nAction: {rng.choice(ACTIONS)}"
 
     def _sign_text(self) -> str:
         return f"A sign points {self._signs[self._progress]}."

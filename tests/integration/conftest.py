@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import BABYAI_SETTINGS
 
 REPO = Path(__file__).resolve().parents[2]
 # Built once and reused across sessions while the recipe and arguments match (its spec file says so).
@@ -16,3 +17,12 @@ def tiny_model() -> Path:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return Path(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))
+
+
+
+@pytest.fixture(scope="session")
+def babyai_tiny_model() -> Path:
+    from horizonrl.tiny_model import ensure_tiny_model
+
+    return Path(ensure_tiny_model(REPO / ".cache" / "tiny-babyai", envs=("babyai",), env_settings={"babyai": BABYAI_SETTINGS},
+                                  episodes_per_env=600, warmup_steps=150, max_turns=15))

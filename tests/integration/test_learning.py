@@ -21,13 +21,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
 EVAL_EPISODES = 100
-MAX_TURNS = 6
+MAX_TURNS = 2
 
 
 def held_out(model: Path, tmp_path: Path, label: str) -> dict:
     out = subprocess.run(horizonrl_cmd("eval", "--model", str(model), "--env", "signpost",
-                                       "--env-settings", '{"length": 4}', "--episodes", str(EVAL_EPISODES),
-                                       "--max-turns", str(MAX_TURNS), "--max-tokens-per-turn", "16",
+                                       "--env-settings", '{"length": 2}', "--episodes", str(EVAL_EPISODES),
+                                       "--max-turns", str(MAX_TURNS), "--max-tokens-per-turn", "24",
                                        "--max-context-tokens", "512"),
                          capture_output=True, text=True, timeout=300)
     (tmp_path / f"eval-{label}.log").write_text(out.stdout + out.stderr)
