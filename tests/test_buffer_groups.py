@@ -38,7 +38,7 @@ def test_every_trajectory_is_accounted_for():
     assert len(batch[0]) == 2  # the two healthy members of the group with infra failures
     served = sum(len(g) for g in batch)
     assert served + sum(buf.dropped.values()) + buf.held_trajectories() == buf.received
-    assert buf.dropped == {"equal_rewards": 4, "infra_failure": 2, "stale": 4}
+    assert buf.dropped == {"equal_rewards": 4, "infra_failure": 2, "stale": 4}  # kept aside, then too stale
 
 
 def test_backpressure_flag_and_group_timeout():
@@ -58,3 +58,16 @@ def test_group_with_one_survivor_is_dropped():
     buf = make_buffer()
     add_group(buf, "g", [1, 0, 0], failures=(1, 2))
     assert buf.ready_groups == 0 and buf.dropped["group_too_small"] == 1
+
+
+def test_equal_reward_groups_fill_a_starved_request_only_when_allowed():
+    buf = make_buffer(capacity_groups=2)
+    add_group(buf, "all-solved-1", [1, 1])
+    add_group(buf, "all-solved-2", [1, 1])
+    add_group(buf, "all-solved-3", [1, 1])  # evicts the oldest kept-aside group
+    add_group(buf, "useful", [1, 0])
+    assert buf.take(2, learner_version=0) is None
+    batch = buf.take(2, learner_version=0, allow_equal=True)
+    assert [g[0].group_id for g in batch] == ["useful", "all-solved-3"]
+    assert buf.dropped["equal_rewards"] == 2 and buf.served_equal_groups == 1
+    assert buf.served_trajectories + sum(buf.dropped.values()) + buf.held_trajectories() == buf.received

@@ -4,12 +4,18 @@ Invariant: every trajectory that enters ``add`` is, at any moment, exactly one o
 (a) waiting in an incomplete group, (b) in a complete group waiting for the learner,
 (c) handed to the learner in a batch, or (d) dropped and counted under one reason in
 ``dropped`` (infrastructure failure, stale, equal rewards, group timeout, group too small).
+
+Groups whose rewards are all equal carry no GRPO signal and are skipped, but the newest of
+them are kept aside: once the policy solves (or fails) nearly every task, informative groups
+become rare, and a learner waiting only for them would starve. When a request has waited
+long enough, ``take(..., allow_equal=True)`` tops the batch up with those groups (their
+advantages are zero; the step still advances the schedule and the weight version).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from horizonrl.protocol import FAILURE_NONE, Trajectory
@@ -51,10 +57,12 @@ class GroupBuffer:
         self._clock = clock
         self._pending: dict[str, _PendingGroup] = {}
         self._ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self._equal: deque[list[Trajectory]] = deque()  # newest equal-reward groups, at most capacity
         self.dropped: Counter[str] = Counter()
         self.received = 0
         self.served_groups = 0
         self.served_trajectories = 0
+        self.served_equal_groups = 0
 
     # ---- intake -------------------------------------------------------------------
     @property
@@ -82,7 +90,9 @@ class GroupBuffer:
             self.dropped[DROP_TOO_SMALL] += len(members)
             return
         if self.skip_equal_reward_groups and len({t.reward for t in members}) == 1:
-            self.dropped[DROP_EQUAL_REWARDS] += len(members)
+            self._equal.append(members)
+            if len(self._equal) > self.capacity_groups:
+                self.dropped[DROP_EQUAL_REWARDS] += len(self._equal.popleft())
             return
         self._ready[group_id] = members
 
@@ -96,13 +106,27 @@ class GroupBuffer:
     def drop_stale(self, learner_version: int) -> None:
         for gid in [g for g, m in self._ready.items() if self._staleness(m, learner_version) > self.max_staleness]:
             self.dropped[DROP_STALE] += len(self._ready.pop(gid))
+        fresh = deque()
+        for members in self._equal:
+            if self._staleness(members, learner_version) > self.max_staleness:
+                self.dropped[DROP_EQUAL_REWARDS] += len(members)
+            else:
+                fresh.append(members)
+        self._equal = fresh
 
-    def take(self, num_groups: int, learner_version: int) -> list[list[Trajectory]] | None:
-        """``num_groups`` groups, oldest first, after dropping stale ones; None if not enough yet."""
+    def take(self, num_groups: int, learner_version: int, allow_equal: bool = False) -> list[list[Trajectory]] | None:
+        """``num_groups`` groups, oldest first, after dropping stale ones; None if not enough yet.
+
+        With ``allow_equal``, equal-reward groups (newest first) fill what informative ones lack.
+        """
         self.drop_stale(learner_version)
-        if len(self._ready) < num_groups:
+        missing = num_groups - len(self._ready)
+        if missing > 0 and not (allow_equal and len(self._equal) >= missing):
             return None
-        batch = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+        batch = [self._ready.popitem(last=False)[1] for _ in range(min(num_groups, len(self._ready)))]
+        for _ in range(max(0, missing)):
+            batch.append(self._equal.pop())
+            self.served_equal_groups += 1
         self.served_groups += len(batch)
         self.served_trajectories += sum(len(g) for g in batch)
         return batch
@@ -121,7 +145,8 @@ class GroupBuffer:
         return len(self._pending)
 
     def held_trajectories(self) -> int:
-        return sum(len(m) for m in self._ready.values()) + sum(len(p.members) for p in self._pending.values())
+        return (sum(len(m) for m in self._ready.values()) + sum(len(p.members) for p in self._pending.values())
+                + sum(len(m) for m in self._equal))
 
     def stats(self) -> dict[str, float]:
         out = {
@@ -129,6 +154,7 @@ class GroupBuffer:
             "ready_groups": float(self.ready_groups),
             "pending_groups": float(self.pending_groups),
             "served_groups": float(self.served_groups),
+            "served_equal_reward_groups": float(self.served_equal_groups),
             "dropped_total": float(sum(self.dropped.values())),
         }
         out.update({f"dropped_{k}": float(v) for k, v in self.dropped.items()})

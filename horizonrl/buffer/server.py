@@ -48,6 +48,8 @@ class BufferServer:
         self.reports = make_socket(self.ctx, zmq.PUSH)
         self.reports.connect(net.endpoint(net.report_port))
         self._pending: tuple[bytes, BatchRequest] | None = None
+        self._pending_since = 0.0
+        self._equal_fallback_s = cfg.equal_reward_fallback_s
         log.info("trajectories in on %s, batches out on %s", net.endpoint(net.trajectory_port), net.endpoint(net.batch_port))
 
     def run(self) -> None:
@@ -103,12 +105,15 @@ class BufferServer:
             self._count_bad(f"batch request for {request.num_groups} groups")
             return
         self._pending = (identity, request)  # a newer request replaces an older one
+        self._pending_since = time.monotonic()
 
     def _serve(self) -> None:
         if self._pending is None:
             return
         identity, request = self._pending
-        groups = self.groups.take(request.num_groups, request.learner_version)
+        waited = time.monotonic() - self._pending_since
+        groups = self.groups.take(request.num_groups, request.learner_version,
+                                  allow_equal=waited >= self._equal_fallback_s)
         if groups is None:
             return
         stats = self.stats()
