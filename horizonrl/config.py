@@ -133,9 +133,11 @@ class BufferConfig(_Frozen):
     capacity_groups: int = Field(16, ge=1, description="complete groups held before backpressure (about 2 learner "
                                  "steps' worth keeps staleness low)")
     skip_equal_reward_groups: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
+    equal_reward_fallback_groups: int = Field(
+        32, ge=1, description="once this many equal-reward groups completed while a batch request waits, "
+                              "top it up with them, so a saturated policy does not starve the learner")
     equal_reward_fallback_s: float = Field(
-        20.0, ge=0, description="after a batch request has waited this long, top it up with skipped "
-                                "equal-reward groups so a saturated policy does not starve the learner")
+        300.0, ge=0, description="top a waiting batch request up with equal-reward groups after this long")
     group_timeout_s: float = Field(600.0, gt=0, description="drop a group still incomplete after this long")
 
 

@@ -69,5 +69,5 @@ def test_equal_reward_groups_fill_a_starved_request_only_when_allowed():
     assert buf.take(2, learner_version=0) is None
     batch = buf.take(2, learner_version=0, allow_equal=True)
     assert [g[0].group_id for g in batch] == ["useful", "all-solved-3"]
-    assert buf.dropped["equal_rewards"] == 2 and buf.served_equal_groups == 1
+    assert buf.dropped["equal_rewards"] == 2 and buf.served_equal_groups == 1 and buf.equal_groups_seen == 3
     assert buf.served_trajectories + sum(buf.dropped.values()) + buf.held_trajectories() == buf.received

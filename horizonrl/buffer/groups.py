@@ -8,7 +8,7 @@ Invariant: every trajectory that enters ``add`` is, at any moment, exactly one o
 Groups whose rewards are all equal carry no GRPO signal and are skipped, but the newest of
 them are kept aside: once the policy solves (or fails) nearly every task, informative groups
 become rare, and a learner waiting only for them would starve. When a request has waited
-long enough, ``take(..., allow_equal=True)`` tops the batch up with those groups (their
+long enough or seen enough of them, ``take(..., allow_equal=True)`` tops the batch up with those groups (their
 advantages are zero; the step still advances the schedule and the weight version).
 """
 
@@ -63,6 +63,7 @@ class GroupBuffer:
         self.served_groups = 0
         self.served_trajectories = 0
         self.served_equal_groups = 0
+        self.equal_groups_seen = 0  # equal-reward groups completed so far (a saturation signal)
 
     # ---- intake -------------------------------------------------------------------
     @property
@@ -90,6 +91,7 @@ class GroupBuffer:
             self.dropped[DROP_TOO_SMALL] += len(members)
             return
         if self.skip_equal_reward_groups and len({t.reward for t in members}) == 1:
+            self.equal_groups_seen += 1
             self._equal.append(members)
             if len(self._equal) > self.capacity_groups:
                 self.dropped[DROP_EQUAL_REWARDS] += len(self._equal.popleft())

@@ -49,7 +49,9 @@ class BufferServer:
         self.reports.connect(net.endpoint(net.report_port))
         self._pending: tuple[bytes, BatchRequest] | None = None
         self._pending_since = 0.0
+        self._equal_seen_at_request = 0
         self._equal_fallback_s = cfg.equal_reward_fallback_s
+        self._equal_fallback_groups = cfg.equal_reward_fallback_groups
         log.info("trajectories in on %s, batches out on %s", net.endpoint(net.trajectory_port), net.endpoint(net.batch_port))
 
     def run(self) -> None:
@@ -106,14 +108,17 @@ class BufferServer:
             return
         self._pending = (identity, request)  # a newer request replaces an older one
         self._pending_since = time.monotonic()
+        self._equal_seen_at_request = self.groups.equal_groups_seen
 
     def _serve(self) -> None:
         if self._pending is None:
             return
         identity, request = self._pending
-        waited = time.monotonic() - self._pending_since
-        groups = self.groups.take(request.num_groups, request.learner_version,
-                                  allow_equal=waited >= self._equal_fallback_s)
+        # Starved: the actors keep finishing groups with no signal (the policy solves, or
+        # fails, everything), or the request has simply waited too long.
+        starved = (self.groups.equal_groups_seen - self._equal_seen_at_request >= self._equal_fallback_groups
+                   or time.monotonic() - self._pending_since >= self._equal_fallback_s)
+        groups = self.groups.take(request.num_groups, request.learner_version, allow_equal=starved)
         if groups is None:
             return
         stats = self.stats()
