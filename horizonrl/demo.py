@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from horizonrl.config import TrainConfig, load_config
+from horizonrl.run_dirs import latest_checkpoint
 from horizonrl.schedule import TurnBudgetSchedule
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -33,11 +34,6 @@ def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
             max_tokens_per_turn=config.rollout.max_tokens_per_turn,
             max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed), config.rollout.engine)
     return results
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    candidates = sorted((output_dir / "checkpoints").glob("step_*"))
-    return candidates[-1] if candidates else None
 
 
 def check_transformers_load(path: Path) -> int:

@@ -93,6 +93,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
     categories: dict[str, list] = defaultdict(list)
     for t, ep in valid:
         categories[probe.task_category(t)].append((t, ep))
+    per_category = {c: summarise(v, spec.k) for c, v in sorted(categories.items())}
     return {
         "env": spec.env,
         "split": spec.split if spec.task_ids is None else "ids",
@@ -104,8 +105,8 @@ async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
         "max_turns": spec.max_turns,
         "generated_tokens_per_s": sum(ep.generated_tokens for _, ep in results) / max(wall, 1e-9),
         "wall_s": wall,
-        "by_category": {c: summarise(v, spec.k)["success_rate"] for c, v in sorted(categories.items())},
-        "categories": {c: summarise(v, spec.k) for c, v in sorted(categories.items())},
+        "by_category": {c: m["success_rate"] for c, m in per_category.items()},
+        "categories": per_category,
     }
 
 
