@@ -6,6 +6,9 @@ Commands:
   demo                           build the tiny model, evaluate, train on the CPU, evaluate again
   eval                           success rate of a model on held-out tasks
   make-tiny-model OUT_DIR        a tiny Qwen2 model + tokenizer, format-warmed on random episodes
+  sft | dpo CONFIG [key=value ...]
+                                 offline SFT / DPO on AgentGym trajectories (docs/offline.md)
+  make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
   env ...                        list / check / serve environments
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
@@ -155,6 +158,50 @@ def _add_env(sub) -> None:
     add_env_commands(env_sub)
 
 
+def _add_offline(sub) -> None:
+    for name, what in (("sft", "supervised fine-tuning on AgentGym trajectories (loss on the gpt turns)"),
+                       ("dpo", "DPO on pairs of trajectories (chosen, rejected) against the starting model")):
+        p = sub.add_parser(name, help=what, description=f"{what}, on FSDP; writes a Hugging Face checkpoint to "
+                           "<output_dir>/final that `horizonrl train ... model.path=` starts from (docs/offline.md)")
+        p.add_argument("config", type=Path)
+        p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML), e.g. lr=1e-5 num_ranks=2")
+        p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        p.set_defaults(func=_cmd_offline, paradigm=name)
+    p = sub.add_parser("make-expert-data", help="write Signpost expert trajectories (sft) or pairs (dpo) in "
+                                                "AgentGym's format")
+    from horizonrl.expert_data import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_expert_data)
+
+
+def _cmd_offline(args) -> int:
+    from horizonrl.offline_config import dump_offline_config, load_offline_config
+    from horizonrl.runtime import setup_logging
+
+    config = load_offline_config(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_offline_config(config), end="")
+        return 0
+    setup_logging(args.paradigm, config.log_level)
+    from horizonrl.learner.offline import run_offline
+    from horizonrl.learner.offline_data import OfflineDataError
+
+    try:
+        summary = run_offline(config, args.paradigm)
+    except (OfflineDataError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: summary.get(k) for k in ("checkpoint", "steps", "before", "after")}))
+    return 0
+
+
+def _cmd_expert_data(args) -> int:
+    from horizonrl.expert_data import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_eval(sub)
     _add_tiny(sub)
+    _add_offline(sub)
+    from horizonrl.bench.cli import add_bench_command
+
+    add_bench_command(sub)
     try:
         _add_env(sub)
     except ImportError:

@@ -55,6 +55,9 @@ class RolloutConfig(_Frozen):
     max_tokens_per_turn: int = Field(64, ge=1)
     max_context_tokens: int = Field(2048, ge=16)
     system_prompt: str | None = None
+    synchronous: bool = Field(False, description="the synchronous baseline (benchmarks, debugging): each actor "
+                              "generates its share of one learner batch under the current weights, then waits "
+                              "for the next weight version; nothing overlaps with training")
     engine: EngineConfig = EngineConfig()
 
 
@@ -188,6 +191,9 @@ class TrainConfig(_Frozen):
     def _check(self) -> "TrainConfig":
         if self.rollout.n < 2:
             raise ValueError("rollout.n must be >= 2: GRPO compares episodes within a group")
+        if self.rollout.synchronous and self.buffer.skip_equal_reward_groups:
+            raise ValueError("rollout.synchronous needs buffer.skip_equal_reward_groups=false: the actors make "
+                             "exactly one batch per weight version, so a dropped group would leave it short")
         return self
 
     @property

@@ -185,6 +185,9 @@ class Coordinator:
         scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")
+        # Cumulative, over all actors: what `horizonrl bench` and idle-share plots read.
+        for key in ("generated_tokens", "episodes", "engine_idle_s", "engine_wall_s"):
+            scalars[f"rollout/{key}_total"] = self.health.total("actor", key)
         scalars["time/elapsed_s"] = time.monotonic() - self._started
         if self.writer is not None:
             for key, value in scalars.items():

@@ -85,3 +85,43 @@ class RateLimitedLog:
             self._last, self._suppressed = now, 0
         else:
             self._suppressed += 1
+
+
+class BusyClock:
+    """Wall time with at least one unit of work in flight vs none (e.g. an engine's idle time).
+
+    ``enter()`` / ``exit()`` bracket each unit (a generate request); ``idle_s`` is the time
+    since creation (or ``reset``) with nothing in flight, ``busy_s`` the rest. Single-threaded
+    use (one event loop).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._start = self._since = time.perf_counter()
+        self._in_flight = 0
+        self._idle = 0.0
+
+    def enter(self) -> None:
+        if self._in_flight == 0:
+            self._idle += time.perf_counter() - self._since
+        self._in_flight += 1
+
+    def exit(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._since = time.perf_counter()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def idle_s(self) -> float:
+        open_idle = time.perf_counter() - self._since if self._in_flight == 0 else 0.0
+        return self._idle + open_idle
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self._start

@@ -25,3 +25,21 @@ def test_errors_say_what_to_fix(tmp_path):
         parse_overrides(["novalue"])
     with pytest.raises(ConfigError, match="rounds"):
         load_config(None, ["model.path=/m", "envs=[{name: signpost}]", "algorithm.rounds_ctrl.rounds=[]"])
+
+
+def test_synchronous_rollout_needs_every_group_kept():
+    base = ["model.path=/m", "envs=[{name: signpost}]", "rollout.synchronous=true"]
+    with pytest.raises(ConfigError, match="skip_equal_reward_groups=false"):
+        load_config(None, base)
+    assert load_config(None, [*base, "buffer.skip_equal_reward_groups=false"]).rollout.synchronous
+
+
+def test_synchronous_actors_split_one_batch_between_them():
+    from types import SimpleNamespace
+
+    from horizonrl.actors.actor import Actor
+
+    cfg = load_config(None, ["model.path=/m", "envs=[{name: signpost}]", "rollout.num_actors=3",
+                             "learner.groups_per_step=8"])
+    shares = [Actor.synchronous_share(SimpleNamespace(config=cfg, index=i)) for i in range(3)]
+    assert shares == [3, 3, 2]

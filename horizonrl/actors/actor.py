@@ -124,8 +124,11 @@ class Actor:
         tasks = [asyncio.create_task(self._follow_control(), name="control"),
                  asyncio.create_task(self._heartbeat(), name="heartbeat")]
         await self._wait_for_first_control()
-        tasks += [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}")
-                  for slot in range(self.config.rollout.groups_in_flight)]
+        if self.config.rollout.synchronous:
+            tasks.append(asyncio.create_task(self._run_synchronous(), name="synchronous"))
+        else:
+            tasks += [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}")
+                      for slot in range(self.config.rollout.groups_in_flight)]
         try:
             while not self.stop and not (self.control and self.control.stop):
                 done = [t for t in tasks if t.done()]
@@ -176,6 +179,22 @@ class Actor:
                 self.counters["paused_s"] += time.monotonic() - start
                 continue
             await self._run_group()
+
+    def synchronous_share(self) -> int:
+        """Groups this actor generates per weight version in synchronous mode (its share of a batch)."""
+        total, actors = self.config.learner.groups_per_step, self.config.rollout.num_actors
+        return total // actors + (1 if self.index < total % actors else 0)
+
+    async def _run_synchronous(self) -> None:
+        """The baseline loop: generate a batch share under version v, wait for v + 1, repeat."""
+        share = self.synchronous_share()
+        while not self.stop and not self.control.stop:
+            version = self.weight_version
+            await asyncio.gather(*(self._run_group() for _ in range(share)))
+            start = time.monotonic()
+            while self.weight_version == version and not self.control.stop and not self.stop:
+                await asyncio.sleep(0.01)
+            self.counters["weights_wait_s"] += time.monotonic() - start
 
     async def _run_group(self) -> None:
         spec = self.rng.choices(self.config.envs, weights=[s.weight for s in self.config.envs])[0]
@@ -231,6 +250,8 @@ class Actor:
         while True:
             counters = {k: float(v) for k, v in self.counters.items()}
             counters["weight_version"] = float(self.weight_version)
+            counters["engine_idle_s"] = self.engine.clock.idle_s
+            counters["engine_wall_s"] = self.engine.clock.wall_s
             beat = Heartbeat(role="actor", index=self.index, pid=os.getpid(), counters=counters)
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from horizonrl.config import EngineConfig
+from horizonrl.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
 
@@ -32,6 +33,8 @@ class RolloutEngine:
     def __init__(self, llm, on_gpu: bool) -> None:
         self._llm = llm
         self.on_gpu = on_gpu
+        # Time with no request in flight: the engine's idle share (rollout/engine_idle_share).
+        self.clock = BusyClock()
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str, engine: EngineConfig, max_model_len: int, seed: int) -> "RolloutEngine":
@@ -63,6 +66,7 @@ class RolloutEngine:
                        stop_token_ids: list[int]) -> Generation:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             temperature=temperature,
@@ -71,10 +75,18 @@ class RolloutEngine:
             logprobs=0,  # exactly the sampled token's logprob at each position
             stop_token_ids=stop_token_ids,
             detokenize=False,
+            # One output per request, not one per token: the actor only reads the final one, and
+            # per-token outputs cost the client's event loop a wake-up per token per episode.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None
-        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
-            final = output
+        self.clock.enter()
+        try:
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                   uuid.uuid4().hex):
+                final = output
+        finally:
+            self.clock.exit()
         completion = final.outputs[0]
         ids = list(completion.token_ids)
         logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids)]

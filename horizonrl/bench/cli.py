@@ -1,0 +1,83 @@
+"""``horizonrl bench``: what the asynchronous design buys, measured side by side on this machine.
+
+Parts (``--parts``, comma-separated; default all, run in this order):
+
+  transport    ZMQ+msgpack vs pickle over multiprocessing.Queue, 1k/8k/32k tokens, 1 and 4 producers
+  weight_sync  our flat-buffer broadcast vs a raw torch.distributed broadcast, tiny and ~100M models
+  rollout      async actor loop vs turn-lockstep, on the real Signpost env and a heavy-tailed workload
+  training     async pipeline vs synchronous (generate, train, broadcast, repeat), real system
+  engine       async training's generated tokens/s ÷ the bare engines' (no env, no learner)
+
+Each part prints a table (median [min–max] over repeats; ratios taken within each repeat);
+``<out>/results.json`` and ``<out>/chart.png`` hold all parts run. ``--quick`` finishes in a
+few minutes, the full mode in under half an hour on a 2-core machine (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("transport", "weight_sync", "rollout", "training", "engine")
+
+
+def add_bench_command(sub) -> None:
+    p = sub.add_parser("bench", help="throughput benchmarks: async vs synchronous, transport, weight sync",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and smaller workloads (minutes)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="where results.json and chart.png go")
+    p.add_argument("--model", default=None, help="model for rollout/training/engine (default: the tiny model, "
+                                                 "built into .cache/ on first use)")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    from horizonrl.bench.report import print_table, progress, write_results
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        print(f"error: unknown part(s) {unknown}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    started = time.perf_counter()
+    for part in (p for p in PARTS if p in parts):
+        t0 = time.perf_counter()
+        progress(part, "starting" + (" (quick)" if args.quick else ""))
+        result = _run_part(part, args, results)
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        results.append(result)
+        print_table(result)
+        write_results(results, args.out)  # after every part: a later failure loses nothing
+    paths = write_results(results, args.out)
+    print(f"\nbench done in {(time.perf_counter() - started) / 60:.1f} min: {paths['json']}, {paths['chart']}")
+    return 0
+
+
+def _run_part(part: str, args, done: list[dict]) -> dict:
+    if part == "transport":
+        from horizonrl.bench import transport
+
+        return transport.run(args.quick, args.out)
+    if part == "weight_sync":
+        from horizonrl.bench import weight_sync
+
+        return weight_sync.run(args.quick, args.out)
+    if part == "rollout":
+        from horizonrl.bench import rollout
+
+        return rollout.run(args.quick, args.out, model=args.model)
+    if part == "training":
+        from horizonrl.bench import training
+
+        return training.run(args.quick, args.out, model=args.model)
+    from horizonrl.bench import engine_bound
+
+    training_result = next((r for r in done if r["part"] == "training"), None)
+    return engine_bound.run(args.quick, args.out, model=args.model, training_result=training_result)
