@@ -9,6 +9,9 @@ A part's result is a plain dict (JSON as it stands)::
      "chart": {"metric": "MB_per_s", "ylabel": "MB/s", "log": True}}   # optional
 
 A row value is either a summary (printed ``median [min–max]``) or a plain scalar/string.
+A part's ``run(quick, out_dir, **options)`` writes its own ``out_dir/<part>/results.json`` and
+``chart.png``; whoever runs several parts passes all their results to :func:`write_results`
+once more for the combined ``out_dir/results.json`` and ``chart.png``.
 
 Ratios are measured *within one run*: each repeat measures baseline and candidate back to
 back (the order alternating between repeats, see :func:`alternate`), the ratio is taken per
