@@ -1,0 +1,93 @@
+"""Typed configuration of the offline paradigms (``horizonrl sft`` / ``horizonrl dpo``).
+
+Bottom layer, like :mod:`horizonrl.config` (imports neither torch nor vllm): one YAML file,
+dotted overrides, validated once and frozen. ``model`` is the same section as in a training
+run's config, so ``model.path=...`` means the same thing in ``horizonrl train``.
+The formats, the losses and how to start RL from the result: docs/offline.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from horizonrl.config import ConfigError, ModelConfig, deep_merge, parse_overrides
+
+PARADIGMS = ("sft", "dpo")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class OfflineConfig(_Frozen):
+    model: ModelConfig
+    data: list[str] = Field(..., min_length=1, description="AgentGym-format JSON or JSONL files (SFT: records "
+                            "with `conversations`; DPO: records with `chosen` and `rejected`)")
+    output_dir: str = Field("runs/offline", description="logs, metrics.jsonl, summary.json and the Hugging Face "
+                            "checkpoint <output_dir>/final")
+    max_length: int = Field(2048, ge=8, description="tokens per sequence; longer ones are cut (and counted)")
+    system_prompt: str | None = Field(None, description="system message for records without one; use the same "
+                                      "as the RL run's rollout.system_prompt")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (default: all epochs)")
+    batch_size: int = Field(32, ge=1, description="records (SFT) or pairs (DPO) per optimizer step, over all ranks")
+    micro_batch_size: int = Field(8, ge=1, description="records (SFT) or pairs (DPO) per forward/backward on one rank")
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr over this many steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+    beta: float = Field(0.1, gt=0, description="DPO: the KL-penalty strength beta of the implicit reward")
+    sft_weight: float = Field(0.0, ge=0, description="DPO: weight of an extra token-mean NLL on the chosen "
+                              "sides (RPO); keeps a weak model's replies from collapsing while their margin grows")
+    num_ranks: int = Field(1, ge=1, description="FSDP world size")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    num_threads: int = Field(0, ge=0, description="CPU only: torch threads per rank (0: cores / num_ranks)")
+    seed: int = 0
+    log_every: int = Field(1, ge=1, description="a log line every N optimizer steps")
+    measure_before_after: bool = Field(True, description="evaluate the loss on all the data before the first and "
+                                       "after the last step (SFT: NLL; DPO: loss, reward accuracy)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """The Hugging Face checkpoint that ``horizonrl train ... model.path=`` starts from."""
+        return self.out / "final"
+
+
+def load_offline_config(path: str | Path | None, overrides: list[str] | None = None) -> OfflineConfig:
+    """Read YAML, apply dotted overrides, validate once. Raises ConfigError with what to fix."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    data = deep_merge(data, parse_overrides(overrides or []))
+    try:
+        return OfflineConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()]
+        raise ConfigError("invalid offline config:\n" + "\n".join(lines)) from None
+
+
+def dump_offline_config(config: OfflineConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
