@@ -183,6 +183,8 @@ class Coordinator:
         scalars["schedule/next_max_turns"] = float(self.max_turns)
         scalars["rollout/infra_failures"] = self.health.total("actor", "infra_failures")
         scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
+        scalars["rollout/weight_transfer_s"] = self.health.total("actor", "weight_transfer_s")
+        scalars["rollout/weight_load_s"] = self.health.total("actor", "weight_load_s")
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")
         # Cumulative, over all actors: what `horizonrl bench` and idle-share plots read.

@@ -107,15 +107,26 @@ def create_weight_group(
     return WeightGroup(rank, world_size, backend, timeout_s, process_group, store)
 
 
-def broadcast_weights(
-    group: WeightGroup, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> dict[str, float]:
-    """Rank 0: send ``named_tensors`` as weight ``version`` to every other rank.
+@dataclass
+class PackedWeights:
+    """One version packed into the group's flat buffer, ready for :func:`send_packed`."""
 
-    Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors"}``.
+    version: int
+    layout_bytes: bytes
+    flat: torch.Tensor
+    tensors: int
+    pack_s: float
+
+
+def pack_weights(group: WeightGroup, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+    """Rank 0: copy ``named_tensors`` into the flat buffer (no communication).
+
+    Split from the send so the learner can pack *before* it announces the version: the
+    engines stop generating from the moment they enter the receive, so nothing the
+    sender can do beforehand should happen while they wait.
     """
     if group.rank != 0:
-        raise ValueError(f"broadcast_weights runs on rank 0, not rank {group.rank}")
+        raise ValueError(f"weights are packed and sent on rank 0, not rank {group.rank}")
     start = time.perf_counter()
     names, tensors = [], []
     for name, tensor in named_tensors:
@@ -129,30 +140,47 @@ def broadcast_weights(
         shapes=[list(t.shape) for t in tensors],
         total_bytes=total_bytes,
     )
-    layout_bytes = encode(layout)
     flat = group.flat_buffer(total_bytes)
     for tensor, offset in zip(tensors, offsets):
         raw = _as_bytes(tensor)
         flat[offset : offset + raw.numel()].copy_(raw)
-    packed = time.perf_counter()
+    return PackedWeights(version, encode(layout), flat, len(tensors), time.perf_counter() - start)
 
-    header = torch.tensor([len(layout_bytes)], dtype=torch.int64, device=group.device)
+
+def send_packed(group: WeightGroup, packed: PackedWeights) -> dict[str, float]:
+    """Rank 0: broadcast a packed version to every other rank and wait for all their acks.
+
+    Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors"}``.
+    """
+    start = time.perf_counter()
+    version = packed.version
+    header = torch.tensor([len(packed.layout_bytes)], dtype=torch.int64, device=group.device)
     _broadcast(group, header, version, "header")
-    _broadcast(group, _bytes_tensor(layout_bytes, group.device), version, "layout")
-    _broadcast(group, flat, version, "payload")
+    _broadcast(group, _bytes_tensor(packed.layout_bytes, group.device), version, "layout")
+    _broadcast(group, packed.flat, version, "payload")
     receivers = _ack(group, version)
     if receivers != group.world_size - 1:
         raise WeightSyncError(
             f"weight sync rank 0: version {version} acknowledged by {receivers} of {group.world_size - 1} receivers"
         )
-    done = time.perf_counter()
+    send_s = time.perf_counter() - start
     return {
-        "pack_s": packed - start,
-        "send_s": done - packed,
-        "total_s": done - start,
-        "bytes": float(total_bytes),
-        "tensors": float(len(tensors)),
+        "pack_s": packed.pack_s,
+        "send_s": send_s,
+        "total_s": packed.pack_s + send_s,
+        "bytes": float(packed.flat.numel()),
+        "tensors": float(packed.tensors),
     }
+
+
+def broadcast_weights(
+    group: WeightGroup, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, float]:
+    """Rank 0: send ``named_tensors`` as weight ``version`` to every other rank (pack, then send).
+
+    Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors"}``.
+    """
+    return send_packed(group, pack_weights(group, version, named_tensors))
 
 
 def receive_weights(group: WeightGroup) -> tuple[int, list[tuple[str, torch.Tensor]]]:

@@ -161,14 +161,18 @@ class Actor:
             self.control = control
             # Every announced version is one collective broadcast; receive them in order.
             while self.weight_version < control.weight_version:
-                version, seconds = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
+                update = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
+                version = update.version
                 # Versions only grow; a resumed learner's first broadcast jumps to its step.
                 if version <= self.weight_version:
                     raise RuntimeError(f"received weight version {version} after {self.weight_version}")
                 self.weight_version = version
                 self.counters["weight_updates"] += 1
-                self.counters["weight_receive_s"] += seconds
-                log.debug("weights v%d loaded in %.3f s", version, seconds)
+                self.counters["weight_receive_s"] += update.stall_s  # the engine's whole stall
+                self.counters["weight_transfer_s"] += update.receive_s
+                self.counters["weight_load_s"] += update.load_s
+                log.debug("weights v%d: stall %.3f s (receive %.3f s, load %.3f s)", version, update.stall_s,
+                          update.receive_s, update.load_s)
 
     async def _run_groups(self, slot: int) -> None:
         while not self.stop and not self.control.stop:

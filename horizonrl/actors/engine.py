@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -20,6 +21,14 @@ from horizonrl.runtime import BusyClock
 log = logging.getLogger("horizonrl.actors.engine")
 
 WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    version: int
+    receive_s: float  # inside the worker: the broadcast (waiting for the sender included)
+    load_s: float  # inside the worker: loading into the model (vLLM-CPU re-packs every linear layer)
+    stall_s: float  # the engine generated nothing for this long: RPC scheduling + both + prefix-cache reset
 
 
 @dataclass(frozen=True)
@@ -97,19 +106,20 @@ class RolloutEngine:
         await self._llm.collective_rpc("horizonrl_join_weight_group", timeout=timeout_s + 30,
                                        args=(host, port, rank, world_size, timeout_s, backend))
 
-    async def receive_weights(self, timeout_s: float) -> tuple[int, float]:
-        """Receive one weight broadcast into the live engine; returns (version, seconds).
+    async def receive_weights(self, timeout_s: float) -> "WeightUpdate":
+        """Receive one weight broadcast into the live engine.
 
         The receive runs inside the engine's busy loop, so generation pauses meanwhile;
         requests in flight continue afterwards under the new weights.
         """
+        start = time.perf_counter()
         results = await self._llm.collective_rpc("horizonrl_receive_weights", timeout=timeout_s + 30)
-        version, seconds = results[0]
+        version, receive_s, load_s = results[0]
         # Cached prefixes hold keys/values computed with the old weights. Running requests
         # are preempted and recompute theirs, so every token after this point is sampled
         # from the new weights alone.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
-        return int(version), float(seconds)
+        return WeightUpdate(int(version), float(receive_s), float(load_s), time.perf_counter() - start)
 
     def shutdown(self) -> None:
         if self._llm is None:

@@ -20,12 +20,13 @@ class WeightReceiverExtension:
 
         self._horizonrl_group = create_weight_group(host, port, rank, world_size, timeout_s, backend=backend)
 
-    def horizonrl_receive_weights(self) -> tuple[int, float]:
-        """Receive one broadcast and load it in place; returns (version, seconds)."""
+    def horizonrl_receive_weights(self) -> tuple[int, float, float]:
+        """Receive one broadcast and load it in place; returns (version, receive seconds, load seconds)."""
         from horizonrl.weight_sync import receive_weights
 
         start = time.perf_counter()
         version, named_tensors = receive_weights(self._horizonrl_group)
+        received = time.perf_counter()
         # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;
         # the worker's own reload path re-runs the post-load processing.
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
@@ -36,7 +37,7 @@ class WeightReceiverExtension:
             quant_method = getattr(lm_head, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(lm_head)
-        return version, time.perf_counter() - start
+        return version, received - start, time.perf_counter() - received
 
     def horizonrl_leave_weight_group(self) -> None:
         group = getattr(self, "_horizonrl_group", None)

@@ -71,11 +71,12 @@ class LoopStats:
     generated_tokens: int
     turns: int
     engine_idle_s: float
+    client_cpu_s: float  # CPU time of this process: the loop, tokenization, environment steps, vLLM's client
 
     def row(self) -> dict[str, float]:
         return {"trajectories_per_s": self.episodes / self.wall_s, "tokens_per_s": self.generated_tokens / self.wall_s,
                 "engine_idle_share": self.engine_idle_s / self.wall_s, "mean_turns": self.turns / self.episodes,
-                "wall_s": self.wall_s}
+                "client_cpu_share": self.client_cpu_s / self.wall_s, "wall_s": self.wall_s}
 
 
 async def run_async(engine, chat, workload: Workload, task_ids: list[int], concurrency: int) -> list[Episode]:
@@ -150,15 +151,15 @@ async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], co
 async def measure(loop, engine, chat, workload: Workload, task_ids: list[int],
                   concurrency: int) -> tuple[LoopStats, list[Episode]]:
     engine.clock.reset()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     episodes = await loop(engine, chat, workload, task_ids, concurrency)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     idle = engine.clock.idle_s
     failed = [ep for ep in episodes if ep.failure]
     if failed:
         raise RuntimeError(f"{len(failed)} episodes failed in the benchmark: {failed[0].failure_message}")
     return LoopStats(wall, len(episodes), sum(ep.generated_tokens for ep in episodes),
-                     sum(ep.num_turns for ep in episodes), idle), episodes
+                     sum(ep.num_turns for ep in episodes), idle, cpu), episodes
 
 
 def tiny_model(model: str | None) -> str:

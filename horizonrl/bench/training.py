@@ -100,6 +100,7 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
         "learner_idle_share": sum(s["time/batch_wait_s"][k] for k in steps) / wall,
         "engine_idle_share": delta("rollout/engine_idle_s_total") / engine_wall if engine_wall > 0 else float("nan"),
         "weight_stall_share": delta("rollout/weight_receive_s") / (wall * num_actors),
+        "weight_load_share": delta("rollout/weight_load_s") / (wall * num_actors),
         "tokens_per_s": delta("rollout/generated_tokens_total") / wall,
         "step_s": sum(s["time/step_s"][k] for k in steps) / len(steps),
         "staleness": sum(s["batch/staleness_mean"][k] for k in steps) / len(steps),

@@ -8,8 +8,9 @@ run the project's own :func:`horizonrl.weight_sync.broadcast_weights` /
 ``broadcast`` of one same-size flat ``uint8`` tensor on a plain gloo process group among
 the same processes (what the link can do at best: no packing, no layout, no ack, a receive
 buffer allocated once and reused). A third row, ``raw, fresh recv buffer``, is the same raw
-broadcast into a buffer allocated for each broadcast, as ``receive_weights`` does: on this
-CPU machine first touching fresh pages inside the socket receive is what costs most.
+broadcast into a buffer allocated for each broadcast, as ``receive_weights`` did before the
+group kept its flat buffer: on a CPU machine first touching fresh pages inside the socket
+receive cost 2-3x (kept to show what the reuse buys).
 
 Each repeat measures both back to back (order alternating), every broadcast starting from a
 barrier so all receivers wait from the same moment. Per broadcast:

@@ -162,7 +162,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     import zmq
 
     from horizonrl.learner.channels import BatchClient, HeartbeatThread, ReportSender, share_bytes
-    from horizonrl.weight_sync import broadcast_weights, create_weight_group
+    from horizonrl.weight_sync import broadcast_weights, create_weight_group, pack_weights, send_packed
 
     lc, net = config.learner, config.network
     is_main = ranks.rank == 0
@@ -266,8 +266,10 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             "time/weight_sync_s": weight_sync_s,  # of the previous broadcast
             "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
         }
+        # Pack first: the engines stop generating once they enter the receive the report announces.
+        packed = pack_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
         res.reports.send(LearnerReport(step=step, weight_version=step, metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
-        sync = broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
+        sync = send_packed(res.weight_group, packed)
         weight_sync_s = sync["total_s"]
         log.info(
             "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs (%.1f MB)",

@@ -50,7 +50,8 @@ async def check(model_dir: str, port: int) -> dict:
     sender = threading.Thread(target=broadcast_weights,
                               args=(groups["g"], 1, weights_to_send(learner.config, learner.state_dict())))
     sender.start()
-    version, seconds = await engine.receive_weights(60)
+    update = await engine.receive_weights(60)
+    version, seconds = update.version, update.stall_s
     sender.join()
     after = await engine.generate(prompt, **kwargs)
     engine.shutdown()
@@ -61,6 +62,8 @@ async def check(model_dir: str, port: int) -> dict:
     return {
         "version": version,
         "receive_s": seconds,
+        "transfer_s": update.receive_s,
+        "load_s": update.load_s,
         "tokens": len(after.token_ids),
         "before_vs_original": max_diff(before.logprobs, hf_logprobs(original, prompt, before.token_ids, temperature)),
         "before_vs_learner": max_diff(before.logprobs, hf_logprobs(learner, prompt, before.token_ids, temperature)),
