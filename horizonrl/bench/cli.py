@@ -43,6 +43,7 @@ def run_bench(args) -> int:
     if unknown or not parts:
         print(f"error: unknown part(s) {unknown}; choose from {', '.join(PARTS)}", file=sys.stderr)
         return 2
+    args.parts_selected = parts
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
@@ -72,7 +73,12 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
     if part == "rollout":
         from horizonrl.bench import rollout
 
-        return rollout.run(args.quick, args.out, model=args.model)
+        bare = None
+        if "engine" in args.parts_selected:  # part 3's bare engines share part 1's start-up
+            from horizonrl.bench.engine_bound import bare_spec
+
+            bare = bare_spec(args.quick, rollout.tiny_model(args.model))
+        return rollout.run(args.quick, args.out, model=args.model, bare=bare)
     if part == "training":
         from horizonrl.bench import training
 
@@ -80,4 +86,6 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
     from horizonrl.bench import engine_bound
 
     training_result = next((r for r in done if r["part"] == "training"), None)
-    return engine_bound.run(args.quick, args.out, model=args.model, training_result=training_result)
+    rollout_result = next((r for r in done if r["part"] == "rollout"), None)
+    return engine_bound.run(args.quick, args.out, model=args.model, training_result=training_result,
+                            rollout_result=rollout_result)

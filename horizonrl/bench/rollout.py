@@ -185,11 +185,30 @@ def load_chat(model: str):
     return load_chat_tokenizer(model)
 
 
-async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, loads: list[Workload]) -> dict:
-    engine = start_engine(model, concurrency)
+@dataclass(frozen=True)
+class BareSpec:
+    """Part 3's bare-engine measurement: the training run's engines, requests in flight and prompts."""
+
+    num_engines: int
+    concurrency: int  # requests in flight per engine
+    env_settings: dict
+    max_turns: int
+    episodes: int  # random-policy Signpost episodes whose every turn's prompt is replayed
+    repeats: int
+
+
+async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, loads: list[Workload],
+                   bare: BareSpec | None) -> dict:
+    # With part 3 in the same run, its bare engines are started here too (one start-up, not two);
+    # the loops use only the first, the others stay idle (an idle engine takes no CPU).
+    num_engines = bare.num_engines if bare else 1
+    per_engine = max(concurrency, bare.concurrency if bare else 0)
+    engines = [start_engine(model, per_engine, seed=i) for i in range(num_engines)]
+    engine = engines[0]
     chat = load_chat(model)
     loops = {"lock-step": run_lockstep, "async": run_async}
     stats: dict[tuple[str, str], list[LoopStats]] = {}
+    bare_rates = None
     try:
         # One untimed pass: the first requests of a fresh engine are slower (allocation, caches).
         await run_async(engine, chat, loads[0], list(range(concurrency)), concurrency)
@@ -202,8 +221,12 @@ async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, lo
                     progress("rollout", f"repeat {r + 1}/{repeats} {workload.name:10s} {name:9s} "
                              f"{s.episodes / s.wall_s:6.2f} traj/s {s.generated_tokens / s.wall_s:7.0f} tok/s "
                              f"engine idle {s.engine_idle_s / s.wall_s:.0%}")
+        if bare is not None:
+            prompts = await replay_prompts(chat, "signpost", bare.env_settings, bare.episodes, bare.max_turns)
+            bare_rates = await _measure_bare(engines, chat, prompts, bare.concurrency, bare.repeats)
     finally:
-        engine.shutdown()
+        for e in engines:
+            e.shutdown()
     rows, ratios = [], {}
     for workload in loads:
         for name in loops:
@@ -218,61 +241,71 @@ async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, lo
             [x["tokens_per_s"] for x in a], [x["tokens_per_s"] for x in b])
     settings = {"model": model, "episodes_per_loop": episodes, "concurrency": concurrency, "repeats": repeats,
                 "sampling": SAMPLING.__dict__, "workloads": {w.name: w.describe for w in loads}}
-    return make_result("rollout", rows, ratios, settings,
-                       chart={"metric": "trajectories_per_s", "ylabel": "trajectories/s"})
+    result = make_result("rollout", rows, ratios, settings,
+                         chart={"metric": "trajectories_per_s", "ylabel": "trajectories/s"})
+    if bare_rates is not None:
+        result["bare_engines"] = {"tokens_per_s": bare_rates, "spec": bare.__dict__}
+    return result
 
 
 def run(quick: bool, out_dir: Path, *, model: str | None = None, latency_median_s: float = 0.05,
-        latency_sigma: float = 1.0, turns_median: float = 3.0, turns_sigma: float = 0.8) -> dict:
-    """Part 1. ``--quick``: 2 repeats of 64 episodes per loop; full: 3 repeats of 128."""
+        latency_sigma: float = 1.0, turns_median: float = 3.0, turns_sigma: float = 0.8,
+        bare: BareSpec | None = None) -> dict:
+    """Part 1. ``--quick``: 2 repeats of 48 episodes per loop; full: 3 repeats of 128.
+
+    With ``bare``, also part 3's bare-engine tokens/s (``result["bare_engines"]``) on the same engines.
+    """
     model = tiny_model(model)
-    repeats, episodes = (2, 64) if quick else (3, 128)
+    repeats, episodes = (2, 48) if quick else (3, 128)
     loads = workloads(latency_median_s, latency_sigma, turns_median, turns_sigma)
-    return asyncio.run(_rollout(model, repeats, episodes, concurrency=32, loads=loads))
+    return asyncio.run(_rollout(model, repeats, episodes, concurrency=32, loads=loads, bare=bare))
 
 
 # ------------------------------------------------------------------------------ part 3: bare engines
 
 
-async def _bare(model: str, num_engines: int, prompts: list[list[int]], concurrency: int, repeats: int) -> list[float]:
-    engines = [start_engine(model, concurrency, seed=i) for i in range(num_engines)]
-    chat = load_chat(model)
+async def _measure_bare(engines: list, chat, prompts: list[list[int]], concurrency: int, repeats: int) -> list[float]:
+    """Generated tokens/s of ``engines`` serving ``prompts`` (split evenly), ``concurrency`` at a time each."""
+    progress("engine", f"bare engines: {len(engines)} x {concurrency} in flight, {len(prompts)} replayed prompts")
+
+    async def serve(engine, share: list[list[int]]) -> int:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: list[int]) -> int:
+            async with slots:
+                gen = await engine.generate(prompt, max_tokens=SAMPLING.max_tokens_per_turn,
+                                            temperature=SAMPLING.temperature, top_p=SAMPLING.top_p,
+                                            stop_token_ids=chat.stop_token_ids)
+                return len(gen.token_ids)
+
+        return sum(await asyncio.gather(*(one(p) for p in share)))
+
+    async def all_engines(ps: list[list[int]]) -> int:
+        return sum(await asyncio.gather(*(serve(e, ps[i::len(engines)]) for i, e in enumerate(engines))))
+
+    await all_engines(prompts[: concurrency * len(engines)])  # untimed warm-up
     rates = []
-    try:
-        async def serve(engine, share: list[list[int]]) -> int:
-            slots = asyncio.Semaphore(concurrency)
-
-            async def one(prompt: list[int]) -> int:
-                async with slots:
-                    gen = await engine.generate(prompt, max_tokens=SAMPLING.max_tokens_per_turn,
-                                                temperature=SAMPLING.temperature, top_p=SAMPLING.top_p,
-                                                stop_token_ids=chat.stop_token_ids)
-                    return len(gen.token_ids)
-
-            return sum(await asyncio.gather(*(one(p) for p in share)))
-
-        async def all_engines(ps: list[list[int]]) -> int:
-            return sum(await asyncio.gather(*(serve(e, ps[i::num_engines]) for i, e in enumerate(engines))))
-
-        await all_engines(prompts[: concurrency * num_engines])  # untimed warm-up
-        for r in range(repeats):
-            start = time.perf_counter()
-            tokens = await all_engines(prompts)
-            rates.append(tokens / (time.perf_counter() - start))
-            progress("engine", f"bare engines, repeat {r + 1}/{repeats}: {rates[-1]:.0f} generated tokens/s")
-    finally:
-        for engine in engines:
-            engine.shutdown()
+    for r in range(repeats):
+        start = time.perf_counter()
+        tokens = await all_engines(prompts)
+        rates.append(tokens / (time.perf_counter() - start))
+        progress("engine", f"bare engines, repeat {r + 1}/{repeats}: {rates[-1]:.0f} generated tokens/s")
     return rates
 
 
-def bare_engine_tokens_per_s(model: str, *, num_engines: int, concurrency: int, env_settings: dict, max_turns: int,
-                             episodes: int, repeats: int) -> list[float]:
-    """Generated tokens/s of ``num_engines`` bare engines (no environment, no learner) serving
-    every turn's prompt of ``episodes`` random-policy Signpost episodes, ``concurrency`` at a time each."""
-    prompts = replay_prompts(load_chat(model), "signpost", env_settings, episodes, max_turns)
-    progress("engine", f"bare engines: {num_engines} x {concurrency} in flight, {len(prompts)} replayed prompts")
-    return asyncio.run(_bare(model, num_engines, prompts, concurrency, repeats))
+def bare_engine_tokens_per_s(model: str, spec: BareSpec) -> list[float]:
+    """Part 3 alone: start ``spec.num_engines`` engines and measure them bare (no environment, no learner)."""
+    async def go() -> list[float]:
+        engines = [start_engine(model, spec.concurrency, seed=i) for i in range(spec.num_engines)]
+        try:
+            chat = load_chat(model)
+            prompts = await replay_prompts(chat, "signpost", spec.env_settings, spec.episodes, spec.max_turns)
+            return await _measure_bare(engines, chat, prompts, spec.concurrency, spec.repeats)
+        finally:
+            for engine in engines:
+                engine.shutdown()
+
+    return asyncio.run(go())
 
 
 def main() -> int:

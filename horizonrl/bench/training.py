@@ -39,6 +39,11 @@ RUN_TIMEOUT_S = 900.0
 MODES = {"synchronous": ["rollout.synchronous=true"], "async": []}
 
 
+def groups_per_actor(cfg) -> int:
+    """Each actor's share of one learner batch, in groups: what both modes keep in flight."""
+    return -(-cfg.learner.groups_per_step // cfg.rollout.num_actors)
+
+
 def train_command(config: Path, model: str, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "horizonrl", "train", str(config), f"model.path={model}",
             f"run.output_dir={run_dir}", f"learner.total_steps={steps}", "buffer.skip_equal_reward_groups=false",
@@ -111,20 +116,19 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
 def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = CONFIG,
         extra_overrides: list[str] | None = None, repeats: int | None = None, steps: int | None = None,
         warmup: int | None = None) -> dict:
-    """Part 2. ``--quick``: 1 run per mode, 16 learner steps (clock from step 4); full: 3 runs, 30 steps."""
+    """Part 2. ``--quick``: 1 run per mode, 9 learner steps (clock from step 2); full: 3 runs, 30 (from step 4)."""
     from horizonrl.bench.rollout import tiny_model
     from horizonrl.config import load_config
 
     model = tiny_model(model)
-    default = (1, 16, 4) if quick else (3, 30, 4)
+    default = (1, 9, 2) if quick else (3, 30, 4)
     repeats, steps, warmup = (x if x is not None else d for x, d in zip((repeats, steps, warmup), default))
     if not 0 <= warmup < steps:
         raise ValueError(f"the clock starts at step {warmup}, which must come before the last step {steps}")
     extra = list(extra_overrides or [])
     # The same engine batch in both modes: each actor runs its whole batch share at once.
     cfg = load_config(config, [f"model.path={model}", *extra])
-    per_actor = -(-cfg.learner.groups_per_step // cfg.rollout.num_actors)
-    extra.append(f"rollout.groups_in_flight={per_actor}")
+    extra.append(f"rollout.groups_in_flight={groups_per_actor(cfg)}")
     metrics: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for r in range(repeats):
         for mode in alternate(r, list(MODES)):

@@ -74,16 +74,17 @@ class HeavyTailEnv:
         return f"Thought: The sign points {self._signs[self._turn]}.\nAction: go {rng.choice(DIRECTIONS)}"
 
 
-def replay_prompts(chat, env_name: str, settings: dict, episodes: int, max_turns: int, seed: int = 0) -> list[list[int]]:
+async def replay_prompts(chat, env_name: str, settings: dict, episodes: int, max_turns: int,
+                         seed: int = 0) -> list[list[int]]:
     """Every turn's prompt (the context before each reply) of ``episodes`` random-policy episodes.
 
     Realistic multi-turn prompts for the bare engine, built without an engine: the same
     template and the same append-only layout the actor produces.
     """
-    from horizonrl.tiny_model import episode_ids, random_episodes
+    from horizonrl.tiny_model import episode_ids, random_episodes_async
 
     prompts = []
-    for ep in random_episodes(env_name, settings, episodes, seed=seed, max_turns=max_turns):
+    for ep in await random_episodes_async(env_name, settings, episodes, seed=seed, max_turns=max_turns):
         ids, mask = episode_ids(chat, ep.messages)
         prompts += [ids[:i] for i in range(1, len(ids)) if mask[i] == 1 and mask[i - 1] == 0]
     return prompts

@@ -43,8 +43,8 @@ def test_rollout_loops_and_bare_engine_on_a_real_engine(tiny_model):
         assert s.episodes == len(tasks) and s.turns == sum(expected), name
         assert row["tokens_per_s"] > 0 and 0.0 <= row["engine_idle_share"] <= 1.0, (name, row)
 
-    rates = rollout.bare_engine_tokens_per_s(str(tiny_model), num_engines=1, concurrency=4,
-                                             env_settings={"length": 2}, max_turns=2, episodes=4, repeats=1)
+    rates = rollout.bare_engine_tokens_per_s(str(tiny_model), rollout.BareSpec(
+        num_engines=1, concurrency=4, env_settings={"length": 2}, max_turns=2, episodes=4, repeats=1))
     assert len(rates) == 1 and rates[0] > 0
 
 
