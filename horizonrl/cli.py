@@ -9,6 +9,7 @@ Commands:
   sft | dpo CONFIG [key=value ...]
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
+  bench [--quick] [--parts ...]  throughput benchmarks, async vs synchronous (docs/benchmarks.md)
   env ...                        list / check / serve environments
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)

@@ -196,7 +196,11 @@ class Actor:
             version = self.weight_version
             await asyncio.gather(*(self._run_group() for _ in range(share)))
             start = time.monotonic()
+            limit = self.config.learner.batch_timeout_s + self.config.learner.weight_sync_timeout_s
             while self.weight_version == version and not self.control.stop and not self.stop:
+                if time.monotonic() - start > limit:
+                    raise TimeoutError(f"synchronous rollout: no weight version after {version} within {limit:.0f} s "
+                                       "(is the learner alive and receiving the batch?)")
                 await asyncio.sleep(0.01)
             self.counters["weights_wait_s"] += time.monotonic() - start
 

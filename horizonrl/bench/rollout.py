@@ -167,7 +167,7 @@ def tiny_model(model: str | None) -> str:
         return model
     from horizonrl.tiny_model import ensure_tiny_model
 
-    progress("rollout", f"tiny model in {TINY_MODEL_DIR} (built once, then reused)")
+    progress("bench", f"tiny model in {TINY_MODEL_DIR} (built once, then reused)")
     return str(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))
 
 

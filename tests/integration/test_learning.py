@@ -55,7 +55,10 @@ def train(tiny_model: Path, run_dir: Path, *overrides: str, timeout: float) -> i
 def test_success_rises_through_the_asynchronous_loop(tiny_model, tmp_path):
     before = held_out(tiny_model, tmp_path, "before")
     run_dir = tmp_path / "run"
-    rc = train(tiny_model, run_dir, timeout=1500)
+    # 60 steps: success plateaus near 1 by then. Trained on past the plateau, the near-deterministic
+    # policy (entropy ~0.01) can collapse: one run went 0.98 -> 0.48 at steps 77-80 (approx_kl 0.2),
+    # GRPO's std-normalised advantages being large when a group has a single failure.
+    rc = train(tiny_model, run_dir, "learner.total_steps=60", timeout=1500)
     assert rc == 0, (tmp_path / "run.log").read_text()[-5000:]
 
     s = scalars(run_dir)
