@@ -236,8 +236,9 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read YAML, apply dotted overrides, validate once. Raises ConfigError with what to fix."""
+def load_typed_config(model: type[BaseModel], path: str | Path | None, overrides: list[str] | None = None,
+                      what: str = "config") -> Any:
+    """Read YAML into ``model``, apply dotted overrides, validate once. Raises ConfigError with what to fix."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -250,11 +251,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
     data = deep_merge(data, parse_overrides(overrides or []))
     try:
-        return TrainConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()]
-        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid {what}:\n" + "\n".join(lines)) from None
 
 
-def dump_config(config: TrainConfig) -> str:
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """The training run's config (see :func:`load_typed_config`)."""
+    return load_typed_config(TrainConfig, path, overrides)
+
+
+def dump_config(config: BaseModel) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from horizonrl.config import ConfigError, ModelConfig, deep_merge, parse_overrides
+from horizonrl.config import ModelConfig, dump_config, load_typed_config
 
 PARADIGMS = ("sft", "dpo")
 
@@ -71,23 +70,8 @@ class OfflineConfig(_Frozen):
 
 def load_offline_config(path: str | Path | None, overrides: list[str] | None = None) -> OfflineConfig:
     """Read YAML, apply dotted overrides, validate once. Raises ConfigError with what to fix."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    data = deep_merge(data, parse_overrides(overrides or []))
-    try:
-        return OfflineConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()]
-        raise ConfigError("invalid offline config:\n" + "\n".join(lines)) from None
+    return load_typed_config(OfflineConfig, path, overrides, what="offline config")
 
 
 def dump_offline_config(config: OfflineConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return dump_config(config)

@@ -514,6 +514,11 @@ def read_spec(out_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
+# The tiny model the integration tests and `horizonrl bench` share (cached in .cache/tiny-signpost).
+SIGNPOST_TEST_RECIPE: dict[str, Any] = dict(envs=("signpost",), env_settings={"signpost": {"length": 4}},
+                                            episodes_per_env=1500, warmup_steps=200, max_turns=6)
+
+
 def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     """``out_dir`` built by :func:`make_tiny_model` with ``kwargs``; built only if it is not already.
 

@@ -37,8 +37,6 @@ log = logging.getLogger("horizonrl.bench.rollout")
 
 # The tiny model the integration tests build (reused from .cache when its spec matches).
 TINY_MODEL_DIR = Path(".cache") / "tiny-signpost"
-TINY_MODEL_ARGS = dict(envs=("signpost",), env_settings={"signpost": {"length": 4}}, episodes_per_env=1500,
-                       warmup_steps=200, max_turns=6)
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_tokens_per_turn=24, max_context_tokens=1024)
 
 
@@ -165,10 +163,10 @@ async def measure(loop, engine, chat, workload: Workload, task_ids: list[int],
 def tiny_model(model: str | None) -> str:
     if model:
         return model
-    from horizonrl.tiny_model import ensure_tiny_model
+    from horizonrl.tiny_model import SIGNPOST_TEST_RECIPE, ensure_tiny_model
 
     progress("bench", f"tiny model in {TINY_MODEL_DIR} (built once, then reused)")
-    return str(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))
+    return str(ensure_tiny_model(TINY_MODEL_DIR, **SIGNPOST_TEST_RECIPE))
 
 
 def start_engine(model: str, concurrency: int, seed: int = 0):

@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 from helpers import BABYAI_SETTINGS
 
+from horizonrl.tiny_model import SIGNPOST_TEST_RECIPE as TINY_MODEL_ARGS  # the same model `horizonrl bench` uses
+
 REPO = Path(__file__).resolve().parents[2]
 # Built once and reused across sessions while the recipe and arguments match (its spec file says so).
 TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
-TINY_MODEL_ARGS = dict(envs=("signpost",), env_settings={"signpost": {"length": 4}}, episodes_per_env=1500,
-                       warmup_steps=200, max_turns=6)
 
 
 @pytest.fixture(scope="session")
