@@ -67,6 +67,9 @@ def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: st
         if rank == 0:
             save_file({k: v.contiguous() for k, v in weights_to_send(model.config, state_dict)}, str(Path(out_dir) / "weights.safetensors"))
             (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "micro_batches": len(micro_batches)}))
+        # Tear down together: one run saw rank 1 abort at exit ("terminate called without an active
+        # exception") after it destroyed the group while rank 0 was still writing its files.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
