@@ -74,6 +74,28 @@ class Episode:
         self.turn_spans.append((start, len(self.token_ids)))
         self.turn_versions.append(version)
 
+    def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
+        """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
+        if self.num_turns >= max_turns:
+            self.stop_reason = STOP_MAX_TURNS
+        elif max_context_tokens - len(self.token_ids) < 1:
+            self.stop_reason = STOP_CONTEXT
+        return bool(self.stop_reason)
+
+    def close_turn(self, chat, generated_ids: list[int], result, max_context_tokens: int) -> bool:
+        """Record the environment's answer to a turn; append the next observation. False: the episode ended."""
+        self.turn_rewards.append(float(result.reward))
+        self.score = float(result.score)
+        if result.done:
+            self.success, self.stop_reason = bool(result.success), STOP_DONE
+            return False
+        continuation = chat.continuation_ids(result.observation, generated_ids)
+        if len(self.token_ids) + len(continuation) >= max_context_tokens:
+            self.stop_reason = STOP_CONTEXT
+            return False
+        self.append_context(continuation)
+        return True
+
     @property
     def reward(self) -> float:
         return float(sum(self.turn_rewards))
@@ -109,14 +131,8 @@ async def run_episode(
         ep.env_s += time.perf_counter() - t0
         ep.append_context(chat.prompt_ids(observation, sampling.system_prompt))
         ep.prompt_length = len(ep.token_ids)
-        while True:
-            if ep.num_turns >= max_turns:
-                ep.stop_reason = STOP_MAX_TURNS
-                break
+        while not ep.stop_before_turn(max_turns, sampling.max_context_tokens):
             room = sampling.max_context_tokens - len(ep.token_ids)
-            if room < 1:
-                ep.stop_reason = STOP_CONTEXT
-                break
             version = weight_version()
             t0 = time.perf_counter()
             gen = await engine.generate(
@@ -135,17 +151,8 @@ async def run_episode(
             t0 = time.perf_counter()
             result = await env.step(reply)
             ep.env_s += time.perf_counter() - t0
-            ep.turn_rewards.append(float(result.reward))
-            ep.score = float(result.score)
-            if result.done:
-                ep.success = bool(result.success)
-                ep.stop_reason = STOP_DONE
+            if not ep.close_turn(chat, gen.token_ids, result, sampling.max_context_tokens):
                 break
-            continuation = chat.continuation_ids(result.observation, gen.token_ids)
-            if len(ep.token_ids) + len(continuation) >= sampling.max_context_tokens:
-                ep.stop_reason = STOP_CONTEXT
-                break
-            ep.append_context(continuation)
     except EnvironmentFailure as exc:
         ep.failure, ep.failure_message, ep.stop_reason = FAILURE_ENVIRONMENT, str(exc)[:500], STOP_FAILURE
     except Exception as exc:  # noqa: BLE001 - an engine error fails this episode, counted, not the actor

@@ -31,7 +31,6 @@ from typing import Callable
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
 from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
 from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings, replay_prompts
-from horizonrl.protocol import STOP_CONTEXT, STOP_DONE, STOP_MAX_TURNS
 
 log = logging.getLogger("horizonrl.bench.rollout")
 
@@ -97,7 +96,7 @@ async def run_async(engine, chat, workload: Workload, task_ids: list[int], concu
 async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], concurrency: int) -> list[Episode]:
     """The lock-step baseline: batches of ``concurrency`` episodes, all generations then all steps, per round.
 
-    Per episode it does what :func:`run_episode` does (same prompt, budget and context rules).
+    Per episode the same rules as :func:`run_episode` (``Episode.stop_before_turn`` / ``close_turn``).
     """
     envs = [workload.make_env() for _ in range(min(concurrency, len(task_ids)))]
     finished: list[Episode] = []
@@ -110,15 +109,8 @@ async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], co
             ep.prompt_length = len(ep.token_ids)
         active = list(range(len(batch)))
         while active:
-            generating = []
-            for i in active:
-                ep = episodes[i]
-                if ep.num_turns >= workload.max_turns:
-                    ep.stop_reason = STOP_MAX_TURNS
-                elif SAMPLING.max_context_tokens - len(ep.token_ids) < 1:
-                    ep.stop_reason = STOP_CONTEXT
-                else:
-                    generating.append(i)
+            generating = [i for i in active if not episodes[i].stop_before_turn(workload.max_turns,
+                                                                                   SAMPLING.max_context_tokens)]
             gens = await asyncio.gather(*(engine.generate(
                 episodes[i].token_ids, max_tokens=min(SAMPLING.max_tokens_per_turn,
                                                       SAMPLING.max_context_tokens - len(episodes[i].token_ids)),
@@ -128,20 +120,10 @@ async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], co
             for i, gen in zip(generating, gens):
                 episodes[i].append_generated(gen.token_ids, gen.logprobs, 0)
                 replies.append(chat.decode(gen.token_ids))
+                episodes[i].replies.append(replies[-1])
             results = await asyncio.gather(*(envs[i].step(reply) for i, reply in zip(generating, replies)))
-            active = []
-            for i, gen, result in zip(generating, gens, results):
-                ep = episodes[i]
-                ep.turn_rewards.append(float(result.reward))
-                if result.done:
-                    ep.success, ep.stop_reason = bool(result.success), STOP_DONE
-                    continue
-                continuation = chat.continuation_ids(result.observation, gen.token_ids)
-                if len(ep.token_ids) + len(continuation) >= SAMPLING.max_context_tokens:
-                    ep.stop_reason = STOP_CONTEXT
-                    continue
-                ep.append_context(continuation)
-                active.append(i)
+            active = [i for i, gen, result in zip(generating, gens, results)
+                      if episodes[i].close_turn(chat, gen.token_ids, result, SAMPLING.max_context_tokens)]
         finished += episodes
     return finished
 
