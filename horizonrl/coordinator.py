@@ -11,16 +11,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
-from horizonrl.config import TrainConfig
-from horizonrl.protocol import Control, Heartbeat, LearnerReport, ProtocolError, decode, encode
-from horizonrl.protocol.transport import make_socket
-from horizonrl.run_dirs import resumed_step
-from horizonrl.runtime import RateLimitedLog, StopFlag
-from horizonrl.schedule import TurnBudgetSchedule
+from horizonrl.core.config import TrainConfig
+from horizonrl.protocol import (
+    FAILURE_KINDS,
+    STOP_CONTEXT,
+    STOP_DONE,
+    STOP_MAX_TURNS,
+    Control,
+    EpisodeSample,
+    Heartbeat,
+    LearnerReport,
+    ProtocolError,
+    decode,
+    encode,
+)
+from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.core.run_dirs import resumed_step
+from horizonrl.core.runtime import RateLimitedLog, StopFlag
+from horizonrl.core.schedule import TurnBudgetSchedule
 
 log = logging.getLogger("horizonrl.coordinator")
 
@@ -82,22 +96,32 @@ class Coordinator:
         self.schedule = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
         self.learner_step = start_step
         self.weight_version = start_step
+        self.weight_epoch = 0  # the learner's incarnation: its startup report says which
         self.finished = False
         self.health = ProcessHealth()
         self.window = RolloutWindow()
-        self.bad_messages = 0
+        self.bad_messages: Counter[str] = Counter()  # by kind: ProtocolError, ForeignRunError, UnexpectedMessage
+        self.messages_read = 0
         self._bad_log = RateLimitedLog(log)
         self._silent_log = RateLimitedLog(log, 30.0)
         self._started = time.monotonic()
         net = config.network
         self.ctx = zmq.Context()
-        self.pub = make_socket(self.ctx, zmq.PUB)
+        self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
+        self.pub = make_socket(self.ctx, zmq.PUB, security=self.security, server=True)
         self.pub.bind(net.endpoint(net.control_port))
-        self.pull = make_socket(self.ctx, zmq.PULL, hwm=1024)
+        self.pull = make_socket(self.ctx, zmq.PULL, hwm=1024, max_message_bytes=MAX_REPORT_BYTES,
+                                security=self.security, server=True)
         self.pull.bind(net.endpoint(net.report_port))
         self.writer = _make_writer(config)
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
                  net.endpoint(net.report_port), self.max_turns)
+
+    @classmethod
+    def for_run(cls, config: TrainConfig, stop: StopFlag) -> "Coordinator":
+        """The run's coordinator. A resumed run continues the schedule from the checkpoint's completed
+        step (the turn budget is a pure function of it, so it matches an uninterrupted run at every step)."""
+        return cls(config, stop, start_step=resumed_step(config.learner.resume, config.output_dir))
 
     @property
     def rollout_paused(self) -> bool:
@@ -113,10 +137,11 @@ class Coordinator:
 
     def control(self) -> Control:
         return Control(
-            run_id=self.config.run.name,
+            run_id=self.config.run.run_id,
             learner_step=self.learner_step,
             max_turns=self.max_turns,
             weight_version=self.weight_version,
+            weight_epoch=self.weight_epoch,
             pause_rollout=self.rollout_paused,
             stop=self.finished or bool(self.stop),
         )
@@ -150,11 +175,12 @@ class Coordinator:
                 data = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.messages_read += 1
             try:
-                message = decode(data, MAX_REPORT_BYTES)
+                message = decode(data, MAX_REPORT_BYTES, self.config.run.run_id)
             except ProtocolError as exc:
-                self.bad_messages += 1
-                self._bad_log.warning("rejected malformed report #%d: %s", self.bad_messages, exc)
+                self.bad_messages[type(exc).__name__] += 1
+                self._bad_log.warning("rejected malformed report #%d: %s", sum(self.bad_messages.values()), exc)
                 continue
             if isinstance(message, Heartbeat):
                 paused = self.rollout_paused
@@ -163,16 +189,22 @@ class Coordinator:
                     self.publish()  # pause or resume the actors at once
             elif isinstance(message, LearnerReport):
                 self.on_learner_report(message)
+            elif isinstance(message, EpisodeSample):
+                self.on_episode_sample(message)
             else:
-                self.bad_messages += 1
+                self.bad_messages["UnexpectedMessage"] += 1
                 self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
 
     def on_learner_report(self, report: LearnerReport) -> None:
         repeated = report.step == self.learner_step and report.step > 0
         self.learner_step = report.step
         self.weight_version = report.weight_version
+        self.weight_epoch = report.weight_epoch
         self.finished = report.final
         self.publish()  # actors learn the new version and budget at once
+        if report.startup:
+            log.info("learner started at step %d (weight epoch %d)", report.step, report.weight_epoch)
+            return
         if report.checkpoint:
             log.info("checkpoint saved: %s", report.checkpoint)
         if repeated:
@@ -181,7 +213,11 @@ class Coordinator:
         scalars.update(self.window.update(self.health))
         scalars["schedule/max_turns"] = float(self.schedule.max_turns(report.step))
         scalars["schedule/next_max_turns"] = float(self.max_turns)
-        scalars["rollout/infra_failures"] = self.health.total("actor", "infra_failures")
+        # Cumulative episode outcomes by kind: failures (never trained on) and the agent's own endings.
+        for kind in FAILURE_KINDS[1:]:
+            scalars[f"rollout/failures/{kind}"] = self.health.total("actor", f"failures_{kind}")
+        for reason in (STOP_DONE, STOP_MAX_TURNS, STOP_CONTEXT):
+            scalars[f"rollout/stop/{reason}"] = self.health.total("actor", f"stop_{reason}")
         scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
         scalars["rollout/weight_transfer_s"] = self.health.total("actor", "weight_transfer_s")
         scalars["rollout/weight_load_s"] = self.health.total("actor", "weight_load_s")
@@ -191,18 +227,46 @@ class Coordinator:
         for key in ("generated_tokens", "episodes", "engine_idle_s", "engine_wall_s"):
             scalars[f"rollout/{key}_total"] = self.health.total("actor", key)
         scalars["time/elapsed_s"] = time.monotonic() - self._started
+        # Every message on the report socket is read once and counted: good or bad (by kind).
+        scalars["coordinator/messages_read"] = float(self.messages_read)
+        scalars["coordinator/bad_messages"] = float(sum(self.bad_messages.values()))
+        scalars.update({f"coordinator/bad_messages_{kind}": float(n) for kind, n in self.bad_messages.items()})
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, report.step)
             self.writer.flush()
         print(progress_line(report.step, self.config.learner.total_steps, scalars), flush=True)
 
+    def on_episode_sample(self, sample: EpisodeSample) -> None:
+        """What the agent did, for a person: TensorBoard text (episodes/<env>) and one JSON line in episodes.jsonl."""
+        if self.writer is not None:
+            self.writer.add_text(f"episodes/{sample.env}", episode_markdown(sample), self.learner_step)
+        with open(self.config.output_dir / "episodes.jsonl", "ab") as out:
+            out.write(msgspec.json.encode({"learner_step": self.learner_step, **msgspec.structs.asdict(sample)}) + b"\n")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         self.pub.close(linger=0)
         self.pull.close(linger=0)
+        if self.security is not None:
+            self.security.stop()
         self.ctx.term()
+
+
+def episode_markdown(sample: EpisodeSample) -> str:
+    """One episode as TensorBoard markdown: a header line, then each observation and reply as a code block."""
+    outcome = f"failed ({sample.failure})" if sample.failure else ("success" if sample.success else "no success")
+    lines = [f"**{sample.env} task {sample.task_id}** · actor {sample.actor_id} · weights v{sample.weight_version} · "
+             f"{outcome} · reward {sample.reward:.3g} · score {sample.score:.3g} · "
+             f"{sample.num_turns}/{sample.max_turns} turns · ended: {sample.stop_reason}", ""]
+    turn = 0
+    for role, text in sample.transcript:
+        turn += role == "reply"
+        label = f"reply {turn}" if role == "reply" else ("task" if turn == 0 else f"observation after reply {turn}")
+        # TensorBoard renders markdown: a fenced block shows the text verbatim (backticks inside cannot close it)
+        lines += [f"*{label}*", "", "~~~~text", text.replace("~~~~", "~ ~ ~ ~"), "~~~~", ""]
+    return "\n".join(lines)
 
 
 def progress_line(step: int, total: int, s: dict[str, float]) -> str:
@@ -226,10 +290,7 @@ def _make_writer(config: TrainConfig):
 
 def main(config: TrainConfig) -> int:
     stop = StopFlag().install()
-    # A resumed run continues the schedule from the checkpoint's completed step (the turn budget
-    # is a pure function of it, so it matches an uninterrupted run at every step).
-    start_step = resumed_step(config.learner.resume, config.output_dir)
-    coordinator = Coordinator(config, stop, start_step=start_step)
+    coordinator = Coordinator.for_run(config, stop)
     try:
         coordinator.run()
     finally:

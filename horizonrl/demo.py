@@ -10,12 +10,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
-from horizonrl.config import TrainConfig, load_config
-from horizonrl.run_dirs import latest_checkpoint
-from horizonrl.schedule import TurnBudgetSchedule
+from horizonrl.core.config import TrainConfig, load_config
+from horizonrl.core.run_dirs import latest_checkpoint
+from horizonrl.core.schedule import TurnBudgetSchedule
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 # The recipe the integration tests use too: 1,500 random-policy episodes, 200 warm-up steps.
@@ -24,6 +25,7 @@ TINY_MODEL_RECIPE = dict(episodes_per_env=1500, warmup_steps=200, max_turns=6)
 
 def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
     from horizonrl.actors.evaluate import EvalSpec, evaluate
+    from horizonrl.envs import make_env
 
     max_turns = config.eval.max_turns or TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl).final_max_turns
     results = {}
@@ -32,7 +34,8 @@ def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
             env=spec.name, env_settings=spec.settings, split="test", episodes=config.eval.episodes,
             max_turns=max_turns, temperature=config.eval.temperature,
             max_tokens_per_turn=config.rollout.max_tokens_per_turn,
-            max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed), config.rollout.engine)
+            max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed), make_env,
+            config.rollout.engine)
     return results
 
 
@@ -58,6 +61,9 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
 
     started = time.perf_counter()
     config = load_config(config_path or DEFAULT_CONFIG, overrides)
+    if config.output_dir.exists() and config.learner.resume is None:
+        print(f"[demo] replacing the previous demo run in {config.output_dir}", flush=True)
+        shutil.rmtree(config.output_dir)
     model_dir = Path(config.model.path)
     print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
     ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),

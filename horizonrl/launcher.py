@@ -1,6 +1,6 @@
 """The launcher: start every process of a run from one config, watch them, stop them.
 
-It only starts, watches and stops (STYLE.md §1): each role is a separate program
+It only starts, watches and stops: each role is a separate program
 (``horizonrl coordinator|buffer|learner|actor --config run/config.yaml``) that can also
 be started by hand for debugging. The launcher resolves free ports, writes the
 resolved config next to the logs, streams progress lines and warnings to the terminal
@@ -11,6 +11,7 @@ vLLM spawns go too — and exits non-zero.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,17 +19,19 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from horizonrl.config import TrainConfig, dump_config
-from horizonrl.protocol.transport import free_port
-from horizonrl.runtime import StopFlag
+from horizonrl.core.config import ConfigError, TrainConfig, dump_config
+from horizonrl.protocol.transport import free_ports, is_loopback
+from horizonrl.core.runtime import StopFlag
 
 log = logging.getLogger("horizonrl.launcher")
 
 TERMINATE_GRACE_S = 20.0
+ACTOR_STOP_S = 30.0  # an actor lets its last sends be acknowledged (10 s), then shuts its engine down
 # Lines of a child's output shown on the terminal; everything goes to its log file.
 _SHOWN = ("step ", "ERROR", "WARNING", "Traceback", "Error", "horizonrl.", "error:")
 
@@ -36,11 +39,12 @@ _SHOWN = ("step ", "ERROR", "WARNING", "Traceback", "Error", "horizonrl.", "erro
 def resolve_ports(config: TrainConfig) -> TrainConfig:
     """A copy of ``config`` with every port that is 0 replaced by a free one."""
     net = config.network.model_dump()
-    taken: set[int] = set()
-    for key in ("control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port"):
-        while not net[key] or net[key] in taken:
-            net[key] = free_port(config.network.host)
-        taken.add(net[key])
+    keys = ("control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port")
+    fixed = {net[key] for key in keys if net[key]}
+    candidates = iter(p for p in free_ports(2 * len(keys), config.network.host) if p not in fixed)
+    for key in keys:
+        if not net[key]:
+            net[key] = next(candidates)
     return config.model_copy(update={"network": type(config.network).model_validate(net)})
 
 
@@ -50,6 +54,10 @@ class Child:
     proc: subprocess.Popen
     essential: bool  # the run is over when every essential child has exited 0
     threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def role(self) -> str:
+        return self.name.split("-")[0]
 
 
 def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, show_all: bool) -> None:
@@ -137,17 +145,35 @@ class Launcher:
                 return 0
             time.sleep(0.2)
 
-    def stop_all(self) -> None:
-        """SIGTERM every live child's process group, then SIGKILL what is left after the grace period."""
-        for child in self.children:
-            if child.proc.poll() is None:
+    def stop_all(self, stop: StopFlag | None = None) -> None:
+        """Stop in order, so nothing is lost and a checkpoint is written: first the actors (no new
+        episodes; what they sent gets acknowledged) and the learner (finishes or abandons its step,
+        saves), within ``monitor.stop_timeout_s``; then the buffer and the coordinator. A second
+        stop signal (Ctrl-C again) kills everything at once. Whatever is left is killed, with the
+        processes it spawned (each child leads its own process group)."""
+        # (roles, how long each may take) per phase; the actors' part of the first is short: they
+        # only let their last sends be acknowledged.
+        phases = [{"actor": ACTOR_STOP_S, "learner": self.config.monitor.stop_timeout_s},
+                  {"buffer": TERMINATE_GRACE_S, "coordinator": TERMINATE_GRACE_S, "tensorboard": TERMINATE_GRACE_S}]
+        for grace in phases:
+            members = [c for c in self.children if c.role in grace and c.proc.poll() is None]
+            for child in members:
                 _signal_group(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + TERMINATE_GRACE_S
+            start = time.monotonic()
+            while time.monotonic() - start < max(grace.values(), default=0):
+                if stop is not None and stop.count >= 2:
+                    log.warning("second stop signal: killing every process now")
+                    break
+                for child in members:
+                    if child.proc.poll() is None and time.monotonic() - start > grace[child.role]:
+                        log.warning("%s did not stop within %.0f s: killing it", child.name, grace[child.role])
+                        _signal_group(child.proc.pid, signal.SIGKILL)
+                if all(c.proc.poll() is not None for c in members):
+                    break
+                time.sleep(0.1)
+            if stop is not None and stop.count >= 2:
+                break
         for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", child.name, TERMINATE_GRACE_S)
             # Kill the group even if the leader exited: engine processes may linger.
             _signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
@@ -166,7 +192,7 @@ def _signal_group(pid: int, sig: int) -> None:
 def resolve_resume_setting(config: TrainConfig) -> TrainConfig:
     """``learner.resume=auto`` -> the newest complete checkpoint's directory (or no resume when there
     is none), fixed once here so that every process resumes from the same step."""
-    from horizonrl.run_dirs import resolve_resume
+    from horizonrl.core.run_dirs import resolve_resume
 
     if config.learner.resume is None:
         return config
@@ -179,11 +205,56 @@ def resolve_resume_setting(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"learner": learner})
 
 
+RUN_ID_FILE = "run_id"
+
+
+def resolve_run_identity(config: TrainConfig, resuming: bool) -> TrainConfig:
+    """The run's id: new for a new run, the one in ``<output_dir>/run_id`` when it resumes.
+
+    A new run refuses a directory that holds another run's state (its log, checkpoints, actors'
+    outboxes would be mixed with this one's); resuming needs ``resume=auto|PATH``."""
+    id_file = config.output_dir / RUN_ID_FILE
+    if resuming and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        leftovers = [name for name in (RUN_ID_FILE, "checkpoints", "buffer_wal", "actors")
+                     if (config.output_dir / name).exists()]
+        if leftovers and not resuming:
+            raise ConfigError(f"{config.output_dir} holds a previous run ({', '.join(leftovers)}): continue it with "
+                              "resume=auto, or choose a new run.output_dir")
+        run_id = uuid.uuid4().hex[:16]
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run_id + "\n")
+    return config.model_copy(update={"run": config.run.model_copy(update={"run_id": run_id})})
+
+
+def resolve_vocab_size(config: TrainConfig) -> TrainConfig:
+    """``model.vocab_size`` from the model's config.json (the buffer rejects token ids outside it)."""
+    if config.model.vocab_size is not None:
+        return config
+    path = Path(config.model.path) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        log.warning("cannot read %s: token ids are not checked against the vocabulary", path)
+        return config
+    vocab = data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": vocab})})
+
+
 def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
-    """Resolve ports and write ``<output_dir>/config.yaml``, the file every process reads."""
+    """Resolve ports, resume, run id and vocabulary; write ``<output_dir>/config.yaml``, the file every
+    process reads."""
+    if config.network.curve_keys_dir is None and not is_loopback(config.network.host):
+        raise ConfigError(f"network.host {config.network.host} is not loopback: CurveZMQ keys are required "
+                          "(make them with `horizonrl keys DIR`, then network.curve_keys_dir=DIR)")
+    resuming = config.learner.resume is not None
     config = resolve_ports(config)
     config = resolve_resume_setting(config)
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    config = resolve_run_identity(config, resuming)
+    config = resolve_vocab_size(config)
     path = config.output_dir / "config.yaml"
     path.write_text(dump_config(config))
     return config, path
@@ -200,6 +271,9 @@ def launch(config: TrainConfig, *, tensorboard: bool = False) -> int:
     try:
         launcher.start_all()
         rc = launcher.watch(stop)
+        if rc == 130:
+            print("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again to force)",
+                  flush=True)
     finally:
-        launcher.stop_all()
+        launcher.stop_all(stop)
     return rc

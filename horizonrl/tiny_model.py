@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from horizonrl.chat import ChatTokenizer
+    from horizonrl.core.chat import ChatTokenizer
 
 # Bump when the recipe changes so that ``ensure_tiny_model`` rebuilds stale directories.
 RECIPE_VERSION = 2  # 2: Signpost's random replies restate the sign in a ReAct thought
@@ -447,7 +447,7 @@ def make_tiny_model(
     import torch
     from transformers import GenerationConfig
 
-    from horizonrl.chat import ChatTokenizer
+    from horizonrl.core.chat import ChatTokenizer
 
     spec = tiny_model_spec(
         envs, env_settings, episodes_per_env, warmup_steps, seed, max_turns, vocab_size, batch_size, lr, system_prompt

@@ -1,4 +1,4 @@
-"""The throughput benchmarks (issue 4): the same as ``horizonrl bench``, from a checkout.
+"""The throughput benchmarks: the same as ``horizonrl bench``, from a checkout.
 
     python scripts/bench_throughput.py --quick
     python scripts/bench_throughput.py --parts rollout,training --out runs/bench

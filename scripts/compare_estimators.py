@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -40,10 +41,10 @@ def mean(values: list[float]) -> float | None:
 
 
 def main() -> int:
-    from horizonrl.config import load_config
+    from horizonrl.core.config import load_config
     from horizonrl.demo import held_out_success
     from horizonrl.launcher import launch
-    from horizonrl.run_dirs import latest_checkpoint
+    from horizonrl.core.run_dirs import latest_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=Path("configs/signpost_test.yaml"))
@@ -66,6 +67,7 @@ def main() -> int:
                "before": before[env]["success_rate"], "runs": {}}
     for name in args.estimators.split(","):
         run_dir = args.out / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # a previous comparison's run: this one starts fresh
         config = load_config(args.config, [*common, f"algorithm.adv_estimator={name}", f"run.output_dir={run_dir}"])
         start = time.perf_counter()
         rc = launch(config)

@@ -11,20 +11,26 @@ import time
 from horizonrl.protocol import Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 
-# BabyAI as the tiny model can play it: one easy level, text like DESIGN.md's prototype.
+# BabyAI as the tiny model can play it: one easy level, the compact relative-position text.
 BABYAI_SETTINGS = {"levels": ["BabyAI-GoToRedBallNoDists-v0"], "high_level_actions": False, "observation": "compact"}
 
 
+RUN_ID = "test-run"
+
+
 def make_trajectory(group_id: str, index: int, *, reward: float = 0.0, group_size: int = 4, version: int = 0,
-                    failure: str = "", tokens: int = 12) -> Trajectory:
+                    failure: str = "", tokens: int = 12, epoch: int = 0, run_id: str = RUN_ID,
+                    task_id: int = 1) -> Trajectory:
+    """A consistent one-turn trajectory (it passes protocol/validation.py)."""
     ids = list(range(tokens))
     mask = [0] * (tokens // 2) + [1] * (tokens - tokens // 2)
     return Trajectory(
-        trajectory_id=f"{group_id}-{index}", group_id=group_id, group_size=group_size, env="signpost", task_id=1,
-        actor_id=0, token_ids=pack(ids, TOKEN_DTYPE), loss_mask=pack(mask, MASK_DTYPE),
+        run_id=run_id, trajectory_id=f"{group_id}-{index}", group_id=group_id, group_size=group_size, env="signpost",
+        task_id=task_id, actor_id=0, token_ids=pack(ids, TOKEN_DTYPE), loss_mask=pack(mask, MASK_DTYPE),
         logprobs=pack([-0.5 * m for m in mask], LOGPROB_DTYPE), prompt_length=tokens // 2,
-        turn_spans=[(tokens // 2, tokens)], turn_versions=[version], turn_rewards=[reward], reward=reward,
-        success=reward > 0, score=reward, num_turns=1, max_turns=6, stop_reason="done", failure=failure,
+        turn_spans=[(tokens // 2, tokens)], turn_versions=[version], turn_epochs=[epoch], turn_rewards=[reward],
+        reward=reward, success=reward > 0, score=reward, num_turns=1, max_turns=6, stop_reason="done",
+        failure=failure,
     )
 
 

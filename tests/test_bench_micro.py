@@ -41,7 +41,8 @@ def test_weight_sync_benchmark_tiny(tmp_path):
 def test_transport_benchmark_smallest(tmp_path):
     from horizonrl.bench.transport import MPQ_LISTS, MPQ_NUMPY, ZMQ, run
 
-    result = run(True, tmp_path, sizes=(1024,), producers=(1, 2), repeats=1, counts={1024: 80}, timeout_s=30)
+    result = run(True, tmp_path, sizes=(1024,), producers=(1, 2), repeats=1, counts={1024: 80}, timeout_s=30,
+                 intake=False)
     _assert_shape(result, "transport")
     assert len(result["rows"]) == 2 * 3 and len(result["ratios"]) == 2 * 2
     for row in result["rows"]:
@@ -52,6 +53,18 @@ def test_transport_benchmark_smallest(tmp_path):
     assert set(wire) == {ZMQ, MPQ_LISTS, MPQ_NUMPY}
     assert wire[ZMQ] < wire[MPQ_LISTS]  # raw bytes beat pickled Python ints and floats
     assert not mp.active_children()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_buffer_intake_with_and_without_the_log():
+    from horizonrl.bench.buffer_intake import BASELINE, MODES, measure
+
+    rows, ratios, settings = measure(True, repeats=1, per_producer=40)
+    assert [row["label"].split(" / ")[1] for row in rows] == list(MODES)
+    assert all(row["traj_per_s"]["min"] > 0 for row in rows)  # every trajectory acknowledged, in every mode
+    assert set(ratios) == {f"buffer intake: {m} / {BASELINE} traj/s" for m in MODES if m != BASELINE}
+    assert settings["intake_trajectories_per_producer"] == 40
 
 
 def test_transport_content_round_trips_through_the_real_codec():

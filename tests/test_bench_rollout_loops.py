@@ -5,12 +5,13 @@ same loops run on a real engine in tests/integration/test_bench_system.py.
 """
 
 import asyncio
-import time
+from types import SimpleNamespace
 
 from horizonrl.actors.engine import Generation
 from horizonrl.bench.rollout import SAMPLING, Workload, run_async, run_lockstep
 from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings
-from horizonrl.runtime import BusyClock
+from horizonrl.core.environment import StepResult
+from horizonrl.core.runtime import BusyClock
 
 
 class ScriptedChat:
@@ -85,36 +86,65 @@ def test_both_loops_play_the_same_episodes():
         assert ep.loss_mask == [0, 0, 0] + ([1, 1, 1, 0, 0] * ep.num_turns)[:-2]
 
 
+class OneLongPerBatch:
+    """Task t lasts 12 turns when t % 8 == 0, else 1 turn: one straggler in every batch of 8."""
+
+    async def reset(self, task_id: int) -> str:
+        self._left = 12 if task_id % 8 == 0 else 1
+        return "go"
+
+    async def step(self, action_text: str) -> StepResult:
+        self._left -= 1
+        return StepResult("go", 1.0 if self._left == 0 else 0.0, self._left == 0, success=self._left == 0)
+
+
+class InFlightAtStart(ScriptedEngine):
+    """Records how many requests were in flight (itself included) when each request started."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.001)
+        self.in_flight_at_start: list[int] = []
+
+    async def generate(self, prompt_ids, **kwargs):
+        self.in_flight_at_start.append(self.clock.in_flight + 1)
+        return await super().generate(prompt_ids, **kwargs)
+
+
 def test_lockstep_waits_for_the_slowest_episode_and_async_does_not():
-    # One long episode per batch of short ones: lock-step holds every slot for the whole batch.
-    settings = HeavyTailSettings(turns_median=2.0, turns_sigma=1.2, latency_median_s=0.004, latency_sigma=0.5)
-    workload = heavy_tail_workload(settings)
+    """Structural, not timed: while a batch's straggler plays its 11 extra turns, lock-step starts
+    nothing else (each of those requests is alone in flight); the asynchronous loop refills the
+    freed slots, so its requests mostly have company."""
+    workload = Workload("one-long-per-batch", OneLongPerBatch, 16, "test")
     tasks = list(range(48))
+    alone = {}
+    for loop in (run_lockstep, run_async):
+        engine = InFlightAtStart()
+        asyncio.run(loop(engine, ScriptedChat(), workload, tasks, 8))
+        assert len(engine.in_flight_at_start) == 6 * (12 + 7)  # every turn of every episode
+        alone[loop.__name__] = sum(n == 1 for n in engine.in_flight_at_start)
+    # per batch: the round's first request (the others start right after it) and the straggler's turns 2..12
+    assert alone["run_lockstep"] == 6 * (1 + 11)
+    assert alone["run_async"] <= 1 + 11  # the very first request, and the last straggler once no task is left
 
-    async def wall(loop):
-        start = time.perf_counter()
-        await loop(ScriptedEngine(delay=0.002), ScriptedChat(), workload, tasks, 8)
-        return time.perf_counter() - start
 
-    lockstep, concurrent = asyncio.run(wall(run_lockstep)), asyncio.run(wall(run_async))
-    assert concurrent < lockstep, (concurrent, lockstep)
+def test_busy_clock_counts_only_time_with_nothing_in_flight(monkeypatch):
+    from horizonrl.core import runtime
 
-
-def test_busy_clock_counts_only_time_with_nothing_in_flight():
+    now = [0.0]
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     clock = BusyClock()
-    time.sleep(0.05)
+    now[0] = 0.05
     clock.enter()
     clock.enter()
-    time.sleep(0.05)
+    now[0] = 0.10
     clock.exit()
-    time.sleep(0.02)  # still one in flight: busy
+    now[0] = 0.12  # still one in flight: busy
     clock.exit()
-    assert 0.045 < clock.idle_s < 0.065
-    time.sleep(0.03)
-    assert 0.075 < clock.idle_s < 0.1
-    assert clock.wall_s >= 0.15 and clock.in_flight == 0
+    assert clock.idle_s == 0.05 and clock.in_flight == 0
+    now[0] = 0.15
+    assert clock.idle_s == 0.05 + 0.03 and clock.wall_s == 0.15
     clock.reset()
-    assert clock.idle_s < 0.01
+    assert clock.idle_s == 0
 
 
 def test_sampling_settings_fit_the_tiny_model():

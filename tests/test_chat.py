@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from horizonrl.chat import ChatTemplateError, ChatTokenizer
+from horizonrl.core.chat import ChatTemplateError, ChatTokenizer
 from horizonrl.tiny_model import CHATML_TEMPLATE, build_tokenizer
 
 # Qwen2.5-Instruct's rendering without tools: ChatML with a default system message.

@@ -1,6 +1,6 @@
 import pytest
 
-from horizonrl.config import ConfigError, load_config, parse_overrides
+from horizonrl.core.config import ConfigError, load_config, parse_overrides
 
 
 def test_overrides_use_agentgym_names(tmp_path):

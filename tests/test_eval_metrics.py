@@ -52,5 +52,5 @@ def test_summary_and_table():
 def test_ids_file(tmp_path):
     (tmp_path / "a.txt").write_text("3\n\n# held out\n7  # comment\n11\n")
     (tmp_path / "b.json").write_text("[1, 2, 5]")
-    assert _read_ids(tmp_path / "a.txt") == (3, 7, 11)
-    assert _read_ids(tmp_path / "b.json") == (1, 2, 5)
+    assert _read_ids(tmp_path / "a.txt", "signpost") == (3, 7, 11)
+    assert _read_ids(tmp_path / "b.json", "signpost") == (1, 2, 5)

@@ -3,7 +3,17 @@ import numpy as np
 import pytest
 from helpers import make_trajectory
 
-from horizonrl.protocol import Batch, Control, ProtocolError, Trajectory, decode, decode_as, encode
+from horizonrl.protocol import (
+    SCHEMA_VERSION,
+    Batch,
+    Control,
+    ForeignRunError,
+    ProtocolError,
+    Trajectory,
+    decode,
+    decode_as,
+    encode,
+)
 from horizonrl.protocol.arrays import TOKEN_DTYPE, unpack
 
 
@@ -16,7 +26,7 @@ def test_trajectory_round_trip_keeps_arrays_exact():
 
 
 def test_nested_batch_round_trip():
-    batch = Batch(request_id=3, groups=[[make_trajectory("g", i) for i in range(2)]], buffer_stats={"x": 1.0})
+    batch = Batch(run_id="test-run", request_id=3, groups=[[make_trajectory("g", i) for i in range(2)]], buffer_stats={"x": 1.0})
     assert decode(encode(batch)) == batch
 
 
@@ -46,13 +56,20 @@ def test_unexpected_type_and_missing_fields():
     with pytest.raises(ProtocolError, match="expected Trajectory"):
         decode_as(control, Trajectory)
     with pytest.raises(ProtocolError, match="invalid 'trajectory'"):
-        decode(msgspec.msgpack.encode({"type": "trajectory", "v": 1}))
+        decode(msgspec.msgpack.encode({"type": "trajectory", "v": SCHEMA_VERSION}))
 
 
 def test_protocol_layer_imports_neither_torch_nor_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, horizonrl.protocol, horizonrl.config, horizonrl.schedule, horizonrl.runtime; "
+    code = ("import sys, horizonrl.protocol, horizonrl.core.config, horizonrl.core.schedule, horizonrl.core.runtime; "
             "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_message_of_another_run_is_told_apart():
+    data = encode(make_trajectory("g", 0))
+    assert decode(data, run_id="test-run").trajectory_id == "g-0"
+    with pytest.raises(ForeignRunError, match="of run 'test-run'; this process is in run 'other'"):
+        decode(data, run_id="other")

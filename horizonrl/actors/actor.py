@@ -5,9 +5,15 @@ Coroutines on one event loop:
   version, stop) and receives each announced weight version into the live engine, in
   order (every broadcast is a collective the learner waits on).
 - ``_run_groups`` × ``groups_in_flight``: each runs GRPO groups back to back — ``n``
-  episodes of one task under one turn budget — and pushes every finished episode.
-  Sends await the buffer's backpressure, so a full buffer slows the actor down.
+  episodes of one task (the next of the actor's task sequence, ``task_sequence.py``) under
+  one turn budget — and hands every finished episode to the delivery.
+- ``delivery.run``: acknowledged, resent-until-acknowledged sends to the buffer, with an
+  outbox on disk (``delivery.py``); too many unacknowledged trajectories hold the groups back.
 - ``_heartbeat``: liveness and cumulative counters to the coordinator.
+
+Stopping (SIGINT/SIGTERM, or the coordinator's stop): no new episodes; episodes in progress are
+abandoned (counted, never produced); what was sent gets ``STOP_DRAIN_S`` to be acknowledged,
+the rest stays in the outbox and is sent by the next start.
 """
 
 from __future__ import annotations
@@ -15,31 +21,46 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from collections import Counter, defaultdict
 
 import zmq
 import zmq.asyncio
 
+from horizonrl.actors.delivery import MAX_ACK_BYTES, TrajectoryDelivery
 from horizonrl.actors.engine import RolloutEngine
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
-from horizonrl.config import EnvSpec, TrainConfig
-from horizonrl.envs import Environment, make_env
-from horizonrl.protocol import Control, Heartbeat, ProtocolError, Trajectory, decode_as, encode
+from horizonrl.actors.task_sequence import TaskSequence
+from horizonrl.core.config import EnvSpec, TrainConfig
+from horizonrl.core.environment import EnvFactory, Environment
+from horizonrl.protocol import (
+    FAILURE_ENVIRONMENT,
+    FAILURE_TIMEOUT,
+    MAX_SAMPLE_TEXT,
+    Control,
+    EpisodeSample,
+    Heartbeat,
+    ProtocolError,
+    Trajectory,
+    decode_as,
+    encode,
+)
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
-from horizonrl.protocol.transport import make_socket
-from horizonrl.runtime import RateLimitedLog, StopFlag
+from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.core.runtime import RateLimitedLog, StopFlag
 
 log = logging.getLogger("horizonrl.actors")
 
 CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
-SEND_WARN_S = 10.0
+STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
+MAX_CONTROL_BYTES = 64 * 1024
+UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
 
 
-def to_trajectory(ep: Episode, *, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
+def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
                   actor_id: int, max_turns: int, category: str) -> Trajectory:
     return Trajectory(
+        run_id=run_id,
         trajectory_id=trajectory_id,
         group_id=group_id,
         group_size=group_size,
@@ -52,6 +73,7 @@ def to_trajectory(ep: Episode, *, trajectory_id: str, group_id: str, group_size:
         prompt_length=ep.prompt_length,
         turn_spans=ep.turn_spans,
         turn_versions=ep.turn_versions,
+        turn_epochs=ep.turn_epochs,
         turn_rewards=ep.turn_rewards,
         reward=ep.reward,
         success=ep.success,
@@ -66,19 +88,36 @@ def to_trajectory(ep: Episode, *, trajectory_id: str, group_id: str, group_size:
     )
 
 
+def episode_sample(ep: Episode, *, run_id: str, env: str, task_id: int, actor_id: int,
+                   max_turns: int) -> EpisodeSample:
+    """The episode as text for a person to read (each text cut to MAX_SAMPLE_TEXT characters)."""
+    return EpisodeSample(
+        run_id=run_id, env=env, task_id=task_id, actor_id=actor_id, weight_version=min(ep.turn_versions, default=0),
+        max_turns=max_turns, reward=ep.reward, success=ep.success, score=ep.score, num_turns=ep.num_turns,
+        stop_reason=ep.stop_reason, failure=ep.failure,
+        transcript=[(role, text[:MAX_SAMPLE_TEXT]) for role, text in ep.transcript()],
+    )
+
+
 class EnvPool:
     """Reusable environment instances per name (an instance serves one episode at a time)."""
 
-    def __init__(self, specs: list[EnvSpec]) -> None:
+    def __init__(self, specs: list[EnvSpec], make_env: EnvFactory) -> None:
         self.specs = {s.name: s for s in specs}
+        self._make_env = make_env
         self._free: dict[str, list[Environment]] = defaultdict(list)
 
     def acquire(self, name: str) -> Environment:
         free = self._free[name]
-        return free.pop() if free else make_env(name, self.specs[name].settings)
+        return free.pop() if free else self._make_env(name, self.specs[name].settings)
 
-    def release(self, name: str, env: Environment) -> None:
-        self._free[name].append(env)
+    def release(self, name: str, env: Environment, healthy: bool = True) -> None:
+        """Back to the pool; an instance whose episode failed for the environment's sake (or timed out
+        inside it) is closed and dropped instead: its state is unknown."""
+        if healthy:
+            self._free[name].append(env)
+        else:
+            asyncio.ensure_future(_close_quietly(env))
 
     async def close(self) -> None:
         for envs in self._free.values():
@@ -86,61 +125,111 @@ class EnvPool:
                 await env.close()
 
 
+async def _close_quietly(env: Environment, timeout_s: float = 30.0) -> None:
+    try:
+        await asyncio.wait_for(env.close(), timeout_s)
+    except Exception:  # noqa: BLE001 - a broken instance: its close may fail or hang; it is dropped anyway
+        log.debug("closing a broken environment instance failed", exc_info=True)
+
+
 class Actor:
-    def __init__(self, config: TrainConfig, index: int, stop: StopFlag, engine: RolloutEngine, chat) -> None:
+    def __init__(self, config: TrainConfig, index: int, stop: StopFlag, engine: RolloutEngine, chat,
+                 make_env: EnvFactory) -> None:
         self.config = config
         self.index = index
         self.stop = stop
         self.engine = engine
         self.chat = chat
-        self.rng = random.Random(config.run.seed * 1000 + index)
-        self.envs = EnvPool(config.envs)
+        self.run_id = config.run.run_id
+        self.envs = EnvPool(config.envs, make_env)
         probe = {s.name: make_env(s.name, s.settings) for s in config.envs}
-        self.train_ids = {name: env.task_ids("train") for name, env in probe.items()}
         self.category = {name: env.task_category for name, env in probe.items()}
-        self.weight_version = 0
+        state_dir = config.output_dir / "actors"
+        self.tasks = TaskSequence(state_dir / f"actor_{index}.json", config.run.seed, index, config.envs,
+                                  {name: env.task_ids("train") for name, env in probe.items()})
+        self.weights = (0, 0)  # (epoch, version) of the weights in the engine: version 0 is model.path
         self.control: Control | None = None
         self.counters: Counter[str] = Counter()
-        self._group_counter = 0
+        self._last_sample: dict[str, float] = {}  # env -> when its last episode sample was sent
         r = config.rollout
         self.sampling = SamplingSettings(r.temperature, r.top_p, r.max_tokens_per_turn, r.max_context_tokens,
-                                         r.system_prompt)
+                                         r.system_prompt, r.turn_timeout_s, r.episode_timeout_s)
         net = config.network
         self.ctx = zmq.asyncio.Context()
-        self.push = make_socket(self.ctx, zmq.PUSH, hwm=max(4, r.n))
-        self.push.connect(net.endpoint(net.trajectory_port))
-        self.sub = make_socket(self.ctx, zmq.SUB)
+        self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
+        self.intake = make_socket(self.ctx, zmq.DEALER, hwm=max(4, r.n), max_message_bytes=MAX_ACK_BYTES,
+                                  security=self.security)
+        self.intake.connect(net.endpoint(net.trajectory_port))
+        self.delivery = TrajectoryDelivery(self.intake, state_dir / f"outbox_{index}", self.run_id,
+                                           ack_timeout_s=r.ack_timeout_s, max_unacked=r.max_unacked)
+        self.sub = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
         self.sub.connect(net.endpoint(net.control_port))
-        self.reports = make_socket(self.ctx, zmq.PUSH)
+        self.reports = make_socket(self.ctx, zmq.PUSH, security=self.security)
         self.reports.connect(net.endpoint(net.report_port))
         self._bad_log = RateLimitedLog(log)
-        self._send_log = RateLimitedLog(log)
+        self._failure_log = RateLimitedLog(log)
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights[1]
 
     async def run(self) -> None:
         net = self.config.network
         log.info("joining the weight group as rank %d of %d", self.index + 1, self.config.rollout.num_actors + 1)
-        await self.engine.join_weight_group(net.host, net.weight_port, self.index + 1,
-                                            self.config.rollout.num_actors + 1, self.config.learner.weight_sync_timeout_s)
-        tasks = [asyncio.create_task(self._follow_control(), name="control"),
-                 asyncio.create_task(self._heartbeat(), name="heartbeat")]
-        await self._wait_for_first_control()
+        joined = await self._unless_stopped(self.engine.join_weight_group(
+            net.host, net.weight_port, self.index + 1, self.config.rollout.num_actors + 1,
+            self.config.learner.weight_sync_timeout_s))
+        if not joined:
+            return
+        services = [asyncio.create_task(self._follow_control(), name="control"),
+                    asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                    asyncio.create_task(self.delivery.run(), name="delivery")]
+        if not await self._unless_stopped(self._wait_for_first_control()):
+            await self._stop([], services)
+            return
         if self.config.rollout.synchronous:
-            tasks.append(asyncio.create_task(self._run_synchronous(), name="synchronous"))
+            workers = [asyncio.create_task(self._run_synchronous(), name="synchronous")]
         else:
-            tasks += [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}")
-                      for slot in range(self.config.rollout.groups_in_flight)]
+            workers = [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}")
+                       for slot in range(self.config.rollout.groups_in_flight)]
         try:
             while not self.stop and not (self.control and self.control.stop):
-                done = [t for t in tasks if t.done()]
-                for t in done:
-                    t.result()  # a dead coroutine fails the actor loudly
+                for t in services + workers:
+                    if t.done():
+                        t.result()  # a dead coroutine fails the actor loudly
                 await asyncio.sleep(0.2)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop(workers, services)
+
+    async def _unless_stopped(self, step) -> bool:
+        """Run a start-up step (bounded by its own timeout) unless a stop signal comes first: False then."""
+        task = asyncio.ensure_future(step)
+        while not task.done():
+            if self.stop:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                log.info("stopped during start-up")
+                return False
+            await asyncio.wait([task], timeout=0.2)
+        task.result()  # a failed step fails the actor loudly
+        return True
+
+    async def _stop(self, workers: list[asyncio.Task], services: list[asyncio.Task]) -> None:
+        """Start no more episodes, abandon those in progress, give the buffer a moment to acknowledge
+        what was sent (the rest stays in the outbox for the next start)."""
+        for t in workers:
+            t.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        left = await self.delivery.drain(STOP_DRAIN_S) if not services[2].done() else len(self.delivery.unacked)
+        for t in services:
+            t.cancel()
+        await asyncio.gather(*services, return_exceptions=True)
+        log.info("stopped: %d episodes abandoned in progress; %d trajectories unacknowledged (kept in the outbox)",
+                 self.counters["abandoned_episodes"], left)
 
     async def _wait_for_first_control(self) -> None:
+        """The first Control, then the weights it announces (a resumed learner's): no episode is played
+        with weights older than the learner's at start."""
         deadline = time.monotonic() + CONTROL_WAIT_S
         while self.control is None:
             if time.monotonic() > deadline:
@@ -148,30 +237,37 @@ class Actor:
             if self.stop:
                 return
             await asyncio.sleep(0.05)
-        log.info("started: learner step %d, turn budget %d", self.control.learner_step, self.control.max_turns)
+        deadline = time.monotonic() + self.config.learner.weight_sync_timeout_s
+        while self.weights < (self.control.weight_epoch, self.control.weight_version) and not self.stop:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the announced weights {(self.control.weight_epoch, self.control.weight_version)} "
+                                   f"did not arrive within {self.config.learner.weight_sync_timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+        log.info("started: learner step %d, turn budget %d, weights %s (epoch, version)", self.control.learner_step,
+                 self.control.max_turns, self.weights)
 
     async def _follow_control(self) -> None:
         while True:
             data = await self.sub.recv()
             try:
-                control = decode_as(data, Control)
+                control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
             except ProtocolError as exc:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
             self.control = control
-            # Every announced version is one collective broadcast; receive them in order.
-            while self.weight_version < control.weight_version:
+            # Every announced version is one collective broadcast; receive them in order. A newer
+            # weight epoch (a restarted learner) comes first, whatever its version.
+            while (control.weight_epoch, control.weight_version) > self.weights:
                 update = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
-                version = update.version
-                # Versions only grow; a resumed learner's first broadcast jumps to its step.
-                if version <= self.weight_version:
-                    raise RuntimeError(f"received weight version {version} after {self.weight_version}")
-                self.weight_version = version
+                received = (update.epoch, update.version)
+                if received <= self.weights:
+                    raise RuntimeError(f"received weights {received} after {self.weights} (epoch, version)")
+                self.weights = received
                 self.counters["weight_updates"] += 1
                 self.counters["weight_receive_s"] += update.stall_s  # the engine's whole stall
                 self.counters["weight_transfer_s"] += update.receive_s
                 self.counters["weight_load_s"] += update.load_s
-                log.debug("weights v%d: stall %.3f s (receive %.3f s, load %.3f s)", version, update.stall_s,
+                log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s)", received, update.stall_s,
                           update.receive_s, update.load_s)
 
     async def _run_groups(self, slot: int) -> None:
@@ -193,74 +289,82 @@ class Actor:
         """The baseline loop: generate a batch share under version v, wait for v + 1, repeat."""
         share = self.synchronous_share()
         while not self.stop and not self.control.stop:
-            version = self.weight_version
+            weights = self.weights
             await asyncio.gather(*(self._run_group() for _ in range(share)))
             start = time.monotonic()
             limit = self.config.learner.batch_timeout_s + self.config.learner.weight_sync_timeout_s
-            while self.weight_version == version and not self.control.stop and not self.stop:
+            while self.weights == weights and not self.control.stop and not self.stop:
                 if time.monotonic() - start > limit:
-                    raise TimeoutError(f"synchronous rollout: no weight version after {version} within {limit:.0f} s "
+                    raise TimeoutError(f"synchronous rollout: no weights after {weights} within {limit:.0f} s "
                                        "(is the learner alive and receiving the batch?)")
                 await asyncio.sleep(0.01)
             self.counters["weights_wait_s"] += time.monotonic() - start
 
     async def _run_group(self) -> None:
-        spec = self.rng.choices(self.config.envs, weights=[s.weight for s in self.config.envs])[0]
-        task_id = self.rng.choice(self.train_ids[spec.name])
+        task = self.tasks.next()
         max_turns = self.control.max_turns  # one budget for the whole group
         n = self.config.rollout.n
-        group_id = f"a{self.index}-g{self._group_counter}"
-        self._group_counter += 1
-        episodes = await asyncio.gather(*(self._play(spec.name, task_id, max_turns) for _ in range(n)))
+        group_id = f"a{self.index}-g{task.number}"
+        env = task.env.name
+        try:
+            episodes = await asyncio.gather(*(self._play(env, task.task_id, max_turns) for _ in range(n)))
+        except asyncio.CancelledError:
+            self.counters["abandoned_episodes"] += n  # stopping: never produced, never sent
+            raise
+        await self._maybe_send_sample(env, task.task_id, max_turns, episodes)
         for i, ep in enumerate(episodes):
-            traj = to_trajectory(ep, trajectory_id=f"{group_id}-{i}", group_id=group_id, group_size=n, env=spec.name,
-                                 task_id=task_id, actor_id=self.index, max_turns=max_turns,
-                                 category=self.category[spec.name](task_id))
-            await self._send(traj)
+            traj = to_trajectory(ep, run_id=self.run_id, trajectory_id=f"{group_id}-{i}", group_id=group_id,
+                                 group_size=n, env=env, task_id=task.task_id, actor_id=self.index,
+                                 max_turns=max_turns, category=self.category[env](task.task_id))
+            await self.delivery.send(traj)
 
     async def _play(self, env_name: str, task_id: int, max_turns: int) -> Episode:
         env = self.envs.acquire(env_name)
+        ep = None
         try:
             ep = await run_episode(self.engine, env, self.chat, task_id, max_turns=max_turns, sampling=self.sampling,
-                                   weight_version=lambda: self.weight_version)
+                                   weights=lambda: self.weights)
         finally:
-            self.envs.release(env_name, env)
+            self.envs.release(env_name, env, healthy=ep is not None and ep.failure not in UNHEALTHY_ENV_FAILURES)
         self.counters["episodes"] += 1
         self.counters["generated_tokens"] += ep.generated_tokens
         self.counters["turns"] += ep.num_turns
-        if not ep.failure:
+        if ep.failure:
+            # Never trained on; counted by kind (rollout/failures/<kind> in TensorBoard).
+            self.counters[f"failures_{ep.failure}"] += 1
+            self._failure_log.warning("%s failure in %s task %d: %s", ep.failure, env_name, task_id,
+                                      ep.failure_message)
+        else:
             self.counters["completed"] += 1
             self.counters["successes"] += ep.success
             self.counters["reward_sum"] += ep.reward
-        if ep.failure == "environment":
-            self.counters["infra_failures"] += 1
-            log.warning("environment failure in %s task %d: %s", env_name, task_id, ep.failure_message)
-        elif ep.failure:
-            self.counters["engine_failures"] += 1
+            self.counters[f"stop_{ep.stop_reason}"] += 1  # the agent's outcomes: done, max_turns, context_limit
         return ep
 
-    async def _send(self, traj: Trajectory) -> None:
-        data = encode(traj)
-        start = time.monotonic()
-        while True:
-            try:
-                await asyncio.wait_for(self.push.send(data), timeout=SEND_WARN_S)
-                break
-            except asyncio.TimeoutError:
-                self._send_log.warning("buffer has not accepted a trajectory for %.0f s (backpressure)",
-                                       time.monotonic() - start)
-                if self.stop:
-                    return
-        self.counters["sent"] += 1
-        self.counters["send_wait_s"] += time.monotonic() - start
+    async def _maybe_send_sample(self, env: str, task_id: int, max_turns: int, episodes: list[Episode]) -> None:
+        """At most one episode per environment every ``monitor.episode_sample_every_s``, as text."""
+        every = self.config.monitor.episode_sample_every_s
+        now = time.monotonic()
+        if not every or now - self._last_sample.get(env, -every) < every:
+            return
+        self._last_sample[env] = now
+        ep = episodes[self.tasks.next_group % len(episodes)]  # a different member each time
+        sample = episode_sample(ep, run_id=self.run_id, env=env, task_id=task_id, actor_id=self.index,
+                                max_turns=max_turns)
+        try:
+            await self.reports.send(encode(sample), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the coordinator is not reading: a sample is disposable
 
     async def _heartbeat(self) -> None:
         while True:
             counters = {k: float(v) for k, v in self.counters.items()}
-            counters["weight_version"] = float(self.weight_version)
+            counters.update({k: float(v) for k, v in self.delivery.counters.items()})
+            counters["unacknowledged"] = float(len(self.delivery.unacked))
+            counters["weight_epoch"], counters["weight_version"] = (float(x) for x in self.weights)
             counters["engine_idle_s"] = self.engine.clock.idle_s
             counters["engine_wall_s"] = self.engine.clock.wall_s
-            beat = Heartbeat(role="actor", index=self.index, pid=os.getpid(), counters=counters)
+            beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(), counters=counters)
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)
             except zmq.Again:
@@ -269,24 +373,27 @@ class Actor:
 
     async def close(self) -> None:
         await self.envs.close()
-        for sock in (self.push, self.sub, self.reports):
+        self.delivery.close()
+        for sock in (self.intake, self.sub, self.reports):
             sock.close(linger=0)
+        if self.security is not None:
+            self.security.stop()
         self.ctx.term()
 
 
 def load_chat_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
-    from horizonrl.chat import ChatTokenizer
+    from horizonrl.core.chat import ChatTokenizer
 
     return ChatTokenizer(AutoTokenizer.from_pretrained(model_path))
 
 
-async def _amain(config: TrainConfig, index: int, stop: StopFlag) -> None:
+async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> None:
     r = config.rollout
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index)
-    actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path))
+    actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path), make_env)
     try:
         await actor.run()
     finally:
@@ -295,7 +402,8 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag) -> None:
         engine.shutdown()
 
 
-def main(config: TrainConfig, index: int) -> int:
+def main(config: TrainConfig, index: int, make_env: EnvFactory) -> int:
+    """The actor process; ``make_env`` creates the environments (the program wires in ``envs.make_env``)."""
     stop = StopFlag().install()
-    asyncio.run(_amain(config, index, stop))
+    asyncio.run(_amain(config, index, stop, make_env))
     return 0

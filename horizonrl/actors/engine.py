@@ -15,8 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from horizonrl.config import EngineConfig
-from horizonrl.runtime import BusyClock
+from horizonrl.core.config import EngineConfig
+from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
 
@@ -26,6 +26,7 @@ WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 @dataclass(frozen=True)
 class WeightUpdate:
     version: int
+    epoch: int
     receive_s: float  # inside the worker: the broadcast (waiting for the sender included)
     load_s: float  # inside the worker: loading into the model (vLLM-CPU re-packs every linear layer)
     stall_s: float  # the engine generated nothing for this long: RPC scheduling + both + prefix-cache reset
@@ -114,12 +115,12 @@ class RolloutEngine:
         """
         start = time.perf_counter()
         results = await self._llm.collective_rpc("horizonrl_receive_weights", timeout=timeout_s + 30)
-        version, receive_s, load_s = results[0]
+        version, epoch, receive_s, load_s = results[0]
         # Cached prefixes hold keys/values computed with the old weights. Running requests
         # are preempted and recompute theirs, so every token after this point is sampled
         # from the new weights alone.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
-        return WeightUpdate(int(version), float(receive_s), float(load_s), time.perf_counter() - start)
+        return WeightUpdate(int(version), int(epoch), float(receive_s), float(load_s), time.perf_counter() - start)
 
     def shutdown(self) -> None:
         if self._llm is None:

@@ -8,16 +8,19 @@ re-tokenized, so an episode's tokens cannot drift from what was sampled.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from horizonrl.envs.base import Environment, EnvironmentFailure
+from horizonrl.core.environment import Environment, EnvironmentFailure
 from horizonrl.protocol import (
     FAILURE_ENGINE,
     FAILURE_ENVIRONMENT,
     FAILURE_NONE,
+    FAILURE_PROMPT_TOO_LONG,
+    FAILURE_TIMEOUT,
     STOP_CONTEXT,
     STOP_DONE,
     STOP_FAILURE,
@@ -25,6 +28,8 @@ from horizonrl.protocol import (
 )
 
 log = logging.getLogger("horizonrl.actors.episode")
+
+T = TypeVar("T")
 
 
 class Generator(Protocol):
@@ -34,11 +39,16 @@ class Generator(Protocol):
 
 @dataclass(frozen=True)
 class SamplingSettings:
+    """How an episode is generated, and the wall-clock limits that keep a straggler from holding
+    its group forever (None: no limit)."""
+
     temperature: float
     top_p: float
     max_tokens_per_turn: int
     max_context_tokens: int
     system_prompt: str | None = None
+    turn_timeout_s: float | None = None  # one generation
+    episode_timeout_s: float | None = None  # the whole episode, environment steps included
 
 
 @dataclass
@@ -51,6 +61,7 @@ class Episode:
     prompt_length: int = 0
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     turn_versions: list[int] = field(default_factory=list)
+    turn_epochs: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     success: bool = False
     score: float = 0.0
@@ -60,19 +71,31 @@ class Episode:
     generate_s: float = 0.0
     env_s: float = 0.0
     replies: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # the first (the task), then one per turn
+
+    def transcript(self) -> list[tuple[str, str]]:
+        """What the agent saw and said, in order: ("observation", text) and ("reply", text) pairs."""
+        out: list[tuple[str, str]] = []
+        for i, observation in enumerate(self.observations):
+            out.append(("observation", observation))
+            if i < len(self.replies):
+                out.append(("reply", self.replies[i]))
+        return out + [("reply", r) for r in self.replies[len(self.observations):]]
 
     def append_context(self, ids: list[int]) -> None:
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
-    def append_generated(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def append_generated(self, ids: list[int], logprobs: list[float], weights: tuple[int, int]) -> None:
+        """A generated turn; ``weights`` = (epoch, version) of the weights that generated it."""
         start = len(self.token_ids)
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.turn_spans.append((start, len(self.token_ids)))
-        self.turn_versions.append(version)
+        self.turn_epochs.append(weights[0])
+        self.turn_versions.append(weights[1])
 
     def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
         """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
@@ -86,6 +109,7 @@ class Episode:
         """Record the environment's answer to a turn; append the next observation. False: the episode ended."""
         self.turn_rewards.append(float(result.reward))
         self.score = float(result.score)
+        self.observations.append(result.observation)
         if result.done:
             self.success, self.stop_reason = bool(result.success), STOP_DONE
             return False
@@ -117,47 +141,109 @@ async def run_episode(
     *,
     max_turns: int,
     sampling: SamplingSettings,
-    weight_version: Callable[[], int],
+    weights: Callable[[], tuple[int, int]] = lambda: (0, 0),
 ) -> Episode:
-    """Play one episode of ``task_id`` for at most ``max_turns`` turns.
+    """Play one episode of ``task_id`` for at most ``max_turns`` turns; ``weights()`` says which
+    (epoch, version) of the weights generates a turn as it starts.
 
-    Environment failures end the episode with ``failure="environment"``; the episode is
-    returned (so it can be counted) but must never be trained on.
+    Who is at fault decides what happens (every kind is counted by the actor):
+    - the agent (a malformed or wrong reply): an observation from the environment; the episode goes on;
+    - the environment (``EnvironmentFailure``, or any other exception raised inside ``reset``/``step``:
+      a crash, a timeout, a lost server session, a bug in the environment's code): ``failure="environment"``;
+    - the engine (an exception from generation, or no tokens): ``failure="engine"``;
+    - the task (its first prompt alone does not fit in the context): ``failure="prompt_too_long"``;
+    - the clock (a generation over ``turn_timeout_s``, or the episode over ``episode_timeout_s``: a hung
+      environment step, an engine that does not answer): ``failure="timeout"``, the call abandoned;
+    - anything else is a bug of this code (the chat layout, the bookkeeping) and propagates: the
+      actor crashes loudly rather than fill the buffer with episodes it cannot vouch for.
+    A failed episode is returned so it can be counted, but it is never trained on.
     """
     ep = Episode()
+    clock = _Deadline(sampling.episode_timeout_s)
     try:
-        t0 = time.perf_counter()
-        observation = await env.reset(task_id)
-        ep.env_s += time.perf_counter() - t0
+        observation = await _timed_env(ep, env.reset(task_id), clock.left())
+        ep.observations.append(observation)
         ep.append_context(chat.prompt_ids(observation, sampling.system_prompt))
         ep.prompt_length = len(ep.token_ids)
+        if ep.prompt_length >= sampling.max_context_tokens:
+            ep.failure, ep.stop_reason = FAILURE_PROMPT_TOO_LONG, STOP_FAILURE
+            ep.failure_message = (f"the first prompt has {ep.prompt_length} tokens; rollout.max_context_tokens is "
+                                  f"{sampling.max_context_tokens}")
+            return ep
         while not ep.stop_before_turn(max_turns, sampling.max_context_tokens):
             room = sampling.max_context_tokens - len(ep.token_ids)
-            version = weight_version()
-            t0 = time.perf_counter()
-            gen = await engine.generate(
+            turn_weights = weights()
+            gen = await _timed_generate(ep, engine.generate(
                 ep.token_ids,
                 max_tokens=min(sampling.max_tokens_per_turn, room),
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 stop_token_ids=chat.stop_token_ids,
-            )
-            ep.generate_s += time.perf_counter() - t0
-            if not gen.token_ids:
-                raise RuntimeError(f"engine returned no tokens (finish_reason={gen.finish_reason})")
-            ep.append_generated(gen.token_ids, gen.logprobs, version)
+            ), clock.left(sampling.turn_timeout_s))
+            ep.append_generated(gen.token_ids, gen.logprobs, turn_weights)
             reply = chat.decode(gen.token_ids)
             ep.replies.append(reply)
-            t0 = time.perf_counter()
-            result = await env.step(reply)
-            ep.env_s += time.perf_counter() - t0
+            result = await _timed_env(ep, env.step(reply), clock.left())
             if not ep.close_turn(chat, gen.token_ids, result, sampling.max_context_tokens):
                 break
-    except EnvironmentFailure as exc:
-        ep.failure, ep.failure_message, ep.stop_reason = FAILURE_ENVIRONMENT, str(exc)[:500], STOP_FAILURE
-    except Exception as exc:  # noqa: BLE001 - an engine error fails this episode, counted, not the actor
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        log.exception("episode of task %d failed in generation", task_id)
-        ep.failure, ep.failure_message, ep.stop_reason = FAILURE_ENGINE, repr(exc)[:500], STOP_FAILURE
+    except _EpisodeFailed as failed:
+        ep.failure, ep.failure_message, ep.stop_reason = failed.kind, failed.message[:500], STOP_FAILURE
     return ep
+
+
+class _EpisodeFailed(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+class _Deadline:
+    """The episode's wall-clock budget: how long the next call may take (None: unbounded)."""
+
+    def __init__(self, episode_timeout_s: float | None) -> None:
+        self.timeout_s = episode_timeout_s
+        self.end = None if episode_timeout_s is None else time.monotonic() + episode_timeout_s
+
+    def left(self, call_limit_s: float | None = None) -> float | None:
+        limits = [x for x in (call_limit_s, None if self.end is None else self.end - time.monotonic()) if x is not None]
+        if limits and min(limits) <= 0:
+            raise _EpisodeFailed(FAILURE_TIMEOUT, f"the episode ran past rollout.episode_timeout_s={self.timeout_s}")
+        return min(limits) if limits else None
+
+
+async def _within(call: Awaitable[T], limit_s: float | None, what: str) -> T:
+    try:
+        return await asyncio.wait_for(call, limit_s)
+    except asyncio.TimeoutError:
+        raise _EpisodeFailed(FAILURE_TIMEOUT, f"{what} took longer than {limit_s:.1f} s; abandoned") from None
+
+
+async def _timed_env(ep: Episode, call: Awaitable[T], limit_s: float | None = None) -> T:
+    start = time.perf_counter()
+    try:
+        return await _within(call, limit_s, "an environment call")
+    except _EpisodeFailed:
+        raise
+    except EnvironmentFailure as exc:
+        raise _EpisodeFailed(FAILURE_ENVIRONMENT, str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - the environment's code failed, not ours and not the agent
+        log.exception("the environment raised %s (counted as an environment failure)", type(exc).__name__)
+        raise _EpisodeFailed(FAILURE_ENVIRONMENT, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        ep.env_s += time.perf_counter() - start
+
+
+async def _timed_generate(ep: Episode, call: Awaitable[Any], limit_s: float | None = None) -> Any:
+    start = time.perf_counter()
+    try:
+        gen = await _within(call, limit_s, "a generation")  # cancelling it aborts the engine's request
+    except _EpisodeFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the engine failed this request
+        log.exception("generation failed (counted as an engine failure)")
+        raise _EpisodeFailed(FAILURE_ENGINE, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        ep.generate_s += time.perf_counter() - start
+    if not gen.token_ids:
+        raise _EpisodeFailed(FAILURE_ENGINE, f"the engine returned no tokens (finish_reason={gen.finish_reason})")
+    return gen

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from horizonrl.actors.episode import SamplingSettings, run_episode
-from horizonrl.config import EngineConfig
-from horizonrl.envs import make_env
+from horizonrl.core.config import EngineConfig
+from horizonrl.core.environment import EnvFactory
 
 MAX_CONCURRENT_EPISODES = 64
 
@@ -57,7 +57,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def evaluate(model_path: str, spec: EvalSpec, engine_config: EngineConfig | None = None) -> dict:
+def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_config: EngineConfig | None = None) -> dict:
     """Start an engine on ``model_path``, play the episodes, return the metrics (needs a __main__ guard)."""
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
@@ -65,12 +65,12 @@ def evaluate(model_path: str, spec: EvalSpec, engine_config: EngineConfig | None
     engine = RolloutEngine.start(model_path, dtype="float32", engine=engine_config or EngineConfig(),
                                  max_model_len=spec.max_context_tokens, seed=spec.seed)
     try:
-        return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec))
+        return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env))
     finally:
         engine.shutdown()
 
 
-async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
+async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory) -> dict:
     probe = make_env(spec.env, spec.env_settings)
     task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
     plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
@@ -82,7 +82,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
             env = make_env(spec.env, spec.env_settings)
             try:
                 return task_id, await run_episode(engine, env, chat, task_id, max_turns=spec.max_turns,
-                                                  sampling=sampling, weight_version=lambda: 0)
+                                                  sampling=sampling)
             finally:
                 await env.close()
 
@@ -101,6 +101,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec) -> dict:
         "samples_per_task": spec.samples_per_task,
         "episodes": len(results),
         "infra_failures": len(results) - len(valid),
+        "failures_by_kind": dict(Counter(ep.failure for _, ep in results if ep.failure)),
         **summarise(valid, spec.k),
         "max_turns": spec.max_turns,
         "generated_tokens_per_s": sum(ep.generated_tokens for _, ep in results) / max(wall, 1e-9),
@@ -141,7 +142,7 @@ def format_table(result: dict) -> str:
     rows = [("all", result)] + list(result.get("categories", {}).items())
     width = max(8, *(len(name) for name, _ in rows))
     lines = [f"{result['env']}: {result['tasks']} tasks x {result['samples_per_task']} samples, "
-             f"max {result['max_turns']} turns, {result['infra_failures']} infrastructure failures",
+             f"max {result['max_turns']} turns, {result['infra_failures']} failed episodes (not the agent's doing)",
              f"{'category':<{width}}  " + "  ".join(f"{c.replace('episodes_valid', 'episodes'):>12}" for c in cols)]
     for name, r in rows:
         lines.append(f"{name:<{width}}  " + "  ".join(

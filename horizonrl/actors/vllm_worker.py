@@ -16,16 +16,16 @@ log = logging.getLogger("horizonrl.actors.worker")
 class WeightReceiverExtension:
     def horizonrl_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                                     backend: str) -> None:
-        from horizonrl.weight_sync import create_weight_group
+        from horizonrl.actors.weight_receiver import join_weight_group
 
-        self._horizonrl_group = create_weight_group(host, port, rank, world_size, timeout_s, backend=backend)
+        self._horizonrl_group = join_weight_group(host, port, rank, world_size, timeout_s, backend=backend)
 
-    def horizonrl_receive_weights(self) -> tuple[int, float, float]:
-        """Receive one broadcast and load it in place; returns (version, receive seconds, load seconds)."""
-        from horizonrl.weight_sync import receive_weights
+    def horizonrl_receive_weights(self) -> tuple[int, int, float, float]:
+        """Receive one broadcast and load it in place; returns (version, epoch, receive seconds, load seconds)."""
+        from horizonrl.actors.weight_receiver import receive_weights
 
         start = time.perf_counter()
-        version, named_tensors = receive_weights(self._horizonrl_group)
+        layout, named_tensors = receive_weights(self._horizonrl_group)
         received = time.perf_counter()
         # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;
         # the worker's own reload path re-runs the post-load processing.
@@ -37,10 +37,4 @@ class WeightReceiverExtension:
             quant_method = getattr(lm_head, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(lm_head)
-        return version, received - start, time.perf_counter() - received
-
-    def horizonrl_leave_weight_group(self) -> None:
-        group = getattr(self, "_horizonrl_group", None)
-        if group is not None:
-            group.close()
-            self._horizonrl_group = None
+        return layout.version, layout.epoch, received - start, time.perf_counter() - received

@@ -1,4 +1,4 @@
-"""Throughput benchmarks (issue 4): each part measures one boundary of the system.
+"""Throughput benchmarks: each part measures one boundary of the system.
 
 Every part is a module with ``run(quick, out_dir, **options) -> dict`` returning a result
 in the shape :mod:`horizonrl.bench.report` prints, saves and charts, and a ``__main__``

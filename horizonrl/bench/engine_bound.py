@@ -13,6 +13,7 @@ machine with fewer cores than processes the ratio also measures CPU contention.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from horizonrl.bench.report import make_result, progress, summarize
@@ -22,8 +23,8 @@ from horizonrl.bench.rollout import BareSpec
 def bare_spec(quick: bool, model: str) -> BareSpec:
     """The bare engines that match the training part's run: engines, requests in flight, turn budget."""
     from horizonrl.bench import training
-    from horizonrl.config import load_config
-    from horizonrl.schedule import TurnBudgetSchedule
+    from horizonrl.core.config import load_config
+    from horizonrl.core.schedule import TurnBudgetSchedule
 
     cfg = load_config(training.CONFIG, [f"model.path={model}"])
     per_engine = training.groups_per_actor(cfg) * cfg.rollout.n
@@ -59,11 +60,12 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, training_result
 
 def _single_mode_training(quick: bool, out_dir: Path, model: str) -> dict:
     from horizonrl.bench import training
-    from horizonrl.config import load_config
+    from horizonrl.core.config import load_config
 
     steps, warmup = (9, 2) if quick else (30, 4)
     cfg = load_config(training.CONFIG, [f"model.path={model}"])
     run_dir = out_dir / "engine" / "async-training"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous benchmark's run: this one starts fresh
     run_dir.mkdir(parents=True, exist_ok=True)
     training.run_training(training.train_command(training.CONFIG, model, run_dir, steps,
                                                  [f"rollout.groups_in_flight={training.groups_per_actor(cfg)}"]),

@@ -85,8 +85,7 @@ async def run_async(engine, chat, workload: Workload, task_ids: list[int], concu
         async with slots:
             env = free_envs.pop() if free_envs else workload.make_env()
             try:
-                return await run_episode(engine, env, chat, task_id, max_turns=workload.max_turns, sampling=SAMPLING,
-                                         weight_version=lambda: 0)
+                return await run_episode(engine, env, chat, task_id, max_turns=workload.max_turns, sampling=SAMPLING)
             finally:
                 free_envs.append(env)
 
@@ -118,7 +117,7 @@ async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], co
                 for i in generating))
             replies = []
             for i, gen in zip(generating, gens):
-                episodes[i].append_generated(gen.token_ids, gen.logprobs, 0)
+                episodes[i].append_generated(gen.token_ids, gen.logprobs, (0, 0))
                 replies.append(chat.decode(gen.token_ids))
                 episodes[i].replies.append(replies[-1])
             results = await asyncio.gather(*(envs[i].step(reply) for i, reply in zip(generating, replies)))
@@ -153,7 +152,7 @@ def tiny_model(model: str | None) -> str:
 
 def start_engine(model: str, concurrency: int, seed: int = 0):
     from horizonrl.actors.engine import RolloutEngine
-    from horizonrl.config import EngineConfig
+    from horizonrl.core.config import EngineConfig
 
     return RolloutEngine.start(model, dtype="float32", engine=EngineConfig(max_num_seqs=max(64, concurrency)),
                                max_model_len=SAMPLING.max_context_tokens, seed=seed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,7 +119,7 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = 
         warmup: int | None = None) -> dict:
     """Part 2. ``--quick``: 1 run per mode, 9 learner steps (clock from step 2); full: 3 runs, 30 (from step 4)."""
     from horizonrl.bench.rollout import tiny_model
-    from horizonrl.config import load_config
+    from horizonrl.core.config import load_config
 
     model = tiny_model(model)
     default = (1, 9, 2) if quick else (3, 30, 4)
@@ -135,6 +136,7 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = 
             run_dir = out_dir / "training" / f"{mode}-{r}"
             progress("training", f"repeat {r + 1}/{repeats}: {mode} run, {steps} learner steps ({run_dir})")
             started = time.perf_counter()
+            shutil.rmtree(run_dir, ignore_errors=True)  # a previous benchmark's run: this one starts fresh
             run_dir.mkdir(parents=True, exist_ok=True)
             run_training(train_command(config, model, run_dir, steps, extra + MODES[mode]),
                          run_dir.parent / f"{mode}-{r}.log")

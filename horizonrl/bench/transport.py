@@ -1,4 +1,5 @@
-"""Part 5 — transport: trajectories/s and MB/s into the buffer, ZMQ+msgpack against pickle over mp.Queue.
+"""Part 5 — transport: trajectories/s and MB/s into the buffer, ZMQ+msgpack against pickle over mp.Queue,
+and through the real buffer process with its write-ahead log on vs off (``buffer_intake.py``).
 
 P producer processes (the actors' side) send trajectories of N tokens to one consumer (the
 buffer's side, this process), for N in 1k / 8k / 32k tokens and P in 1 / 4. A run moves a
@@ -50,6 +51,7 @@ from horizonrl.bench.report import (
 )
 
 PART = "transport"
+BENCH_RUN_ID = "bench"
 HOST = "127.0.0.1"
 ZMQ, MPQ_LISTS, MPQ_NUMPY = "zmq+msgpack", "mpq pickle lists", "mpq pickle numpy"
 TRANSPORTS = (ZMQ, MPQ_LISTS, MPQ_NUMPY)
@@ -88,12 +90,12 @@ def as_plain_dict(trajectory, arrays: str) -> dict[str, Any]:
 
 def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SIZES,
         producers: tuple[int, ...] = PRODUCERS, repeats: int | None = None, counts: dict[int, int] | None = None,
-        transports: tuple[str, ...] = TRANSPORTS, timeout_s: float = 60.0) -> dict:
+        transports: tuple[str, ...] = TRANSPORTS, timeout_s: float = 60.0, intake: bool = True) -> dict:
     """Measure every (size, producers, transport); returns the part's result (see :mod:`horizonrl.bench.report`).
 
     ``counts`` maps a size to messages per run (each of P producers sends count // P; runs of
     pickled lists and the warm-up run send a quarter of that). ``timeout_s`` bounds every wait for a message, a producer
-    or a process.
+    or a process. ``intake`` adds the real buffer process, write-ahead log on vs off (``buffer_intake.py``).
     """
     repeats = repeats or (3 if quick else 5)
     counts = {size: (counts or {}).get(size) or _default_count(size, quick) for size in sizes}
@@ -127,6 +129,13 @@ def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SI
             for baseline in transports[1:]:
                 ratios[f"{_kt(size)} × {num_producers}p: zmq / {baseline.removeprefix('mpq ')} traj/s"] = paired_ratio(
                     [m["traj_per_s"] for m in group[ZMQ]], [m["traj_per_s"] for m in group[baseline]])
+    if intake:
+        from horizonrl.bench import buffer_intake
+
+        intake_rows, intake_ratios, intake_settings = buffer_intake.measure(quick, repeats, timeout_s=max(timeout_s, 120))
+        rows += intake_rows
+        ratios.update(intake_ratios)
+        settings.update(intake_settings)
     result = make_result(PART, rows, ratios, settings,
                          chart={"metric": "MB_per_s", "ylabel": "payload MB/s at the consumer", "log": True})
     if out_dir is not None:  # a folder of its own, so parts sharing one out_dir do not overwrite each other
@@ -160,7 +169,7 @@ def _kt(size: int) -> str:
 
 
 def _socket_settings() -> dict:
-    from horizonrl.config import BufferConfig, RolloutConfig
+    from horizonrl.core.config import BufferConfig, RolloutConfig
 
     rollout = RolloutConfig()
     return {"push_hwm": max(4, rollout.n), "pull_hwm": BufferConfig().capacity_groups * rollout.n,
@@ -433,10 +442,11 @@ def _base_trajectory(num_tokens: int, trajectory_id: str):
             spans.append((start, end))
         logprobs = np.where(mask == 1, -rng.exponential(0.5, num_tokens), 0.0).astype(LOGPROB_DTYPE)
         _BASE_CACHE[num_tokens] = Trajectory(
-            trajectory_id="", group_id=f"bench-{num_tokens}", group_size=8, env="signpost", task_id=7, actor_id=0,
+            run_id=BENCH_RUN_ID, trajectory_id="", group_id=f"bench-{num_tokens}", group_size=8, env="signpost", task_id=7, actor_id=0,
             token_ids=rng.integers(0, VOCAB, num_tokens, dtype=TOKEN_DTYPE).tobytes(), loss_mask=mask.tobytes(),
             logprobs=logprobs.tobytes(), prompt_length=prompt, turn_spans=spans,
-            turn_versions=[i // 4 for i in range(len(spans))], turn_rewards=[0.0] * len(spans), reward=1.0,
+            turn_versions=[i // 4 for i in range(len(spans))], turn_epochs=[0] * len(spans),
+            turn_rewards=[0.0] * len(spans), reward=1.0,
             success=True, score=1.0, num_turns=len(spans), max_turns=len(spans), stop_reason="done",
             timings={"generate_s": 1.5, "env_s": 0.25})
     return msgspec.structs.replace(_BASE_CACHE[num_tokens], trajectory_id=trajectory_id)

@@ -2,9 +2,9 @@
 
 One sender process (the learner's side: rank 0) and K receiver processes (the engines'
 side: ranks 1..K, default 2 like ``rollout.num_actors``) on loopback. For each model they
-run the project's own :func:`horizonrl.weight_sync.broadcast_weights` /
-:func:`~horizonrl.weight_sync.receive_weights` on a group from
-:func:`~horizonrl.weight_sync.create_weight_group`, and — as the baseline — a raw
+run the project's own :func:`horizonrl.learner.weight_broadcast.broadcast_weights` /
+:func:`~horizonrl.actors.weight_receiver.receive_weights` on a group from
+:func:`~horizonrl.learner.weight_broadcast.host_weight_group`, and — as the baseline — a raw
 ``broadcast`` of one same-size flat ``uint8`` tensor on a plain gloo process group among
 the same processes (what the link can do at best: no packing, no layout, no ack, a receive
 buffer allocated once and reused). A third row, ``raw, fresh recv buffer``, is the same raw
@@ -204,9 +204,9 @@ def _sender_main(port: int, world_size: int, specs: list[dict], repeats: int, dt
 
         torch.set_num_threads(threads)
 
-        from horizonrl.weight_sync import broadcast_weights, create_weight_group
+        from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
 
-        group = create_weight_group(HOST, port, 0, world_size, timeout_s)
+        group = host_weight_group(HOST, port, world_size, timeout_s)
         raw_group = _raw_group(group, timeout_s)
         report: dict[str, Any] = {"rank": 0, "models": {}, "timings": {}}
         version = 0
@@ -255,10 +255,10 @@ def _receiver_main(rank: int, port: int, world_size: int, specs: list[dict], rep
     try:
         import torch
 
-        from horizonrl.weight_sync import create_weight_group, receive_weights
+        from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
 
         torch.set_num_threads(1)  # as in a vLLM CPU worker
-        group = create_weight_group(HOST, port, rank, world_size, timeout_s)
+        group = join_weight_group(HOST, port, rank, world_size, timeout_s)
         raw_group = _raw_group(group, timeout_s)
         report: dict[str, Any] = {"rank": rank, "timings": {}, "checks": {}}
         last_version = 0
@@ -275,7 +275,8 @@ def _receiver_main(rank: int, port: int, world_size: int, specs: list[dict], rep
                         _barrier(raw_group, timeout_s)
                         begin = time.perf_counter()
                         if kind == "horizonrl":
-                            version, named = receive_weights(group)
+                            layout, named = receive_weights(group)
+                            version = layout.version
                             seconds.append(time.perf_counter() - begin)
                             in_order &= version == last_version + 1
                             last_version = version
@@ -334,9 +335,9 @@ def _build_weights(spec: ModelSpec, dtype) -> list:
 
 
 def _payload_bytes(named: list) -> int:
-    from horizonrl.weight_sync import _offsets
+    from horizonrl.protocol.weights import layout_offsets
 
-    return _offsets([t.numel() * t.element_size() for _, t in named])[1]
+    return layout_offsets([t.numel() * t.element_size() for _, t in named])[1]
 
 
 def _checksums(named: list) -> list:

@@ -1,9 +1,22 @@
-"""The buffer process: trajectories in (PULL), whole batches of groups out (ROUTER).
+"""The buffer process: trajectories in (ROUTER, acknowledged), whole batches of groups out (ROUTER).
 
-Backpressure: while ``capacity_groups`` complete groups wait for the learner, the
-buffer stops reading its PULL socket. Messages then queue in ZMQ (bounded by the
-high-water marks) and the actors' sends block, so actors slow down; nothing is lost.
-Malformed, oversized or wrong-version messages are counted and logged, never fatal.
+Every trajectory is checked at the door — it must decode, belong to this run, be consistent
+(``protocol/validation.py``), fit its group, and not come from weights nobody has announced
+yet — and the actor gets one acknowledgement per trajectory: *accepted* once it is in the
+write-ahead log (durable per ``buffer.wal_fsync``), *duplicate* for a resend of an accepted one,
+*rejected* with the reason. The actor keeps a trajectory until it is acknowledged and resends it
+after ``rollout.ack_timeout_s``, so nothing is lost between the two processes.
+
+Each change of the buffer's state is a log record (``records.py``) written before anything that
+depends on it leaves the process; a restarted buffer replays its log and is where it was.
+Batches go to the learner's BatchRequests; a request for a step already served rolls that
+batch back (see ``BatchRequest``), so a lost reply or a learner resumed from an older checkpoint
+never loses or doubles data.
+
+Backpressure: while ``capacity_groups`` complete groups wait for the learner, the buffer stops
+reading trajectories; they queue in ZMQ and the actors' unacknowledged counts grow until they
+stop starting groups. Malformed, oversized, foreign-run or wrong-version messages are counted
+(``bad_messages_*``) and logged, never fatal.
 """
 
 from __future__ import annotations
@@ -11,101 +24,315 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from horizonrl.buffer.groups import GroupBuffer
-from horizonrl.config import TrainConfig
-from horizonrl.protocol import Batch, BatchRequest, Heartbeat, ProtocolError, Trajectory, decode_as, encode
-from horizonrl.protocol.transport import make_socket
-from horizonrl.runtime import RateLimitedLog, StopFlag
+from horizonrl.buffer.records import (
+    Accepted,
+    Committed,
+    Expired,
+    Lineage,
+    RolledBack,
+    Served,
+    Settings,
+    apply,
+    compacted,
+    decode_record,
+    encode_record,
+)
+from horizonrl.buffer.wal import WriteAheadLog
+from horizonrl.core.config import TrainConfig
+from horizonrl.core.runtime import RateLimitedLog, StopFlag
+from horizonrl.protocol import (
+    ACK_ACCEPTED,
+    ACK_DUPLICATE,
+    ACK_REJECTED,
+    Batch,
+    BatchRequest,
+    Control,
+    ForeignRunError,
+    Heartbeat,
+    ProtocolError,
+    Trajectory,
+    TrajectoryAck,
+    decode_as,
+    encode,
+)
+from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.protocol.validation import trajectory_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
 MAX_TRAJECTORY_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_CONTROL_BYTES = 64 * 1024
 DRAIN_PER_POLL = 256
 HEARTBEAT_PERIOD_S = 0.25  # also the latency of the coordinator's rollout pause
+REJECT_FUTURE = "future_version"
+COMPACT_MIN_INTERVAL_S = 30.0
+
+
+@dataclass
+class _Early:
+    """A trajectory whose weights (epoch, version) the buffer has not heard of yet."""
+
+    since: float
+    identity: bytes
+    trajectory: Trajectory
+    message: bytes
 
 
 class BufferServer:
     def __init__(self, config: TrainConfig, stop: StopFlag) -> None:
         net, cfg = config.network, config.buffer
+        self.config = config
         self.stop = stop
-        self.groups = GroupBuffer(
-            capacity_groups=cfg.capacity_groups,
-            max_staleness=cfg.max_staleness,
-            skip_equal_reward_groups=cfg.skip_equal_reward_groups,
-            group_timeout_s=cfg.group_timeout_s,
-        )
-        self.bad_messages = 0
+        self.run_id = config.run.run_id
+        # Replay starts from the log's own settings (its Settings records), then this start's apply.
+        self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
+                                  skip_equal_reward_groups=cfg.skip_equal_reward_groups,
+                                  group_timeout_s=cfg.group_timeout_s)
+        self.wal = (WriteAheadLog(config.output_dir / "buffer_wal", fsync=cfg.wal_fsync,
+                                  segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
+        self.recovered_records = self._recover()
+        settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups)
+        if (self.recovered_records == 0 or (self.groups.capacity_groups, self.groups.max_staleness,
+                                             self.groups.skip_equal_reward_groups) != tuple(msgspec.structs.astuple(settings))):
+            self._log(settings)
+        self.bad_messages: Counter[str] = Counter()
+        self.messages_read: Counter[str] = Counter()  # per socket: every message is read once and counted
+        self.acks: Counter[str] = Counter()
         self._bad_log = RateLimitedLog(log)
-        self.ctx = zmq.Context()
-        self.pull = make_socket(self.ctx, zmq.PULL, hwm=cfg.capacity_groups * config.rollout.n)
-        self.pull.bind(net.endpoint(net.trajectory_port))
-        self.router = make_socket(self.ctx, zmq.ROUTER)
-        self.router.bind(net.endpoint(net.batch_port))
-        self.reports = make_socket(self.ctx, zmq.PUSH)
-        self.reports.connect(net.endpoint(net.report_port))
+        self._known: dict[int, int] = {}  # weight epoch -> newest version announced in it
+        self._early: deque[_Early] = deque()
+        self._early_ids: set[str] = set()
+        self._outbox: defaultdict[bytes, list[tuple[str, str, str]]] = defaultdict(list)  # acks after the sync
+        self._reply: tuple[bytes, bytes] | None = None  # a batch, sent after the sync
         self._pending: tuple[bytes, BatchRequest] | None = None
         self._pending_since = 0.0
         self._equal_seen_at_request = 0
-        self._equal_fallback_s = cfg.equal_reward_fallback_s
-        self._equal_fallback_groups = cfg.equal_reward_fallback_groups
-        log.info("trajectories in on %s, batches out on %s", net.endpoint(net.trajectory_port), net.endpoint(net.batch_port))
+        self._last_compaction = 0.0
+        self._compacted_size = 0
+
+        self.ctx = zmq.Context()
+        self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
+        self.intake = make_socket(self.ctx, zmq.ROUTER, hwm=cfg.capacity_groups * config.rollout.n,
+                                  max_message_bytes=MAX_TRAJECTORY_BYTES, security=self.security, server=True)
+        self.intake.bind(net.endpoint(net.trajectory_port))
+        self.router = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=MAX_REQUEST_BYTES, security=self.security,
+                                  server=True)
+        self.router.bind(net.endpoint(net.batch_port))
+        self.control = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
+        self.control.connect(net.endpoint(net.control_port))
+        self.reports = make_socket(self.ctx, zmq.PUSH, security=self.security)
+        self.reports.connect(net.endpoint(net.report_port))
+        log.info("trajectories in on %s, batches out on %s; write-ahead log %s", net.endpoint(net.trajectory_port),
+                 net.endpoint(net.batch_port), self.wal.directory if self.wal else "off")
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> int:
+        """Rebuild the state from the write-ahead log (a restarted buffer continues where it was)."""
+        if self.wal is None or not self.wal.segments():
+            return 0
+        start, count = time.perf_counter(), 0
+        for payload in self.wal.replay():
+            apply(self.groups, decode_record(payload))
+            count += 1
+        g = self.groups
+        log.info("recovered %d log records in %.1f s: %d accepted, %d trained, %d in flight, %d held, %d dropped%s",
+                 count, time.perf_counter() - start, g.received, g.trained_trajectories, g.in_flight_trajectories(),
+                 g.held_trajectories(), sum(g.dropped.values()),
+                 f"; cut a torn record of {self.wal.torn_tail_bytes} bytes" if self.wal.torn_tail_bytes else "")
+        return count
+
+    def _log(self, record):
+        """Append a state change to the log (durable at the next sync) and apply it; returns what applying returns."""
+        if self.wal is not None:
+            self.wal.append(encode_record(record))
+        return apply(self.groups, record)
+
+    # ------------------------------------------------------------------ main loop
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
         reading = False
         last_beat = 0.0
         while not self.stop:
             # Backpressure: read trajectories only while there is room for them.
             if self.groups.full == reading:
                 if reading:
-                    poller.unregister(self.pull)
+                    poller.unregister(self.intake)
                     log.info("buffer full (%d groups); pausing intake", self.groups.ready_groups)
                 else:
-                    poller.register(self.pull, zmq.POLLIN)
+                    poller.register(self.intake, zmq.POLLIN)
                 reading = not reading
             events = dict(poller.poll(200))
-            if events.get(self.pull):
+            if events.get(self.control):
+                self._read_control()
+            if events.get(self.intake):
                 self._drain_trajectories()
             if events.get(self.router):
                 self._read_request()
-            self.groups.expire()
+            self._release_early()
+            expired = self.groups.expired_groups()
+            if expired:
+                self._log(Expired(expired))
             self._serve()
+            self._flush()
             if time.monotonic() - last_beat > HEARTBEAT_PERIOD_S:
                 self._heartbeat()
                 last_beat = time.monotonic()
+            self._maybe_compact()
+
+    def _flush(self) -> None:
+        """Make the logged records durable, then let their consequences out: acks, then the batch."""
+        if self.wal is not None:
+            self.wal.sync()
+        for identity, entries in self._outbox.items():
+            ids, statuses, reasons = (list(x) for x in zip(*entries))
+            self._send(self.intake, identity, TrajectoryAck(run_id=self.run_id, trajectory_ids=ids, statuses=statuses,
+                                                              reasons=reasons))
+        self._outbox.clear()
+        if self._reply is not None:
+            self._send_bytes(self.router, *self._reply)
+            self._reply = None
+
+    # ------------------------------------------------------------------ trajectories in
 
     def _drain_trajectories(self) -> None:
         for _ in range(DRAIN_PER_POLL):
             try:
-                data = self.pull.recv(zmq.NOBLOCK)
+                frames = self.intake.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.messages_read["intake"] += 1
+            if len(frames) != 2:
+                self._count_bad("intake_frames", f"trajectory message with {len(frames) - 1} frames")
+                continue
+            identity, data = frames
             try:
-                self.groups.add(decode_as(data, Trajectory, MAX_TRAJECTORY_BYTES))
+                trajectory = decode_as(data, Trajectory, MAX_TRAJECTORY_BYTES, self.run_id)
+            except ForeignRunError as exc:
+                self._count_bad("intake_other_run", str(exc))
+                continue
             except ProtocolError as exc:
-                self._count_bad(f"trajectory: {exc}")
+                self._count_bad("intake_malformed", f"trajectory: {exc}")
+                continue
+            self._admit(identity, trajectory, data)
             if self.groups.full:
                 return
 
+    def _admit(self, identity: bytes, t: Trajectory, message: bytes) -> None:
+        tid = t.trajectory_id
+        if tid in self.groups.seen:
+            self._ack(identity, tid, ACK_DUPLICATE)
+            return
+        if tid in self._early_ids:
+            return  # a resend of one still waiting for its weights to be announced
+        problem = trajectory_problem(t, self.config.model.vocab_size) or self.groups.admission_problem(t)
+        if problem is not None:
+            reason, detail = problem
+            self.groups.reject(reason)
+            self._bad_log.warning("rejected trajectory %s: %s (%s)", tid, reason, detail)
+            self._ack(identity, tid, ACK_REJECTED, reason)
+            return
+        if not self._weights_known(t):
+            self._early.append(_Early(time.monotonic(), identity, t, message))
+            self._early_ids.add(tid)
+            return
+        if self.wal is not None:
+            self.wal.append(encode_record(Accepted(message)))
+        self.groups.accept(t)  # what applying the record does, without decoding the message again
+        self._ack(identity, tid, ACK_ACCEPTED)
+
+    def _weights_known(self, t: Trajectory) -> bool:
+        """Whether every turn's weights were announced. Turns of an epoch older than the newest known
+        are let in (the learner's lineage decides their fate when a batch is made)."""
+        newest = max(self._known, default=0)
+        for epoch, version in zip(t.turn_epochs, t.turn_versions):
+            if version == 0 or epoch < newest:
+                continue
+            if epoch > newest or version > self._known.get(epoch, 0):
+                return False
+        return True
+
+    def _release_early(self) -> None:
+        now = time.monotonic()
+        for _ in range(len(self._early)):
+            early = self._early.popleft()
+            tid = early.trajectory.trajectory_id
+            if self._weights_known(early.trajectory):
+                self._early_ids.discard(tid)
+                self._admit(early.identity, early.trajectory, early.message)
+            elif now - early.since > self.config.buffer.future_hold_s:
+                self._early_ids.discard(tid)
+                self.groups.reject(REJECT_FUTURE)
+                self._bad_log.warning("rejected trajectory %s: its weights (epoch %s, version %s) were never announced",
+                                      tid, early.trajectory.turn_epochs, early.trajectory.turn_versions)
+                self._ack(early.identity, tid, ACK_REJECTED, REJECT_FUTURE)
+            else:
+                self._early.append(early)
+
+    def _ack(self, identity: bytes, trajectory_id: str, status: str, reason: str = "") -> None:
+        self._outbox[identity].append((trajectory_id, status, reason))
+        self.acks[status] += 1
+
+    def _hear_weights(self, epoch: int, version: int) -> None:
+        self._known[epoch] = max(self._known.get(epoch, 0), version)
+
+    def _read_control(self) -> None:
+        while True:
+            try:
+                data = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.messages_read["control"] += 1
+            try:
+                control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+            except ProtocolError as exc:
+                self._count_bad("control", str(exc))
+                continue
+            self._hear_weights(control.weight_epoch, control.weight_version)
+
+    # ------------------------------------------------------------------ batches out
+
     def _read_request(self) -> None:
         frames = self.router.recv_multipart()
+        self.messages_read["requests"] += 1
         if len(frames) != 2:
-            self._count_bad(f"batch request with {len(frames)} frames")
+            self._count_bad("request_frames", f"batch request with {len(frames) - 1} frames")
             return
         identity, data = frames
         try:
-            request = decode_as(data, BatchRequest, MAX_REQUEST_BYTES)
+            request = decode_as(data, BatchRequest, MAX_REQUEST_BYTES, self.run_id)
+        except ForeignRunError as exc:
+            self._count_bad("request_other_run", str(exc))
+            return
         except ProtocolError as exc:
-            self._count_bad(f"batch request: {exc}")
+            self._count_bad("request_malformed", f"batch request: {exc}")
             return
-        if request.num_groups < 1:
-            self._count_bad(f"batch request for {request.num_groups} groups")
+        if request.num_groups < 1 or not request.lineage or request.committed_step > request.learner_version:
+            self._count_bad("request_malformed", f"batch request for {request.num_groups} groups, lineage "
+                            f"{request.lineage}, committed step {request.committed_step} > {request.learner_version}")
             return
+        lineage = [(int(e), int(b)) for e, b in request.lineage]
+        if lineage != self.groups.lineage:
+            self._log(Lineage(lineage))
+        if request.committed_step > self.groups.committed_step:
+            self._log(Committed(request.committed_step))
+        stale_batches = self.groups.batches_to_roll_back(request.learner_version)
+        if stale_batches:
+            log.info("rolling back batches %s: the learner asks for step %d again (a lost reply, or it resumed)",
+                     stale_batches, request.learner_version + 1)
+            self._log(RolledBack(stale_batches))
+        self._hear_weights(lineage[-1][0], request.learner_version)
         self._pending = (identity, request)  # a newer request replaces an older one
         self._pending_since = time.monotonic()
         self._equal_seen_at_request = self.groups.equal_groups_seen
@@ -114,34 +341,74 @@ class BufferServer:
         if self._pending is None:
             return
         identity, request = self._pending
+        cfg = self.config.buffer
         # Starved: the actors keep finishing groups with no signal (the policy solves, or
         # fails, everything), or the request has simply waited too long.
-        starved = (self.groups.equal_groups_seen - self._equal_seen_at_request >= self._equal_fallback_groups
-                   or time.monotonic() - self._pending_since >= self._equal_fallback_s)
-        groups = self.groups.take(request.num_groups, request.learner_version, allow_equal=starved)
-        if groups is None:
+        starved = (self.groups.equal_groups_seen - self._equal_seen_at_request >= cfg.equal_reward_fallback_groups
+                   or time.monotonic() - self._pending_since >= cfg.equal_reward_fallback_s)
+        group_ids = self.groups.choose(request.num_groups, request.learner_version, allow_equal=starved)
+        if group_ids is None:
             return
-        stats = self.stats()
-        self.router.send_multipart([identity, encode(Batch(request_id=request.request_id, groups=groups, buffer_stats=stats))])
+        groups = self._log(Served(self.groups.next_batch, request.request_id, request.learner_version, group_ids))
+        batch = Batch(run_id=self.run_id, request_id=request.request_id, groups=groups, buffer_stats=self.stats())
+        self._reply = (identity, encode(batch))
         self._pending = None
 
-    def _count_bad(self, what: str) -> None:
-        self.bad_messages += 1
-        self._bad_log.warning("rejected malformed message #%d: %s", self.bad_messages, what)
+    # ------------------------------------------------------------------ upkeep
+
+    def _maybe_compact(self) -> None:
+        """Past ``wal_compact_mb``, replace the payloads of resolved trajectories with their stubs."""
+        if self.wal is None:
+            return
+        limit = self.config.buffer.wal_compact_mb * 2**20
+        size = self.wal.size_bytes() if time.monotonic() - self._last_compaction > COMPACT_MIN_INTERVAL_S else 0
+        if size < max(limit, self._compacted_size + limit / 2):
+            return
+        start = time.perf_counter()
+        before, after = self.wal.rewrite_closed(lambda record: compacted(record, self.groups))
+        self.wal.merge_closed()
+        self._last_compaction, self._compacted_size = time.monotonic(), self.wal.size_bytes()
+        log.info("compacted the write-ahead log: %.1f MB of closed segments -> %.1f MB in %.1f s", before / 2**20,
+                 after / 2**20, time.perf_counter() - start)
+
+    def _count_bad(self, kind: str, what: str) -> None:
+        self.bad_messages[kind] += 1
+        self._bad_log.warning("rejected malformed message #%d (%s): %s", sum(self.bad_messages.values()), kind, what)
 
     def stats(self) -> dict[str, float]:
-        return {**self.groups.stats(), "bad_messages": float(self.bad_messages)}
+        out = {**self.groups.stats(), "bad_messages": float(sum(self.bad_messages.values())),
+               "early_held": float(len(self._early)), "recovered_records": float(self.recovered_records)}
+        out.update({f"bad_messages_{k}": float(v) for k, v in self.bad_messages.items()})
+        out.update({f"acks_{k}": float(v) for k, v in self.acks.items()})
+        out.update({f"messages_read_{k}": float(v) for k, v in self.messages_read.items()})
+        if self.wal is not None:
+            out["wal_bytes_written"] = float(self.wal.bytes_written)
+        return out
 
     def _heartbeat(self) -> None:
-        beat = Heartbeat(role="buffer", index=0, pid=os.getpid(), counters=self.stats())
+        beat = Heartbeat(run_id=self.run_id, role="buffer", index=0, pid=os.getpid(), counters=self.stats())
         try:
             self.reports.send(encode(beat), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the coordinator is not reading; liveness is also watched by the launcher
 
+    def _send(self, sock: zmq.Socket, identity: bytes, message) -> None:
+        self._send_bytes(sock, identity, encode(message))
+
+    @staticmethod
+    def _send_bytes(sock: zmq.Socket, identity: bytes, data: bytes) -> None:
+        try:
+            sock.send_multipart([identity, data], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the peer is gone or not reading: it resends (actor) or asks again (learner)
+
     def close(self) -> None:
-        for sock in (self.pull, self.router, self.reports):
+        if self.wal is not None:
+            self.wal.close()
+        for sock in (self.intake, self.router, self.control, self.reports):
             sock.close(linger=0)
+        if self.security is not None:
+            self.security.stop()
         self.ctx.term()
 
 

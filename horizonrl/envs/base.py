@@ -1,75 +1,16 @@
-"""The environment contract shared by the actor and every environment.
-
-An environment instance serves one episode at a time. All episode methods are
-``async``; blocking environment code runs off the event loop (see
-:func:`run_blocking`). Anything that is the agent's fault (a malformed reply, an
-impossible action, an action after ``done``) is answered with an observation.
-Only failures of the environment itself — a crash, a timeout, a lost server
-session, the network — raise :class:`EnvironmentFailure`, which the actor turns
-into an infrastructure-failure trajectory that is counted and never trained on.
-"""
+"""Helpers for environment implementations; the contract itself is in ``core/environment.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import random
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, TypeVar
+
+from horizonrl.core.environment import SPLITS, Environment, EnvironmentFailure, StepResult
+
+__all__ = ["SPLITS", "Environment", "EnvironmentFailure", "StepResult", "extract_react_action", "run_blocking"]
 
 T = TypeVar("T")
-
-SPLITS = ("train", "test")
-
-
-class EnvironmentFailure(Exception):
-    """The environment (not the agent) failed: crash, timeout, lost session, network."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one ``step`` returns.
-
-    ``reward`` is this step's reward; ``success`` is meaningful when ``done``;
-    ``score`` is the environment's own scale (e.g. SciWorld 0-100).
-    """
-
-    observation: str
-    reward: float
-    done: bool
-    success: bool = False
-    score: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """One episode at a time; reusable after ``reset``."""
-
-    name: str
-
-    async def reset(self, task_id: int) -> str:
-        """Start the episode for ``task_id`` (deterministic) and return the first observation,
-        which includes the task's instruction."""
-
-    async def step(self, action_text: str) -> StepResult:
-        """Apply the model's whole reply; the environment extracts its action from it."""
-
-    async def close(self) -> None:
-        """Free everything this instance holds."""
-
-    def task_ids(self, split: str) -> list[int]:
-        """The task ids of ``split`` ("train" or "test"); the two are disjoint."""
-
-    def task_category(self, task_id: int) -> str:
-        """A difficulty or category label used by evaluation breakdowns."""
-
-    def random_action(self, rng: random.Random) -> str:
-        """A well-formed reply chosen uniformly among this state's valid actions.
-
-        Used to build random-policy episodes (the tiny model's format warm-up) and
-        random baselines; it teaches the format, not the skill.
-        """
 
 
 def extract_react_action(reply: str) -> str | None:

@@ -1,4 +1,4 @@
-"""``horizonrl env list | check NAME | serve NAME...`` (also ``python -m horizonrl.envs.cli``).
+"""``horizonrl env list | splits NAME OUT_DIR | check NAME | serve NAME...`` (also ``python -m horizonrl.envs.cli``).
 
 ``check`` plays a scripted expert — the BabyAI bot, TextCraft's crafting plan, SciWorld's gold
 actions, SearchQA's oracle queries — on test tasks and prints one JSON line: success rate, mean
@@ -25,6 +25,13 @@ def add_env_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("list", help="list the registered environments")
     p.set_defaults(func=_cmd_list)
 
+    p = subparsers.add_parser("splits", help="write <name>_train.json and <name>_test.json: AgentGym-RL's id files "
+                                             "([{\"item_id\": \"<name>_<i>\"}, ...]) of the environment's own splits")
+    p.add_argument("name")
+    p.add_argument("out_dir")
+    p.add_argument("--settings", default="{}", help="the environment's settings as JSON")
+    p.set_defaults(func=_cmd_splits)
+
     p = subparsers.add_parser("check", help="run the scripted expert and print one JSON line")
     p.add_argument("name")
     p.add_argument("--episodes", type=int, default=20)
@@ -38,7 +45,7 @@ def add_env_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve environments over HTTP")
     p.add_argument("names", nargs="+")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a free port (the address is printed once listening)")
     p.add_argument("--settings", default="{}", help='JSON {"env name": {settings}}')
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is reaped")
     p.add_argument("--reap-interval", type=float, default=10.0)
@@ -55,6 +62,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_splits(args: argparse.Namespace) -> int:
+    from horizonrl.envs.ids import write_split_files
+    from horizonrl.envs.registry import make_env
+
+    for split, path in write_split_files(make_env(args.name, json.loads(args.settings)), args.out_dir, args.name).items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from horizonrl.envs.registry import env_names
     from horizonrl.envs.server import serve
@@ -63,7 +79,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown environments: {unknown}; known: {env_names()}", file=sys.stderr)
         return 2
-    print(f"serving {args.names} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(args.names, host=args.host, port=args.port, settings=json.loads(args.settings),
           max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout, reap_interval_s=args.reap_interval,
           max_body_bytes=args.max_body_bytes)

@@ -9,10 +9,8 @@ the title on the first line of ``contents``. A retrieval server speaks Search-R1
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from horizonrl.envs.base import EnvironmentFailure, run_blocking
@@ -47,10 +45,6 @@ class BM25Retriever:
         self._index = bm25s.BM25()
         self._index.index(bm25s.tokenize(contents, stopwords="en", show_progress=False), show_progress=False)
         self._lock = threading.Lock()  # bm25s retrieval is not documented as thread-safe
-
-    @classmethod
-    def from_jsonl(cls, path: str | Path) -> "BM25Retriever":
-        return cls(load_corpus(path))
 
     def search_blocking(self, query: str, topk: int) -> list[Document]:
         import bm25s
@@ -96,11 +90,6 @@ class RemoteRetriever:
                 last = error
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise EnvironmentFailure(f"retrieval server {self.url} failed: {last!r}")
-
-
-def load_corpus(path: str | Path) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["contents"] for line in f if line.strip()]
 
 
 def format_information(documents: list[Document]) -> str:

@@ -27,6 +27,8 @@ import itertools
 import json
 import logging
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,5 +265,26 @@ def _rss() -> int:
 
 def serve(env_names: list[str], host: str = "127.0.0.1", port: int = 8000,
           settings: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> None:
-    """Run the server until interrupted."""
-    web.run_app(EnvServer(env_names, settings, **kwargs).app(), host=host, port=port, print=None)
+    """Run the server until SIGINT or SIGTERM, then close every session.
+
+    ``port=0`` binds a free port. Once listening, one line ``serving [names] on http://HOST:PORT``
+    goes to stderr: the address to use, the bound port included (no pick-then-bind race).
+    """
+    asyncio.run(_serve(EnvServer(env_names, settings, **kwargs), env_names, host, port))
+
+
+async def _serve(server: EnvServer, env_names: list[str], host: str, port: int) -> None:
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound = runner.addresses[0][1]
+        print(f"serving {env_names} on http://{host}:{bound}", file=sys.stderr, flush=True)
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopped.set)
+        await stopped.wait()
+        log.info("stopping: closing %d sessions", len(server.sessions))
+    finally:
+        await runner.cleanup()

@@ -74,16 +74,6 @@ def outcome_advantages(rewards: torch.Tensor, estimator: str, norm_by_std: bool 
     raise ValueError(f"{estimator!r} is not an outcome estimator (one of {OUTCOME_ESTIMATORS})")
 
 
-def grouped_advantages(
-    group_rewards: list[list[float]], norm_by_std: bool = True, eps: float = GRPO_EPS
-) -> list[list[float]]:
-    """:func:`grpo_outcome_advantages` for every group; same nesting as ``group_rewards``."""
-    return [
-        grpo_outcome_advantages(torch.tensor(rewards, dtype=torch.float32), norm_by_std, eps).tolist()
-        for rewards in group_rewards
-    ]
-
-
 def token_advantages(advantage: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Broadcast each episode's advantage over its generated tokens.
 

@@ -1,15 +1,31 @@
-"""From a :class:`Batch` of groups to the micro-batches each rank trains on.
+"""From a :class:`Batch` of groups to the mini-batches (one optimizer update each) and the
+micro-batches (one forward/backward each) every rank trains on.
 
 Invariant: every rank holds the same Batch, so every rank computes the same split without
 talking to the others, and every rank runs the same number of micro-batches (with FSDP each
 forward/backward is a collective; a rank that skipped one would hang the others). Ranks with
 a smaller share pad with empty micro-batches that carry no loss tokens.
+
+What enters the step (``samples_from_batch``), and why the rest does not:
+- a trajectory with a failure (environment, engine, a prompt too long for the context) never
+  does, nor does it count in its group's baseline;
+- a trajectory without a generated token has nothing to train and would only drag its group's
+  baseline (its reward is not the agent's doing);
+- with the outcome estimators (grpo, rloo), a group whose rewards are all equal has advantage 0
+  on every token: it carries no policy-gradient signal, and keeping it would only dilute the
+  informative groups (token-mean divides by its tokens too) and apply the entropy and KL terms to
+  a batch selected for having no signal. Such groups are left out of the step entirely — DAPO's
+  dynamic-sampling rule (arXiv 2503.14476, §3.2), applied where the buffer's equal-reward
+  fallback lets them through. The token-level estimators (reinforce_plus_plus, gae) keep them:
+  their advantages are not zero.
+Each exclusion is counted (:class:`BatchAccounting`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +49,7 @@ class Sample:
     behaviour_logprobs: torch.Tensor
     advantage: float
     token_rewards: torch.Tensor | None = None
+    group: int = 0  # index of its group among the step's groups that train (for mini-batches)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +71,7 @@ class MicroBatch:
     num_sequences: int
     token_rewards: torch.Tensor | None = None  # (B, T): r_t on the last generated token of each turn
     returns: torch.Tensor | None = None  # (B, T): the critic's target (gae)
+    proximal_logprobs: torch.Tensor | None = None  # (B, T): log π_prox before the step's first update
 
     def to(self, device: torch.device) -> "MicroBatch":
         def move(x):
@@ -62,6 +80,7 @@ class MicroBatch:
         return MicroBatch(
             self.input_ids.to(device), self.loss_mask.to(device), self.behaviour_logprobs.to(device),
             self.advantages.to(device), self.num_sequences, move(self.token_rewards), move(self.returns),
+            move(self.proximal_logprobs),
         )
 
 
@@ -69,31 +88,84 @@ def trainable(trajectory: Trajectory) -> bool:
     return trajectory.failure == FAILURE_NONE
 
 
-def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo") -> tuple[list[Sample], int]:
-    """Outcome advantages per group (grpo, rloo), then one Sample per trainable trajectory;
-    every Sample also carries its per-token rewards for the token-level estimators.
+@dataclass
+class BatchAccounting:
+    """What happened to every trajectory of a batch: trained on, or left out for a counted reason."""
 
-    Trajectories with a failure are never trained on (the buffer filters them already; this
-    is the defensive second line) and are left out of their group's baseline too.
-    Returns (samples, number of failed trajectories skipped).
-    """
+    trained: int = 0
+    failed: Counter = field(default_factory=Counter)  # failure kind -> trajectories
+    no_generated_tokens: int = 0
+    zero_signal: int = 0  # in groups whose rewards are all equal (outcome estimators)
+    groups_trained: int = 0
+    ids: dict[str, list[str]] = field(default_factory=dict)  # "trained" or the reason left out -> trajectory ids
+
+    def note(self, outcome: str, trajectory: Trajectory) -> None:
+        self.ids.setdefault(outcome, []).append(trajectory.trajectory_id)
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "batch/trajectories_trained": float(self.trained),
+            "batch/groups_trained": float(self.groups_trained),
+            "batch/failed_skipped": float(sum(self.failed.values())),
+            "batch/no_generated_tokens_skipped": float(self.no_generated_tokens),
+            "batch/zero_signal_skipped": float(self.zero_signal),
+        }
+        out.update({f"batch/failed_skipped_{kind}": float(n) for kind, n in self.failed.items()})
+        return out
+
+
+def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo") -> tuple[list[Sample], BatchAccounting]:
+    """One Sample per trajectory that trains (see the module docstring for what does not), with its
+    group's outcome advantage (grpo, rloo) or 0 (the token-level estimators start from the
+    per-token rewards every Sample carries)."""
     samples: list[Sample] = []
-    skipped = 0
+    accounting = BatchAccounting()
     for group in batch.groups:
-        members = [t for t in group if trainable(t)]
-        skipped += len(group) - len(members)
+        members = []
+        for trajectory in group:
+            if not trainable(trajectory):
+                accounting.failed[trajectory.failure] += 1
+                accounting.note(f"failed_{trajectory.failure}", trajectory)
+            elif not any(unpack(trajectory.loss_mask, MASK_DTYPE)[1:]):
+                accounting.no_generated_tokens += 1
+                accounting.note("no_generated_tokens", trajectory)
+            else:
+                members.append(trajectory)
         if not members:
             continue
         if estimator in OUTCOME_ESTIMATORS:
+            if len({t.reward for t in members}) == 1:  # a single member, or all rewards equal: A = 0 everywhere
+                accounting.zero_signal += len(members)
+                for trajectory in members:
+                    accounting.note("zero_signal", trajectory)
+                continue
             advantages = outcome_advantages(torch.tensor([t.reward for t in members]), estimator, norm_adv_by_std).tolist()
         else:
             advantages = [0.0] * len(members)
         for trajectory, advantage in zip(members, advantages):
-            samples.append(_sample(trajectory, advantage))
-    return samples, skipped
+            samples.append(_sample(trajectory, advantage, accounting.groups_trained))
+            accounting.note("trained", trajectory)
+        accounting.groups_trained += 1
+        accounting.trained += len(members)
+    return samples, accounting
 
 
-def _sample(trajectory: Trajectory, advantage: float) -> Sample:
+def mini_batches(samples: list[Sample], groups_per_mini_batch: int | None) -> list[list[Sample]]:
+    """The step's samples cut into mini-batches of whole groups, in batch order (one optimizer update each).
+
+    ``None``: the whole batch is one mini-batch. Every rank computes the same cut.
+    """
+    if not samples:
+        return []
+    if groups_per_mini_batch is None:
+        return [samples]
+    cuts: dict[int, list[Sample]] = {}
+    for sample in samples:
+        cuts.setdefault(sample.group // groups_per_mini_batch, []).append(sample)
+    return [cuts[k] for k in sorted(cuts)]
+
+
+def _sample(trajectory: Trajectory, advantage: float, group: int) -> Sample:
     token_ids = unpack(trajectory.token_ids, TOKEN_DTYPE)
     loss_mask = unpack(trajectory.loss_mask, MASK_DTYPE)
     logprobs = unpack(trajectory.logprobs, LOGPROB_DTYPE)
@@ -110,6 +182,7 @@ def _sample(trajectory: Trajectory, advantage: float) -> Sample:
         behaviour_logprobs=torch.from_numpy(logprobs.copy()),
         advantage=advantage,
         token_rewards=place_token_rewards(mask, trajectory.turn_spans, trajectory.turn_rewards, trajectory.reward),
+        group=group,
     )
 
 

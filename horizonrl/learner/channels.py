@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ import zmq
 
 from horizonrl.protocol import Batch, BatchRequest, Heartbeat, LearnerReport, ProtocolError, decode_as, encode
 from horizonrl.protocol.transport import make_socket
+from horizonrl.protocol.validation import trajectory_problem
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,8 @@ POLL_SLICE_S = 0.2
 WAITING_LOG_EVERY_S = 10.0
 HEARTBEAT_INTERVAL_S = 1.0
 REPORT_SEND_TIMEOUT_S = 30.0
+MAX_BATCH_BYTES = 1 << 30
+MAX_BAD_BATCHES = 5
 
 
 class BatchTimeoutError(TimeoutError):
@@ -32,47 +36,81 @@ class BatchTimeoutError(TimeoutError):
 class BatchClient:
     """Rank 0's DEALER to the buffer's ROUTER: one outstanding BatchRequest at a time.
 
-    A request is never re-sent: the buffer answers each request exactly once, and a second
-    request would make it hand out groups that are then thrown away. Replies to an older
-    request id (e.g. one that arrived after we gave up on it) are ignored and logged.
+    A request unanswered for ``resend_s`` is sent again under a new id: the buffer may have been
+    restarted and lost it, and asking again is safe — a request for a step the buffer already
+    served makes it take that batch back. A reply that is malformed, of another run, or holds an
+    inconsistent trajectory is counted and the batch asked for again; replies to an older request
+    id (one that arrived after we asked again) are ignored. After ``MAX_BAD_BATCHES`` bad replies
+    in a row something is wrong beyond chance: an error.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, run_id: str, vocab_size: int | None = None,
+                 security=None) -> None:
         self.endpoint = endpoint
-        self.socket = make_socket(context, zmq.DEALER)
+        self.run_id = run_id
+        self.vocab_size = vocab_size
+        self.socket = make_socket(context, zmq.DEALER, max_message_bytes=MAX_BATCH_BYTES, security=security)
         self.socket.connect(endpoint)
         self.next_request_id = 1
+        self.counters: Counter[str] = Counter()
 
-    def request(
-        self, learner_version: int, num_groups: int, timeout_s: float, should_stop: Callable[[], bool]
-    ) -> bytes | None:
-        """The raw msgpack bytes of the Batch answering a new request; None if asked to stop meanwhile."""
-        request_id = self.next_request_id
-        self.next_request_id += 1
-        self.socket.send(encode(BatchRequest(request_id=request_id, learner_version=learner_version, num_groups=num_groups)))
+    def request(self, learner_version: int, num_groups: int, timeout_s: float, should_stop: Callable[[], bool], *,
+                lineage: list[tuple[int, int]], committed_step: int, resend_s: float) -> bytes | None:
+        """The raw msgpack bytes of a valid Batch answering a new request; None if asked to stop meanwhile."""
         start = last_log = time.monotonic()
+        bad_in_a_row = 0
         while not should_stop():
-            now = time.monotonic()
-            if now - start > timeout_s:
-                raise BatchTimeoutError(
-                    f"no batch from the buffer at {self.endpoint} within {timeout_s:.0f} s "
-                    f"(request {request_id} for {num_groups} groups; learner.batch_timeout_s)"
-                )
-            if now - last_log >= WAITING_LOG_EVERY_S:
-                log.info("waiting for batch %d from %s (%.0f s)", request_id, self.endpoint, now - start)
-                last_log = now
-            if not self.socket.poll(int(POLL_SLICE_S * 1000)):
-                continue
-            payload = self.socket.recv(copy=False).bytes
-            try:
-                batch = decode_as(payload, Batch)
-            except ProtocolError as exc:
-                raise ProtocolError(f"malformed reply from the buffer at {self.endpoint}: {exc}") from exc
-            if batch.request_id != request_id:
-                log.warning("ignoring a stale batch reply (request %d; waiting for %d)", batch.request_id, request_id)
-                continue
-            return payload
+            request_id = self.next_request_id
+            self.next_request_id += 1
+            self.socket.send(encode(BatchRequest(run_id=self.run_id, request_id=request_id,
+                                                 learner_version=learner_version, num_groups=num_groups,
+                                                 lineage=lineage, committed_step=committed_step)))
+            sent = time.monotonic()
+            while not should_stop() and time.monotonic() - sent < resend_s:
+                now = time.monotonic()
+                if now - start > timeout_s:
+                    raise BatchTimeoutError(
+                        f"no batch from the buffer at {self.endpoint} within {timeout_s:.0f} s "
+                        f"(request {request_id} for {num_groups} groups; learner.batch_timeout_s)"
+                    )
+                if now - last_log >= WAITING_LOG_EVERY_S:
+                    log.info("waiting for batch %d from %s (%.0f s)", request_id, self.endpoint, now - start)
+                    last_log = now
+                if not self.socket.poll(int(POLL_SLICE_S * 1000)):
+                    continue
+                payload = self.socket.recv(copy=False).bytes
+                problem, reply_id = self._check(payload)
+                if reply_id is not None and reply_id != request_id:
+                    log.warning("ignoring a reply to request %d (waiting for %d)", reply_id, request_id)
+                    continue
+                if problem is None:
+                    return payload
+                bad_in_a_row += 1
+                self.counters["bad_batches"] += 1
+                log.error("bad batch from the buffer (%s); asking again", problem)
+                if bad_in_a_row >= MAX_BAD_BATCHES:
+                    raise ProtocolError(f"{bad_in_a_row} bad batches in a row from the buffer at {self.endpoint}; "
+                                        f"the last: {problem}")
+                break  # ask again at once
+            else:
+                if not should_stop():
+                    self.counters["requests_resent"] += 1
+                    log.warning("no answer to batch request %d for %.0f s; asking again (the buffer may have "
+                                "restarted)", request_id, resend_s)
         return None
+
+    def _check(self, payload: bytes) -> tuple[str | None, int | None]:
+        """(what is wrong with this reply or None, its request id when it decodes)."""
+        try:
+            batch = decode_as(payload, Batch, MAX_BATCH_BYTES, self.run_id)
+        except ProtocolError as exc:
+            return f"malformed: {exc}", None
+        for group in batch.groups:
+            for trajectory in group:
+                problem = trajectory_problem(trajectory, self.vocab_size)
+                if problem is not None:
+                    return f"trajectory {trajectory.trajectory_id}: {problem[0]} ({problem[1]})", batch.request_id
+        return None, batch.request_id
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -99,9 +137,9 @@ def share_bytes(payload: bytes | None, rank: int) -> bytes | None:
 class ReportSender:
     """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error."""
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, security=None) -> None:
         self.endpoint = endpoint
-        self.socket = make_socket(context, zmq.PUSH)
+        self.socket = make_socket(context, zmq.PUSH, security=security)
         self.socket.setsockopt(zmq.SNDTIMEO, int(REPORT_SEND_TIMEOUT_S * 1000))
         self.socket.connect(endpoint)
 
@@ -125,19 +163,23 @@ class HeartbeatThread(threading.Thread):
     (non-blocking send), never queued behind each other.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, counters: dict[str, float]) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, counters: dict[str, float], run_id: str,
+                 security=None) -> None:
         super().__init__(name="learner-heartbeat", daemon=True)
         self.context = context
         self.endpoint = endpoint
         self.counters = counters
+        self.run_id = run_id
+        self.security = security
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        socket = make_socket(self.context, zmq.PUSH, hwm=4)
+        socket = make_socket(self.context, zmq.PUSH, hwm=4, security=self.security)
         socket.connect(self.endpoint)
         try:
             while not self.stopped.is_set():
-                beat = Heartbeat(role="learner", index=0, pid=os.getpid(), counters=dict(self.counters))
+                beat = Heartbeat(run_id=self.run_id, role="learner", index=0, pid=os.getpid(),
+                                 counters=dict(self.counters))
                 try:
                     socket.send(encode(beat), zmq.NOBLOCK)
                 except zmq.Again:

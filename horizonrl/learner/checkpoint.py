@@ -12,7 +12,7 @@ A checkpoint directory ``<output_dir>/checkpoints/step_N/`` holds
 
 What a resumed run needs to be indistinguishable from one that never stopped: the weights and
 AdamW moments (DCP), the LR schedule's position, the RNG, the learner step (which is also the
-weight version and, through :class:`~horizonrl.schedule.TurnBudgetSchedule`, the turn budget)
+weight version and, through :class:`~horizonrl.core.schedule.TurnBudgetSchedule`, the turn budget)
 and the data cursor (the next batch request id).
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from horizonrl.run_dirs import STATE_FILE, checkpoint_dir, latest_checkpoint, read_state, resolve_resume
+from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir, latest_checkpoint, read_state, resolve_resume
 
 __all__ = ["STATE_FILE", "checkpoint_dir", "latest_checkpoint", "load_train_state", "read_state", "resolve_resume",
            "save_train_state"]

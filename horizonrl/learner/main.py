@@ -4,8 +4,8 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 One loop, with named, timed phases:
 
     batch_wait   rank 0 asks the buffer for ``groups_per_step`` groups; all ranks get its bytes
-    step         advantages (algorithm.adv_estimator) → micro-batches → loss, backward, grad clip,
-                 AdamW, LR schedule
+    step         advantages (algorithm.adv_estimator) → ppo_epochs × mini-batches of optimizer updates
+                 (micro-batches → loss, backward, grad clip, AdamW), then the LR schedule
     gather       the full state dict on rank 0 (a collective: every rank takes part)
     save         every ``save_every`` steps and at the end: a Hugging Face checkpoint plus the full
                  training state (DCP, see checkpoint.py), so that ``resume=`` continues exactly
@@ -14,8 +14,8 @@ One loop, with named, timed phases:
 
 Version 0 is the initial weights, which the actors load from ``model.path`` themselves, so
 nothing is broadcast before the first step. A run resumed at step k broadcasts its weights as
-version k once the actors have joined. Every trajectory of a batch is either trained on
-or, if it carries a failure, skipped and counted (``batch/failed_skipped``).
+version k once the actors have joined. Every trajectory of a batch is either trained on or
+left out for a counted reason (``batch/*_skipped``, see batching.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from horizonrl.config import TrainConfig
-from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
+from horizonrl.core.config import TrainConfig
+from horizonrl.core.runtime import PhaseTimer
+from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
 from horizonrl.learner.model import (
     gather_full_state_dict,
@@ -48,15 +48,17 @@ from horizonrl.learner.model import (
     shard_model,
     weights_to_send,
 )
-from horizonrl.learner.train_step import AdvantageSettings, LossSettings, lr_multiplier, optimizer_step
-from horizonrl.schedule import TurnBudgetSchedule
+from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, lr_multiplier, train_on_batch
+from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import Batch, LearnerReport, decode_as
+from horizonrl.protocol.transport import wire_security
 
 log = logging.getLogger("horizonrl.learner")
 
 # Not (yet) in LearnerConfig: extra slack on the learner's own process group, whose ranks
 # wait on rank 0 while it waits for a batch or broadcasts weights.
 PROCESS_GROUP_SLACK_S = 300.0
+STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,12 @@ class Resources:
     """Everything that must be released on the way out, whatever way that is."""
 
     context: Any = None  # zmq.Context (rank 0)
+    security: Any = None
     batches: Any = None
     reports: Any = None
     heartbeat: Any = None
     weight_group: Any = None
+    weight_group_abandoned: bool = False  # a broadcast thread may still be blocked in it: do not touch it
 
     def close(self) -> None:
         if self.heartbeat is not None:
@@ -133,8 +137,10 @@ class Resources:
         for channel in (self.batches, self.reports):
             if channel is not None:
                 channel.close()
-        if self.weight_group is not None:
+        if self.weight_group is not None and not self.weight_group_abandoned:
             self.weight_group.close()
+        if self.security is not None:
+            self.security.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.context is not None:
@@ -144,7 +150,6 @@ class Resources:
 def main(config: TrainConfig) -> int:
     """Train for ``config.learner.total_steps`` steps; 0 on success or a requested stop, 1 on failure."""
     ranks = RankInfo.from_environ()
-    _setup_logging(config.run.log_level, ranks.rank)
     stop = threading.Event()
     _install_stop_handlers(stop)
     resources = Resources()
@@ -162,7 +167,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     import zmq
 
     from horizonrl.learner.channels import BatchClient, HeartbeatThread, ReportSender, share_bytes
-    from horizonrl.weight_sync import broadcast_weights, create_weight_group, pack_weights, send_packed
+    from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group, pack_weights, send_packed
 
     lc, net = config.learner, config.network
     is_main = ranks.rank == 0
@@ -182,12 +187,15 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         timeout=timedelta(seconds=lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S),
     )
     counters: dict[str, float] = defaultdict(float)
+    run_id = config.run.run_id
     if is_main:
         res.context = zmq.Context()
-        res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters)
+        security = wire_security(res.context, net.host, net.curve_keys_dir)
+        res.security = security
+        res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, security)
         res.heartbeat.start()
-        res.batches = BatchClient(res.context, net.endpoint(net.batch_port))
-        res.reports = ReportSender(res.context, net.endpoint(net.report_port))
+        res.batches = BatchClient(res.context, net.endpoint(net.batch_port), run_id, config.model.vocab_size, security)
+        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
 
     start = time.perf_counter()
     tr = build_trainables(config, device)
@@ -195,71 +203,85 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
              backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
              " + critic" if tr.critic is not None else "")
-    step, state_dict = 0, {}
+    step, state_dict, lineage = 0, {}, []
     resume_from = resolve_resume(lc.resume, config.output_dir)
     if resume_from is not None:
         state = load_train_state(resume_from, **tr.checkpoint_parts())
         step = int(state["step"])
+        lineage = [tuple(pair) for pair in state.get("lineage", [(0, 0)])]
         if is_main:
             res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
-        state_dict = gather_full_state_dict(model)  # collective; rank 0 sends it once the actors joined
         log.info("resumed from %s at step %d", resume_from, step)
+    # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
+    epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0)
+    lineage.append((epoch, step))
+    if step > 0 or epoch > 0:
+        state_dict = gather_full_state_dict(model)  # collective; rank 0 sends it once the actors joined
     if is_main:
         start = time.perf_counter()
         num_actors = config.rollout.num_actors
         log.info("waiting for %d actor engines to join the weight group on port %d", num_actors, net.weight_port)
-        res.weight_group = create_weight_group(
-            net.host, net.weight_port, rank=0, world_size=1 + num_actors, timeout_s=lc.weight_sync_timeout_s,
+        res.weight_group = host_weight_group(
+            net.host, net.weight_port, world_size=1 + num_actors, timeout_s=lc.weight_sync_timeout_s,
             backend="nccl" if backend == "nccl" else "gloo",
         )
         log.info("weight group formed with %d engines in %.1f s", num_actors, time.perf_counter() - start)
-        if step > 0:
-            broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
+        # Announce this incarnation (the coordinator publishes its epoch), then its weights: actors
+        # that hold another epoch's weights, or none but the starting model, take these.
+        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch, startup=True))
+        if step > 0 or epoch > 0:
+            broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict), epoch=epoch,
+                              run_id=run_id)
 
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
+    update_settings = UpdateSettings.from_config(config)
     saved_step, weight_sync_s, checkpoint = step, 0.0, ""
+    consumed: list[dict] = []  # what each step since the last checkpoint trained on (saved with the next one)
     while step < lc.total_steps and not _all_agree_to_stop(stop):
-        times: dict[str, float] = {}
-        with _timed(times, "batch_wait"):
+        timer = PhaseTimer()
+        times = timer.seconds
+        with timer("batch_wait"):
             payload = None
             if is_main:
-                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s, stop.is_set)
+                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s, stop.is_set,
+                                              lineage=lineage, committed_step=saved_step, resend_s=lc.batch_resend_s)
             payload = share_bytes(payload, ranks.rank)
         if payload is None:
             break  # rank 0 was asked to stop while waiting
-        batch = decode_as(payload, Batch)
+        batch = decode_as(payload, Batch)  # rank 0 checked it (BatchClient); every rank holds the same bytes
 
-        with _timed(times, "step"):
-            samples, failed = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
-                                                 config.algorithm.adv_estimator)
-            micro_batches = micro_batches_for_rank(samples, ranks.rank, ranks.world_size, lc.micro_batch_size)
-            loss_metrics = optimizer_step(
-                model, tr.optimizer, micro_batches, settings=loss_settings, grad_clip=lc.grad_clip,
-                num_loss_tokens=sum(s.num_loss_tokens for s in samples), num_sequences=len(samples), device=device,
-                advantage=adv_settings, reference=tr.reference, critic=tr.critic, critic_optimizer=tr.critic_optimizer,
+        with timer("step"):
+            samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
+                                                     config.algorithm.adv_estimator)
+            loss_metrics = train_on_batch(
+                model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,
+                update=update_settings, device=device, advantage=adv_settings, reference=tr.reference,
+                critic=tr.critic, critic_optimizer=tr.critic_optimizer,
             )
             loss_metrics["optim/lr"] = tr.scheduler.get_last_lr()[0]
             tr.scheduler.step()
             if tr.critic_scheduler is not None:
                 tr.critic_scheduler.step()
         step += 1
-        with _timed(times, "gather"):
+        consumed.append({"step": step, "request_id": batch.request_id, "trajectories": accounting.ids})
+        with timer("gather"):
             state_dict = gather_full_state_dict(model)
 
         num_tokens = sum(s.num_tokens for s in samples)
         counters.update(step=step, weight_version=step)
         counters["trajectories_trained"] += len(samples)
         counters["tokens_trained"] += num_tokens
-        counters["failed_skipped"] += failed
+        counters["failed_skipped"] += sum(accounting.failed.values())
         if lc.save_every and step % lc.save_every == 0 and step < lc.total_steps:
-            with _timed(times, "save"):
-                checkpoint, saved_step = str(_save(config, tr, state_dict, step, res, ranks)), step
+            with timer("save"):
+                checkpoint = str(_save(config, tr, state_dict, step, res, ranks, lineage, consumed, saved_step))
+                saved_step, consumed = step, []
         if not is_main:
             continue
         metrics = {
             **loss_metrics,
             **batch_metrics(batch, learner_version=step - 1),
-            "batch/failed_skipped": float(failed),
+            **accounting.metrics(),
             "batch/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
             "batch/tokens": float(num_tokens),
             **{f"time/{name}_s": seconds for name, seconds in times.items()},
@@ -267,9 +289,16 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
         }
         # Pack first: the engines stop generating once they enter the receive the report announces.
-        packed = pack_weights(res.weight_group, step, weights_to_send(model.config, state_dict))
-        res.reports.send(LearnerReport(step=step, weight_version=step, metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
-        sync = send_packed(res.weight_group, packed)
+        packed = pack_weights(res.weight_group, step, weights_to_send(model.config, state_dict), epoch=epoch,
+                              run_id=run_id)
+        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
+                                       metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
+        sync = send_interruptibly(lambda: send_packed(res.weight_group, packed), stop)
+        if sync is None:
+            log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
+                        "checkpoint comes next", step)
+            res.weight_group_abandoned = True
+            continue
         weight_sync_s = sync["total_s"]
         log.info(
             "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs (%.1f MB)",
@@ -280,13 +309,13 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
 
     if step > saved_step and step > 0:
         start = time.perf_counter()
-        checkpoint = str(_save(config, tr, state_dict, step, res, ranks))
+        checkpoint = str(_save(config, tr, state_dict, step, res, ranks, lineage, consumed, saved_step))
         log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
     if is_main:
         stopped_early = step < lc.total_steps
-        res.reports.send(
-            LearnerReport(step=step, weight_version=step, metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint, final=True)
-        )
+        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
+                                       metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint,
+                                       final=True))
         log.info("learner done after %d steps%s; checkpoint %s", step, " (stopped early)" if stopped_early else "", checkpoint or "-")
 
 
@@ -315,8 +344,12 @@ def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
 
 
 def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tensor], step: int, res: Resources,
-          ranks: RankInfo) -> Path:
-    """Collective: rank 0 writes the Hugging Face files, then every rank its share of the training state."""
+          ranks: RankInfo, lineage: list[tuple[int, int]], consumed: list[dict], since: int) -> Path:
+    """Collective: rank 0 writes the Hugging Face files, then every rank its share of the training state.
+
+    The state also names what every step since the checkpoint of step ``since`` (the one this run
+    saved or resumed from last) trained on (``consumed``: trajectory ids by outcome), and the weight
+    lineage a resumed run continues."""
     out_dir = checkpoint_dir(config.output_dir, step)
     if ranks.rank == 0:
         save_hf_checkpoint(tr.model.config, state_dict, config.model.path, out_dir)
@@ -328,9 +361,56 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
         "data_cursor": {"next_request_id": res.batches.next_request_id if res.batches is not None else 0,
                         "batches_consumed": step},
         "coordinator": {"learner_step": step, "next_max_turns": schedule.budget_after(step)},
+        "lineage": [list(pair) for pair in lineage],
+        "consumed": consumed,
+        "consumed_since": since,
     }
     save_train_state(out_dir, state=state, **tr.checkpoint_parts())
     return out_dir
+
+
+def next_weight_epoch(output_dir: Path) -> int:
+    """This learner incarnation's weight epoch: one more than the last one started in this run directory."""
+    path = Path(output_dir) / "learner_epoch"
+    epoch = int(path.read_text()) + 1 if path.is_file() else 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(epoch))
+    os.replace(tmp, path)
+    return epoch
+
+
+def send_interruptibly(send, stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S):
+    """Run ``send()`` (a weight broadcast, bounded by its own timeout) in a thread; its result, or None
+    when a stop was requested and it has not finished ``grace_s`` later (the receivers may have
+    exited already; the checkpoint matters more than this version). Errors propagate."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = send()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="weight-send", daemon=True)
+    thread.start()
+    stop_seen_at = None
+    while thread.is_alive():
+        thread.join(0.1)
+        if stop.is_set():
+            stop_seen_at = stop_seen_at or time.monotonic()
+            if time.monotonic() - stop_seen_at > grace_s:
+                return None
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _from_rank_zero(value: int) -> int:
+    """Rank 0's ``value`` on every rank (a collective)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
 
 
 def _all_agree_to_stop(stop: threading.Event) -> bool:
@@ -338,15 +418,6 @@ def _all_agree_to_stop(stop: threading.Event) -> bool:
     flag = torch.tensor([int(stop.is_set())], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-@contextmanager
-def _timed(times: dict[str, float], name: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[name] = time.perf_counter() - start
 
 
 def _mean(values) -> float:
@@ -371,10 +442,3 @@ def _install_stop_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-
-
-def _setup_logging(level: str, rank: int) -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(format=f"%(asctime)s learner[{rank}] %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("horizonrl").setLevel(level)

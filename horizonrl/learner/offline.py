@@ -4,7 +4,7 @@ Both start from ``model.path`` and end with a Hugging Face checkpoint in
 ``<output_dir>/final`` (config + safetensors + tokenizer files) that ``horizonrl train ...
 model.path=<output_dir>/final`` starts RL from and that vLLM / transformers load.
 
-Processes: ``run_sft`` / ``run_dpo`` tokenise the data once (offline_data.py), then train in
+Processes: ``run_offline`` tokenises the data once (offline_data.py), then train in
 this process (one rank) or start ``num_ranks`` rank processes on loopback with torchrun-style
 variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as the RL launcher starts
 the learner; under torchrun itself (WORLD_SIZE set) this process is one of the ranks. Each
@@ -60,7 +60,7 @@ from horizonrl.learner.main import RankInfo
 from horizonrl.learner.model import gather_full_state_dict, load_model, resolve_backend, save_hf_checkpoint, shard_model
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
 from horizonrl.learner.train_step import lr_multiplier
-from horizonrl.offline_config import OfflineConfig, dump_offline_config, load_offline_config
+from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
 
 log = logging.getLogger("horizonrl.offline")
 
@@ -391,7 +391,7 @@ def _fmt(metrics: dict[str, float]) -> str:
 def load_data(config: OfflineConfig, paradigm: str) -> SFTData | DPOData:
     from transformers import AutoTokenizer
 
-    from horizonrl.chat import ChatTokenizer
+    from horizonrl.core.chat import ChatTokenizer
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(config.model.path))
     load = load_sft_data if paradigm == "sft" else load_dpo_data
@@ -445,16 +445,6 @@ def run_offline(config: OfflineConfig, paradigm: str) -> dict[str, Any]:
     data.save(data_file)
     _spawn_ranks(config, paradigm, data_file)
     return json.loads((config.out / SUMMARY_FILE).read_text())
-
-
-def run_sft(config: OfflineConfig) -> dict[str, Any]:
-    """SFT: token-mean NLL on the gpt turns; returns the summary (checkpoint path, NLL before/after)."""
-    return run_offline(config, "sft")
-
-
-def run_dpo(config: OfflineConfig) -> dict[str, Any]:
-    """DPO against the starting model; returns the summary (checkpoint path, loss and accuracy before/after)."""
-    return run_offline(config, "dpo")
 
 
 def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:

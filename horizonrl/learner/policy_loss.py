@@ -15,8 +15,11 @@ proximal policy π_prox that the trust region is centred on:
     ℓ_t = −w_t · min(r̃_t A_t, clip(r̃_t, 1 − ε_low, 1 + ε_high) A_t),
     r̃_t = π_θ / π_prox,   w_t = min(π_prox / μ, C)   (a truncated importance weight, no gradient)
 
-The learner takes one optimizer step per batch, so π_prox is the policy at the start of that
-step: log π_prox = sg(log π_θ), computed in the same forward pass (no extra one).
+π_prox is the policy at the start of the learner step, before its first optimizer update
+(``learner.ppo_epochs`` × mini-batches of ``learner.ppo_mini_batch_size`` groups). With a single
+update per step the two coincide and log π_prox = sg(log π_θ) comes from the same forward pass;
+with several, the learner computes log π_prox once, in a no-grad pass before the first update, so
+the later updates are clipped against it.
 
 The regularisers, per token:
     KL to a frozen reference π_ref (Schulman, "Approximating KL Divergence", 2020), x = log π_ref − log π_θ:
@@ -25,8 +28,14 @@ The regularisers, per token:
 
 Aggregation (``loss_agg_mode``) turns per-token terms into the step's loss with one weight per
 token (:func:`aggregation_weights`) computed from the WHOLE step's counts, so the sum over
-micro-batches and ranks is the same however the batch is split. Log-probabilities are
-log_softmax(logits / T), matching the engine's ``processed_logprobs``.
+micro-batches and ranks is the same however the batch is split.
+
+Log-probabilities are those of the distribution the engine samples from, matching its
+``processed_logprobs``: log_softmax(logits / T), and with nucleus sampling (``rollout.top_p`` < 1)
+log_softmax over the nucleus only — the smallest set of most likely tokens whose probability
+reaches p, renormalised (Holtzman et al., arXiv 1904.09751, eq. 3), found exactly as vLLM does.
+Taking the full softmax instead would bias the importance ratio on every token. The KL to the
+reference compares the untruncated distributions (a regulariser on the model, as verl does).
 """
 
 from __future__ import annotations
@@ -39,20 +48,39 @@ import torch
 KL_ESTIMATORS = ("low_var_kl", "k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOW_VAR_KL_BOUND = 10.0
+# log-probabilities are clamped here before ratios are taken: exp(−1e4) is 0 in float32, without −inf's NaNs
+LOGPROB_FLOOR = -1e4
+
+
+def nucleus_logits(scaled_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits outside the top-p nucleus set to −inf (vLLM's rule, so both sides agree on the boundary).
+
+    scaled_logits: (..., V) logits already divided by the temperature
+    The nucleus keeps token v unless the probability of all tokens less likely than or as likely
+    as v — v included, in ascending order — is at most 1 − p; the most likely token is always kept.
+    """
+    if top_p >= 1.0:
+        return scaled_logits
+    ascending, order = scaled_logits.sort(dim=-1)
+    outside = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+    outside[..., -1] = False  # at least one token
+    mask = torch.zeros_like(outside).scatter(-1, order, outside)
+    return scaled_logits.masked_fill(mask, float("-inf"))
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float
+    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, top_p: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token and the entropy of each next-token distribution.
 
     logits:     (..., V) logits predicting the targets (position t-1 predicts token t)
     target_ids: (...)    the tokens whose probability we want
-    returns:    logprobs (...) = log softmax(logits / T)[target],  entropy (...) = −Σ_v p_v log p_v
+    returns:    logprobs (...) = log softmax(nucleus_p(logits / T))[target]  (−inf outside the nucleus),
+                entropy (...)  = −Σ_v p_v log p_v of that (truncated) distribution
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(nucleus_logits(logits.float() / temperature, top_p), dim=-1)
     logprobs = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = torch.special.entr(logp.exp()).sum(-1)  # entr(0) = 0: tokens outside the nucleus add nothing
     return logprobs, entropy
 
 
@@ -101,17 +129,25 @@ class ClipSettings:
 
 
 def clipped_policy_loss(
-    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, clip: ClipSettings
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, clip: ClipSettings,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate ℓ_t (see the module docstring); all inputs (N,) of loss tokens.
 
-    returns ℓ (N,) (differentiable), and per-token diagnostics (no gradient): the ratio r_t
-    that was clipped, whether it was clipped, and the behaviour ratio π_θ / μ.
+    ``proximal_logprobs`` (decoupled only): log π_prox from before the step's first update; None
+    means this is the step's only update, so π_prox = sg(π_θ).
+    returns ℓ (N,) (differentiable), and per-token diagnostics (no gradient): the behaviour ratio
+    π_θ / μ, whether the clipped ratio was clipped, and the weight.
+
+    A token outside the current nucleus (top_p < 1) has log π_θ = −inf: its ratio is 0, so it
+    contributes no gradient (finite log-ratios keep the arithmetic free of NaN).
     """
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
     log_behaviour_ratio = logprobs - behaviour_logprobs
     if clip.decoupled:
-        log_ratio = logprobs - logprobs.detach()  # r̃ = π_θ / π_prox = 1, with the gradient of π_θ
-        weight = torch.exp(log_behaviour_ratio.detach())  # π_prox / μ
+        proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.clamp(min=LOGPROB_FLOOR)
+        log_ratio = logprobs - proximal  # r̃ = π_θ / π_prox
+        weight = torch.exp(proximal - behaviour_logprobs)  # π_prox / μ (no gradient)
         if clip.behaviour_weight_cap is not None:
             weight = torch.clamp(weight, max=clip.behaviour_weight_cap)
     else:
@@ -127,36 +163,6 @@ def clipped_policy_loss(
         clipped = (ratio < 1.0 - clip.clip_low) | (ratio > 1.0 + clip.clip_high)
         diagnostics = {"ratio": torch.exp(log_behaviour_ratio), "clipped": clipped.float(), "weight": weight}
     return weight * pg, diagnostics
-
-
-def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    clip_ratio: float,
-    num_loss_tokens: int,
-    clip: ClipSettings | None = None,
-) -> tuple[torch.Tensor, "PolicyLossStats"]:
-    """This micro-batch's share of the step's token-mean clipped loss (no regularisers).
-
-    logprobs:           (B, T) log π_θ of the taken tokens (differentiable)
-    behaviour_logprobs: (B, T) log μ from the trajectory (the engine that generated it)
-    advantages:         (B, T) A_t, already broadcast over generated tokens
-    loss_mask:          (B, T) 1 where the token was generated by the policy
-                        (any common shape works, e.g. (N,) of already selected tokens)
-    num_loss_tokens:    N, loss tokens of the WHOLE step (all ranks, all micro-batches)
-    returns: the scalar Σ_t mask_t · ℓ_t / N, and sums for the metrics
-    """
-    clip = clip or ClipSettings(clip_ratio, clip_ratio)
-    mask = loss_mask.to(logprobs.dtype)
-    selected = loss_mask.bool()
-    # masked before exp: no overflow on tokens that are not trained on
-    lp = torch.where(selected, logprobs, behaviour_logprobs)
-    per_token, diag = clipped_policy_loss(lp, behaviour_logprobs, advantages, clip)
-    loss = (per_token * mask).sum() / max(num_loss_tokens, 1)
-    stats = PolicyLossStats.from_tokens(per_token[selected], diag["ratio"][selected], diag["clipped"][selected])
-    return loss, stats
 
 
 @dataclass
@@ -187,7 +193,7 @@ class PolicyLossStats:
         """per_token_loss, ratio (π_θ / μ), clipped: (N,) over the loss tokens."""
         with torch.no_grad():
             r = ratio.double()
-            log_r = torch.log(r)
+            log_r = torch.log(r.clamp(min=1e-300))  # a token outside the nucleus has r = 0
             # k3 estimator of KL(μ || π) from samples of μ: (r − 1) − log r
             return cls(
                 tokens=float(r.numel()),

@@ -1,11 +1,15 @@
-"""One optimizer step over a rank's micro-batches: advantages, forward, loss, backward, clip, step.
+"""One learner step: a batch of groups in, ``ppo_epochs`` × mini-batches optimizer updates out.
 
-    advantages   grpo/rloo: already on the micro-batches (per trajectory);
+    advantages   grpo/rloo: already on the samples (per trajectory);
                  reinforce_plus_plus: discounted returns, whitened over the whole batch;
                  gae: the critic's values (no-grad forward), GAE, whitened over the whole batch
-    loss         per micro-batch: clipped policy loss − β·entropy + kl_coef·KL(π‖π_ref)
-                 (+ vf_coef·½(V − R)² for the critic), aggregated with the step's global weights
-    update       grad clip and AdamW step for the policy (and the critic), then the LR schedule
+    proximal     decoupled PPO with more than one update: log π_prox of every token, in a no-grad
+                 forward before the first update (the trust region every update is clipped to)
+    updates      for each epoch, for each mini-batch of ``ppo_mini_batch_size`` groups:
+                 per micro-batch the clipped policy loss − β·entropy + kl_coef·KL(π‖π_ref)
+                 (+ vf_coef·½(V − R)² for the critic), aggregated with the mini-batch's global
+                 weights; grad clip and AdamW step for the policy (and the critic)
+The LR schedule steps once per learner step (the caller does it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from horizonrl.learner.advantages import discounted_returns, gae_advantages, masked_moments, whiten
-from horizonrl.learner.batching import MicroBatch
+from horizonrl.learner.batching import MicroBatch, Sample, micro_batches_for_rank, mini_batches
 from horizonrl.learner.policy_loss import (
     ClipSettings,
     PolicyLossStats,
@@ -32,6 +36,7 @@ from horizonrl.learner.policy_loss import (
 @dataclass(frozen=True)
 class LossSettings:
     temperature: float = 1.0
+    top_p: float = 1.0  # the engine's nucleus: log-probabilities are taken over the same distribution
     clip: ClipSettings = ClipSettings()
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
@@ -44,6 +49,7 @@ class LossSettings:
         lc = config.learner
         return cls(
             temperature=config.rollout.temperature,
+            top_p=config.rollout.top_p,
             clip=ClipSettings(lc.clip_low, lc.clip_high, lc.clip_ratio_c, lc.decoupled_loss, lc.behav_imp_weight_cap),
             loss_agg_mode=lc.loss_agg_mode,
             entropy_coeff=lc.entropy_coeff,
@@ -64,6 +70,21 @@ class AdvantageSettings:
     def from_config(cls, config) -> "AdvantageSettings":
         a = config.algorithm
         return cls(a.adv_estimator, a.gamma, a.lam, a.whiten_gae_advantages)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How one learner step turns its batch into optimizer updates."""
+
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int | None = None  # groups per update; None: the whole batch
+    micro_batch_size: int = 16  # trajectories per forward/backward on one rank
+    grad_clip: float = 1.0
+
+    @classmethod
+    def from_config(cls, config) -> "UpdateSettings":
+        lc = config.learner
+        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -140,12 +161,15 @@ def micro_batch_loss(
     logits = model(input_ids=micro_batch.input_ids, use_cache=False).logits  # (B, T, V)
     selected = micro_batch.loss_mask[:, 1:].bool()  # (B, T-1)
     targets = micro_batch.input_ids[:, 1:][selected]
-    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1][selected], targets, settings.temperature)  # (N_mb,)
+    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1][selected], targets, settings.temperature,
+                                                   settings.top_p)  # (N_mb,)
     weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences)
     w = weights[:, 1:][selected]  # (N_mb,)
 
+    proximal = None if micro_batch.proximal_logprobs is None else micro_batch.proximal_logprobs[:, 1:][selected]
     pg, diag = clipped_policy_loss(
-        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected], settings.clip
+        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected], settings.clip,
+        proximal,
     )
     loss = (w * pg).sum() - settings.entropy_coeff * (w * entropy).sum()
     stats = PolicyLossStats.from_tokens(pg, diag["ratio"], diag["clipped"])
@@ -172,6 +196,65 @@ def micro_batch_loss(
     return loss, stats
 
 
+def train_on_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    *,
+    rank: int,
+    world_size: int,
+    settings: LossSettings,
+    update: UpdateSettings,
+    device: torch.device,
+    advantage: AdvantageSettings = AdvantageSettings(),
+    reference: nn.Module | None = None,
+    critic: nn.Module | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, float]:
+    """Every optimizer update of one learner step (see the module docstring). A collective: every
+    rank passes the same ``samples`` and trains its share. Returns metrics over all updates,
+    reduced over all ranks; no samples: no update (``learner/updates`` = 0)."""
+    cuts = mini_batches(samples, update.ppo_mini_batch_size)
+    plan = [(cut, micro_batches_for_rank(cut, rank, world_size, update.micro_batch_size)) for cut in cuts]
+    # Advantages and proximal log-probs are functions of the policy *before* the first update.
+    prepare_advantages([mb for _, micro in plan for mb in micro], advantage, critic, device)
+    if settings.clip.decoupled and update.ppo_epochs * len(plan) > 1:
+        for _, micro in plan:
+            fill_proximal_logprobs(model, micro, settings, device)
+    stats, grad_norms, critic_norms = PolicyLossStats(), [], []
+    for _ in range(update.ppo_epochs):
+        for cut, micro in plan:
+            update_stats, norms = optimizer_step(
+                model, optimizer, micro, settings=settings, grad_clip=update.grad_clip,
+                num_loss_tokens=sum(s.num_loss_tokens for s in cut), num_sequences=len(cut), device=device,
+                reference=reference, critic=critic, critic_optimizer=critic_optimizer)
+            stats.add(update_stats)
+            grad_norms.append(norms["grad/norm"])
+            if "grad/critic_norm" in norms:
+                critic_norms.append(norms["grad/critic_norm"])
+    metrics = all_reduce_stats(stats).metrics()
+    metrics["learner/updates"] = float(len(grad_norms))
+    if grad_norms:
+        metrics["grad/norm"] = sum(grad_norms) / len(grad_norms)
+    if critic_norms:
+        metrics["grad/critic_norm"] = sum(critic_norms) / len(critic_norms)
+    return metrics
+
+
+@torch.no_grad()
+def fill_proximal_logprobs(model: nn.Module, micro_batches: list[MicroBatch], settings: LossSettings,
+                           device: torch.device) -> None:
+    """Set each micro-batch's ``proximal_logprobs`` (B, T): log π_θ of its tokens now, 0 off the loss tokens."""
+    for mb in micro_batches:
+        logits = model(input_ids=mb.input_ids.to(device), use_cache=False).logits
+        selected = mb.loss_mask[:, 1:].bool().to(device)
+        logprobs, _ = token_logprobs_and_entropy(logits[:, :-1][selected], mb.input_ids.to(device)[:, 1:][selected],
+                                                 settings.temperature, settings.top_p)
+        proximal = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=device)
+        proximal[:, 1:][selected] = logprobs
+        mb.proximal_logprobs = proximal.cpu()
+
+
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -182,20 +265,18 @@ def optimizer_step(
     num_loss_tokens: int,
     num_sequences: int,
     device: torch.device,
-    advantage: AdvantageSettings = AdvantageSettings(),
     reference: nn.Module | None = None,
     critic: nn.Module | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
-) -> dict[str, float]:
-    """Accumulate the step's gradient over this rank's micro-batches, clip it and step.
+) -> tuple[PolicyLossStats, dict[str, float]]:
+    """One optimizer update: accumulate the gradient over this rank's micro-batches, clip it, step.
 
-    Every rank passes the same step-wide counts (``num_loss_tokens`` N, ``num_sequences`` S),
-    so Σ_ranks Σ_mb loss_mb is the step's loss exactly. FSDP averages gradients over the W
-    ranks; the ×W undoes that average, so the update does not depend on W. Returns metrics
-    reduced over all ranks.
+    Every rank passes the same mini-batch-wide counts (``num_loss_tokens`` N, ``num_sequences`` S),
+    so Σ_ranks Σ_mb loss_mb is the mini-batch's loss exactly. FSDP averages gradients over the W
+    ranks; the ×W undoes that average, so the update does not depend on W. Returns this rank's
+    loss statistics (sums, not yet reduced) and the (global) gradient norms before clipping.
     """
     world_size = dist.get_world_size()
-    prepare_advantages(micro_batches, advantage, critic, device)
     optimizer.zero_grad(set_to_none=True)
     if critic_optimizer is not None:
         critic_optimizer.zero_grad(set_to_none=True)
@@ -205,13 +286,12 @@ def optimizer_step(
                                           reference, critic)
         (loss * world_size).backward()
         stats.add(mb_stats)
-    metrics = {"grad/norm": _clip(model, grad_clip)}
+    norms = {"grad/norm": _clip(model, grad_clip)}
     optimizer.step()
     if critic is not None and critic_optimizer is not None:
-        metrics["grad/critic_norm"] = _clip(critic, grad_clip)
+        norms["grad/critic_norm"] = _clip(critic, grad_clip)
         critic_optimizer.step()
-    stats = all_reduce_stats(stats)
-    return {**stats.metrics(), **metrics}
+    return stats, norms
 
 
 def _clip(module: nn.Module, max_norm: float) -> float:

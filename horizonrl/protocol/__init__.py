@@ -1,10 +1,18 @@
 """Messages, their msgpack codec and the socket conventions: the bottom layer."""
 
-from horizonrl.protocol.codec import ProtocolError, decode, decode_as, encode
+from horizonrl.protocol.codec import ForeignRunError, ProtocolError, decode, decode_as, encode
 from horizonrl.protocol.messages import (
+    ACK_ACCEPTED,
+    ACK_DUPLICATE,
+    ACK_REJECTED,
     FAILURE_ENGINE,
     FAILURE_ENVIRONMENT,
+    FAILURE_KINDS,
     FAILURE_NONE,
+    FAILURE_ACTOR_LOST,
+    FAILURE_PROMPT_TOO_LONG,
+    FAILURE_TIMEOUT,
+    MAX_SAMPLE_TEXT,
     SCHEMA_VERSION,
     STOP_CONTEXT,
     STOP_DONE,
@@ -13,17 +21,29 @@ from horizonrl.protocol.messages import (
     Batch,
     BatchRequest,
     Control,
+    EpisodeSample,
     Heartbeat,
     LearnerReport,
     Message,
     Trajectory,
+    TrajectoryAck,
     WeightLayout,
 )
 
 __all__ = [
+    "ACK_ACCEPTED",
+    "ACK_DUPLICATE",
+    "ACK_REJECTED",
+    "ForeignRunError",
+    "TrajectoryAck",
     "FAILURE_ENGINE",
     "FAILURE_ENVIRONMENT",
+    "FAILURE_KINDS",
     "FAILURE_NONE",
+    "FAILURE_ACTOR_LOST",
+    "FAILURE_PROMPT_TOO_LONG",
+    "FAILURE_TIMEOUT",
+    "MAX_SAMPLE_TEXT",
     "SCHEMA_VERSION",
     "STOP_CONTEXT",
     "STOP_DONE",
@@ -32,6 +52,7 @@ __all__ = [
     "Batch",
     "BatchRequest",
     "Control",
+    "EpisodeSample",
     "Heartbeat",
     "LearnerReport",
     "Message",

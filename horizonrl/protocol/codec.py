@@ -22,6 +22,10 @@ class ProtocolError(ValueError):
     """Malformed, oversized, wrong-version or unexpected message."""
 
 
+class ForeignRunError(ProtocolError):
+    """A well-formed message of another run (a stale process, or a second run on the same ports)."""
+
+
 class _Header(msgspec.Struct):
     # Decoded only to explain a failure: unknown fields are ignored, so this reads
     # the type tag and version of messages from other schema versions too.
@@ -38,8 +42,9 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
-    """Decode one message; ProtocolError if it is oversized, malformed or of another version."""
+def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES, run_id: str | None = None) -> Message:
+    """Decode one message; ProtocolError if it is oversized, malformed or of another version, and
+    ForeignRunError if ``run_id`` is given and the message belongs to another run."""
     if len(data) > max_bytes:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     try:
@@ -50,12 +55,15 @@ def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> Mess
         raise ProtocolError(
             f"{type(message).__name__} has schema version {message.v}; this process speaks {SCHEMA_VERSION}"
         )
+    if run_id is not None and message.run_id != run_id:
+        raise ForeignRunError(f"{type(message).__name__} of run {message.run_id!r}; this process is in run {run_id!r}")
     return message
 
 
-def decode_as(data: bytes | memoryview, expected: type[M], max_bytes: int = DEFAULT_MAX_BYTES) -> M:
-    """Decode and check the message type; ProtocolError if it is another kind of message."""
-    message = decode(data, max_bytes)
+def decode_as(data: bytes | memoryview, expected: type[M], max_bytes: int = DEFAULT_MAX_BYTES,
+              run_id: str | None = None) -> M:
+    """Decode and check the message type (and run); ProtocolError if it is another kind of message."""
+    message = decode(data, max_bytes, run_id)
     if not isinstance(message, expected):
         raise ProtocolError(f"expected {expected.__name__}, got {type(message).__name__}")
     return message

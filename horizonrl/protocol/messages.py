@@ -1,22 +1,33 @@
 """The messages that cross process boundaries. This is the bottom layer: it imports
 neither torch nor vllm, and every other part depends on it (never on each other).
 
-Every message carries ``v`` (the schema version) and, where it concerns a policy,
-the policy (weight) version. Arrays travel as raw little-endian bytes (see
-``arrays.py``); nothing is pickled.
+Every message carries ``v`` (the schema version) and ``run_id`` (the run it belongs to: a
+process rejects and counts messages of another run), and, where it concerns a policy, the
+policy (weight) version. Arrays travel as raw little-endian bytes (see ``arrays.py``);
+nothing is pickled.
+
+Weight versions and epochs: the weight version is the learner step that produced the weights
+(0: the starting model). A learner restarted from the checkpoint of step c starts a new *weight
+epoch* (a counter the learner persists in the run directory) at version c: versions c+1, c+2, ...
+of the new epoch are not those of the old one, and turns the old epoch generated above c come
+from weights that no longer exist. A turn is identified by (epoch, version).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Why an episode did not produce a trainable trajectory. "" means it did.
 FAILURE_NONE = ""
 FAILURE_ENVIRONMENT = "environment"  # the environment/server failed (crash, timeout, lost session)
 FAILURE_ENGINE = "engine"  # generation failed inside the engine
-FAILURE_KINDS = (FAILURE_NONE, FAILURE_ENVIRONMENT, FAILURE_ENGINE)
+FAILURE_PROMPT_TOO_LONG = "prompt_too_long"  # the task's first prompt alone fills the context: no turn was played
+FAILURE_TIMEOUT = "timeout"  # a generation or the episode ran past its wall-clock limit (a straggler)
+FAILURE_ACTOR_LOST = "actor_lost"  # the actor died while this episode was in progress
+FAILURE_KINDS = (FAILURE_NONE, FAILURE_ENVIRONMENT, FAILURE_ENGINE, FAILURE_PROMPT_TOO_LONG, FAILURE_TIMEOUT,
+                 FAILURE_ACTOR_LOST)
 
 # Why an episode ended.
 STOP_DONE = "done"  # the environment said done
@@ -34,10 +45,14 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     ``turn_spans[i] = (start, end)`` is the token range of generated turn ``i`` and
     ``turn_versions[i]`` the weight version that produced it (the version when its
     generation started; a turn spanning an update is tagged with the older one).
+    ``turn_epochs[i]`` is the weight epoch of that version (see the module docstring).
     ``turn_rewards[i]`` is the environment's reward for the action of turn ``i``.
+    ``trajectory_id`` is unique in the run: the buffer acknowledges each id once and
+    de-duplicates resends.
     """
 
     v: int = SCHEMA_VERSION
+    run_id: str
     trajectory_id: str
     group_id: str
     group_size: int
@@ -50,6 +65,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     prompt_length: int
     turn_spans: list[tuple[int, int]]
     turn_versions: list[int]
+    turn_epochs: list[int]
     turn_rewards: list[float]
     reward: float  # episode return: the sum of turn rewards
     success: bool
@@ -79,6 +95,7 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     learner_step: int  # learner steps completed
     max_turns: int  # turn budget for episodes started now
     weight_version: int  # newest weights the learner has announced for broadcast
+    weight_epoch: int = 0  # the learner incarnation those weights belong to
     pause_rollout: bool = False  # the buffer is full: finish episodes in flight, start no new groups
     stop: bool = False
 
@@ -91,7 +108,9 @@ class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
     """
 
     v: int = SCHEMA_VERSION
+    run_id: str
     version: int
+    epoch: int  # the learner incarnation these weights belong to (see the module docstring)
     names: list[str]
     dtypes: list[str]  # torch dtype names without the "torch." prefix, e.g. "float32"
     shapes: list[list[int]]
@@ -99,18 +118,29 @@ class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
-    """Learner rank 0 -> buffer: "send me ``num_groups`` groups; my weights are ``learner_version``"."""
+    """Learner rank 0 -> buffer: "send me ``num_groups`` groups for step ``learner_version + 1``".
+
+    A request for a step the buffer already served a batch for means that batch never trained
+    (its reply was lost, or the learner restarted from an earlier checkpoint): the buffer takes
+    its groups back. ``committed_step`` is the learner's newest checkpoint: batches of steps up to
+    it are trained for good. ``lineage`` lists (weight epoch, the step it resumed from), oldest
+    first; its last entry is the learner's current epoch (see the module docstring).
+    """
 
     v: int = SCHEMA_VERSION
+    run_id: str
     request_id: int
     learner_version: int
     num_groups: int
+    lineage: list[tuple[int, int]] = msgspec.field(default_factory=lambda: [(0, 0)])
+    committed_step: int = 0
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
     """Buffer -> learner: whole groups, oldest first, plus the buffer's counters."""
 
     v: int = SCHEMA_VERSION
+    run_id: str
     request_id: int
     groups: list[list[Trajectory]]
     buffer_stats: dict[str, float] = {}
@@ -120,10 +150,13 @@ class LearnerReport(msgspec.Struct, tag="learner_report", kw_only=True):
     """Learner rank 0 -> coordinator after each optimizer step."""
 
     v: int = SCHEMA_VERSION
+    run_id: str
     step: int
     weight_version: int
+    weight_epoch: int = 0
     metrics: dict[str, float] = {}
     checkpoint: str = ""
+    startup: bool = False  # the learner (re)started at ``step``: announce its epoch, no step was made
     final: bool = False
 
 
@@ -131,10 +164,53 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     """Any process -> coordinator, about once a second: liveness plus cumulative counters."""
 
     v: int = SCHEMA_VERSION
+    run_id: str
     role: str  # "actor" | "buffer" | "learner"
     index: int
     pid: int
     counters: dict[str, float] = {}
 
 
-Message = Trajectory | Control | WeightLayout | BatchRequest | Batch | LearnerReport | Heartbeat
+class EpisodeSample(msgspec.Struct, tag="episode_sample", kw_only=True):
+    """Actor -> coordinator, now and then: one episode as text, so a person can see what the agent did.
+
+    ``transcript`` alternates ("observation", text) and ("reply", text), starting with the task's
+    first observation; texts are cut to ``MAX_SAMPLE_TEXT`` characters each.
+    """
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    env: str
+    task_id: int
+    actor_id: int
+    weight_version: int
+    max_turns: int
+    reward: float
+    success: bool
+    score: float
+    num_turns: int
+    stop_reason: str
+    failure: str = FAILURE_NONE
+    transcript: list[tuple[str, str]] = []
+
+
+MAX_SAMPLE_TEXT = 4000
+
+# What the buffer says about each trajectory it received (TrajectoryAck.statuses).
+ACK_ACCEPTED = "accepted"  # durable in the buffer's log: the actor may forget it
+ACK_DUPLICATE = "duplicate"  # already accepted earlier (a resend): the actor may forget it
+ACK_REJECTED = "rejected"  # invalid (``reason`` says why); resending cannot help: the actor forgets it
+
+
+class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
+    """Buffer -> actor: the fate of the trajectories of one message, once it is durable."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    trajectory_ids: list[str]
+    statuses: list[str]
+    reasons: list[str] = []  # per trajectory, "" unless rejected
+
+
+Message = (Trajectory | Control | WeightLayout | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
+           | TrajectoryAck)

@@ -1,37 +1,128 @@
 """ZeroMQ sockets with the project's conventions, for every process boundary.
 
 Semantics (the same everywhere):
-- PUSH/PULL for trajectories and reports. A PUSH socket queues at most ``hwm``
-  messages per peer; beyond that ``send`` blocks (or, with a send timeout, raises
-  ``zmq.Again``), which is how backpressure reaches the producer. Nothing is dropped
-  by the transport itself: a message is either delivered, still queued, or the send
-  call told the caller it failed.
+- PUSH/PULL for reports. A PUSH socket queues at most ``hwm`` messages per peer; beyond
+  that ``send`` blocks (or, with a send timeout, raises ``zmq.Again``), which is how
+  backpressure reaches the producer.
+- DEALER/ROUTER with acknowledgements for trajectories: the buffer acknowledges each one
+  once it is durable, and the actor keeps it until then (resending on a timeout), so a
+  trajectory lost in a dead connection or a crashed buffer is sent again.
 - PUB/SUB for control. SUB is lossy by design (a slow or late subscriber misses
   messages), so the publisher republishes the whole current state periodically and
   every control message is self-contained.
 - ROUTER/DEALER for request/reply (learner <-> buffer), so a timed-out request never
   wedges a REQ state machine.
-Sockets close with ``linger=0``: shutting down never waits for unsent messages.
-Endpoints are ``tcp://127.0.0.1:PORT`` unless configured otherwise.
+Sockets close with ``linger=0``: shutting down never waits for unsent messages. A receiving
+socket gets ``max_message_bytes`` as ZMQ's MAXMSGSIZE: a peer sending a bigger message is
+disconnected before the message is ever read whole.
+
+Security: endpoints are ``tcp://127.0.0.1:PORT`` unless configured otherwise. Off loopback
+every socket uses CurveZMQ (encryption, and the servers accept only clients holding the run's
+client key): :class:`WireSecurity`, keys made by ``horizonrl keys DIR``.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
+from pathlib import Path
 
 import zmq
 
 DEFAULT_HWM = 64
 
 
-def make_socket(context: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+def make_socket(context: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_message_bytes: int | None = None,
+                security: "WireSecurity | None" = None, server: bool = False) -> zmq.Socket:
+    """A socket with the conventions above. ``server``: this side binds (it holds the server key)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if security is not None:
+        security.apply(sock, server)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: not known to stay on this machine
+
+
+KEY_NAMES = ("server", "client")
+
+
+def generate_keys(directory: str | Path) -> Path:
+    """Write a CurveZMQ server and client key pair into ``directory`` (created 0700; secret files 0600)."""
+    import zmq.auth
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    for name in KEY_NAMES:
+        public, secret = zmq.auth.create_certificates(str(directory), name)
+        os.chmod(secret, 0o600)
+        os.chmod(public, 0o600)
+    # What the servers' authenticator admits: the client's public key alone.
+    allowed = directory / "allowed"
+    allowed.mkdir(exist_ok=True)
+    (allowed / "client.key").write_bytes((directory / "client.key").read_bytes())
+    return directory
+
+
+class WireSecurity:
+    """CurveZMQ for every socket of a process: servers encrypt and admit only the run's client key
+    (a ZAP authenticator on the context); clients encrypt and check the server's key."""
+
+    def __init__(self, context: zmq.Context, keys_dir: str | Path) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        keys_dir = Path(keys_dir)
+        missing = [f"{n}{suffix}" for n in KEY_NAMES for suffix in (".key", ".key_secret")
+                   if not (keys_dir / f"{n}{suffix}").is_file()]
+        missing += [] if (keys_dir / "allowed" / "client.key").is_file() else ["allowed/client.key"]
+        if missing:
+            raise FileNotFoundError(f"CurveZMQ keys missing in {keys_dir}: {missing} (make them with "
+                                    f"`horizonrl keys {keys_dir}`)")
+        loose = [p.name for p in keys_dir.glob("*.key_secret") if p.stat().st_mode & 0o077]
+        if loose:
+            raise PermissionError(f"secret keys readable by others in {keys_dir}: {loose} (chmod 600)")
+        self.server_public, self.server_secret = zmq.auth.load_certificate(str(keys_dir / "server.key_secret"))
+        self.client_public, self.client_secret = zmq.auth.load_certificate(str(keys_dir / "client.key_secret"))
+        self.authenticator = ThreadAuthenticator(context)
+        self.authenticator.start()
+        self.authenticator.configure_curve(domain="*", location=str(keys_dir / "allowed"))
+
+    def apply(self, sock: zmq.Socket, server: bool) -> None:
+        if server:
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = self.server_public, self.server_secret
+        else:
+            sock.curve_serverkey = self.server_public
+            sock.curve_publickey, sock.curve_secretkey = self.client_public, self.client_secret
+
+    def stop(self) -> None:
+        self.authenticator.stop()
+
+
+def wire_security(context: zmq.Context, host: str, keys_dir: str | None) -> WireSecurity | None:
+    """None on loopback without keys; CurveZMQ with keys; an error off loopback without them."""
+    if keys_dir is None:
+        if not is_loopback(host):
+            raise PermissionError(f"network.host {host} is not loopback: CurveZMQ keys are required "
+                                  "(network.curve_keys_dir; make them with `horizonrl keys DIR`)")
+        return None
+    return WireSecurity(context, keys_dir)
 
 
 
@@ -41,6 +132,20 @@ def tcp_endpoint(host: str, port: int) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that are free right now: all are held open until all are picked,
+    so the OS cannot hand out the same one twice. (Another process may still take one before its
+    user binds it; binding port 0 and reporting the port is the race-free way.)"""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -105,3 +105,16 @@ def test_id_files(tmp_path):
     train = {i for _, i in read_ids(paths["train"])}
     test = {i for _, i in read_ids(paths["test"])}
     assert train == set(env.task_ids("train")) and test == set(env.task_ids("test")) and not train & test
+
+
+def test_split_files_from_the_command_line_feed_eval_ids(tmp_path, capsys):
+    """`horizonrl env splits` writes AgentGym-RL's id files; `horizonrl eval --ids` reads them."""
+    from horizonrl.cli import _read_ids, main
+    from horizonrl.core.config import ConfigError
+    from horizonrl.envs.signpost import SignpostEnv
+
+    assert main(["env", "splits", "signpost", str(tmp_path)]) == 0
+    assert "test:" in capsys.readouterr().out
+    assert list(_read_ids(tmp_path / "signpost_test.json", "signpost")) == SignpostEnv().task_ids("test")
+    with pytest.raises(ConfigError, match="--env is 'babyai'"):
+        _read_ids(tmp_path / "signpost_test.json", "babyai")

@@ -11,13 +11,17 @@ import sys
 import threading
 
 
-def hf_logprobs(model, prompt, generated, temperature):
+def hf_logprobs(model, prompt, generated, temperature, top_p=1.0):
+    """The learner's log-probabilities of ``generated`` (the function training runs), from transformers' logits."""
     import torch
+
+    from horizonrl.learner.policy_loss import token_logprobs_and_entropy
 
     ids = torch.tensor([prompt + generated])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].double() / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(generated)[:, None])[:, 0].tolist()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    logprobs, _ = token_logprobs_and_entropy(logits, torch.tensor(generated), temperature, top_p)
+    return logprobs.tolist()
 
 
 async def check(model_dir: str, port: int) -> dict:
@@ -26,9 +30,9 @@ async def check(model_dir: str, port: int) -> dict:
 
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
-    from horizonrl.config import EngineConfig
+    from horizonrl.core.config import EngineConfig
     from horizonrl.learner.model import weights_to_send
-    from horizonrl.weight_sync import broadcast_weights, create_weight_group
+    from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
 
     temperature = 0.7
     engine = RolloutEngine.start(model_dir, dtype="float32", engine=EngineConfig(), max_model_len=512, seed=0)
@@ -40,7 +44,7 @@ async def check(model_dir: str, port: int) -> dict:
         for p in learner.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     groups = {}
-    joiner = threading.Thread(target=lambda: groups.setdefault("g", create_weight_group("127.0.0.1", port, 0, 2, 60)))
+    joiner = threading.Thread(target=lambda: groups.setdefault("g", host_weight_group("127.0.0.1", port, 2, 60)))
     joiner.start()
     await engine.join_weight_group("127.0.0.1", port, 1, 2, 60)
     joiner.join()
@@ -54,6 +58,9 @@ async def check(model_dir: str, port: int) -> dict:
     version, seconds = update.version, update.stall_s
     sender.join()
     after = await engine.generate(prompt, **kwargs)
+    # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
+    top_p = 0.6
+    nucleus = await engine.generate(prompt, **{**kwargs, "max_tokens": 48, "top_p": top_p})
     engine.shutdown()
 
     def max_diff(a, b):
@@ -68,6 +75,11 @@ async def check(model_dir: str, port: int) -> dict:
         "before_vs_original": max_diff(before.logprobs, hf_logprobs(original, prompt, before.token_ids, temperature)),
         "before_vs_learner": max_diff(before.logprobs, hf_logprobs(learner, prompt, before.token_ids, temperature)),
         "after_vs_learner": max_diff(after.logprobs, hf_logprobs(learner, prompt, after.token_ids, temperature)),
+        "nucleus_tokens": len(nucleus.token_ids),
+        "nucleus_vs_learner": max_diff(nucleus.logprobs,
+                                       hf_logprobs(learner, prompt, nucleus.token_ids, temperature, top_p)),
+        "nucleus_vs_full_softmax": max_diff(nucleus.logprobs,
+                                            hf_logprobs(learner, prompt, nucleus.token_ids, temperature)),
     }
 
 

@@ -38,4 +38,10 @@ def test_babyai_runs_through_the_whole_loop(babyai_tiny_model, tmp_path):
     tags = acc.Tags()["scalars"]
     assert "env/babyai/success_mean" in tags and "batch/turns_mean" in tags
     turns = [e.value for e in acc.Scalars("batch/turns_mean")]
-    assert all(1 <= t <= 12 for t in turns)  # multi-turn episodes under the turn budget
+    assert all(1 <= t <= 12 for t in turns) and max(turns) > 1  # multi-turn episodes under the turn budget
+    # what the agent did, as text: in TensorBoard and in episodes.jsonl
+    assert "episodes/babyai/text_summary" in acc.Tags()["tensors"]
+    samples = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
+    assert samples and all(s["env"] == "babyai" for s in samples)
+    first = samples[0]["transcript"]
+    assert first[0][0] == "observation" and first[0][1].startswith("Goal: go to the red ball") and first[1][0] == "reply"

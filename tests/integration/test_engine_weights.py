@@ -1,4 +1,4 @@
-"""After a broadcast, the live engine's logprobs equal the learner's (float32, ≤ 1e-4)."""
+"""After a broadcast, the live engine's logprobs equal the learner's (float32, ≤ 1e-4), with and without nucleus sampling."""
 
 import json
 import subprocess
@@ -34,3 +34,7 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path):
     assert result["before_vs_original"] <= 1e-4  # the engine started on the checkpoint's weights
     assert result["before_vs_learner"] > 1e-3  # the perturbation is visible, so the check can fail
     assert result["after_vs_learner"] <= 1e-4  # the broadcast weights are the ones generating
+    # top_p < 1: the learner takes the engine's truncated, renormalised distribution (not the full softmax)
+    assert result["nucleus_tokens"] >= 3
+    assert result["nucleus_vs_learner"] <= 1e-4
+    assert result["nucleus_vs_full_softmax"] > 1e-3

@@ -1,10 +1,16 @@
-"""The launcher stops every process it started — on a process's failure and on Ctrl-C."""
+"""The launcher stops every process it started — on a process's failure and on Ctrl-C.
+
+Every descendant of the launcher is tracked (psutil, by parent): the coordinator, buffer, learner
+and actors it spawns, and what they spawn in turn — vLLM's EngineCore processes, which rename
+themselves and never mention the run on their command line.
+"""
 
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import horizonrl_cmd, start_process, stop_process, wait_until
 
@@ -14,33 +20,44 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line or environment names ``text`` (read-only scan of /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(int(entry.name))
-    return found
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def still_alive(processes: list[psutil.Process], timeout_s: float = 15.0) -> list[str]:
+    """Those of ``processes`` still running after ``timeout_s`` (psutil checks the pid was not reused)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [f"{p.pid} {command(p)}" for p in alive]
+
+
+def command(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())[:100]
+    except psutil.Error:
+        return "?"
 
 
 def test_a_failing_process_stops_the_run_with_nonzero_exit(tmp_path):
     run_dir = tmp_path / "bad"
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tmp_path / 'no-such-model'}",
                                        f"run.output_dir={run_dir}"), tmp_path / "bad.log")
+    seen: dict[int, psutil.Process] = {}
     try:
-        rc = proc.wait(timeout=240)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update((p.pid, p) for p in descendants(proc.pid))
+            time.sleep(0.2)
+        rc = proc.wait(timeout=5)
     finally:
         stop_process(proc)
     log = (tmp_path / "bad.log").read_text()
     assert rc != 0, log[-3000:]
     assert "exited with code" in log
-    assert processes_mentioning(str(run_dir)) == []  # no orphans: actors, engines, learner all gone
+    assert len(seen) >= 4, "the launcher's children were never seen"
+    assert still_alive(list(seen.values())) == []  # no orphans: actors, engines, learner all gone
 
 
 def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
@@ -50,11 +67,13 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
                          log_path)
     try:
         wait_until(lambda: "step 1/" in log_path.read_text(), 300, "the first learner step")
-        assert len(processes_mentioning(str(run_dir))) >= 5  # coordinator, buffer, learner, 2 actors
+        tree = descendants(proc.pid)
+        engines = [p for p in tree if "EngineCore" in command(p)]
+        # coordinator, buffer, learner, 2 actors and their 2 EngineCores (at least)
+        assert len(tree) >= 7 and len(engines) == 2, [command(p) for p in tree]
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=120)
     finally:
         stop_process(proc)
     assert rc == 130, log_path.read_text()[-3000:]
-    time.sleep(1)
-    assert processes_mentioning(str(run_dir)) == []
+    assert still_alive(tree) == []

@@ -53,6 +53,7 @@ def trajectory(rng: np.random.Generator, group: str, index: int, reward: float, 
         start = end + 2
     logprobs = np.where(mask == 1, rng.normal(-5.7, 0.3, size=length), 0.0)
     return Trajectory(
+        run_id="test-run",
         trajectory_id=f"{group}-{index}",
         group_id=group,
         group_size=4,
@@ -65,6 +66,7 @@ def trajectory(rng: np.random.Generator, group: str, index: int, reward: float, 
         prompt_length=4,
         turn_spans=spans,
         turn_versions=[0] * len(spans),
+        turn_epochs=[0] * len(spans),
         turn_rewards=[0.0] * (len(spans) - 1) + [reward],
         reward=reward,
         success=reward > 0,

@@ -94,9 +94,9 @@ def test_gae_with_lambda_one_and_no_discount_is_return_minus_value():
     r = place_token_rewards(MASK, SPANS, [0.5, 1.0], reward=1.5)[None]
     values = torch.tensor([[0, 0, 0, 0.1, 0.2, 0, 0, 0.3, 0.4, 0]])
     adv, ret = gae_advantages(r, values, MASK[None], 1.0, 1.0)
-    g = discounted_returns(r, MASK[None], 1.0)
-    np.testing.assert_allclose(adv[0, [3, 4, 7, 8]].numpy(), (g - values)[0, [3, 4, 7, 8]].numpy(), rtol=1e-6)
-    np.testing.assert_allclose(ret[0, [3, 4, 7, 8]].numpy(), g[0, [3, 4, 7, 8]].numpy(), rtol=1e-6)
+    # returns with γ = 1 at the actions 3, 4, 7, 8: G_8 = 1, G_7 = 1, G_4 = 0.5 + 1 = 1.5, G_3 = 1.5
+    np.testing.assert_allclose(adv[0, [3, 4, 7, 8]].numpy(), [1.5 - 0.1, 1.5 - 0.2, 1.0 - 0.3, 1.0 - 0.4], rtol=1e-6)
+    np.testing.assert_allclose(ret[0, [3, 4, 7, 8]].numpy(), [1.5, 1.5, 1.0, 1.0], rtol=1e-6)
 
 
 def test_rloo_leave_one_out():
@@ -117,7 +117,7 @@ def test_grpo_via_the_dispatcher(norm):
 def test_samples_carry_rewards_on_generated_tokens_for_every_estimator():
     rng = np.random.default_rng(0)
     group = [trajectory(rng, "g", i, r, 16) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
-    batch = Batch(request_id=1, groups=[group])
+    batch = Batch(run_id="test-run", request_id=1, groups=[group])
     for estimator in ("grpo", "rloo", "reinforce_plus_plus", "gae"):
         samples, _ = samples_from_batch(batch, True, estimator)
         for sample, t in zip(samples, group):

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from horizonrl.protocol import Batch, BatchRequest, Heartbeat, LearnerReport, decode, encode
-from horizonrl.protocol.transport import free_port, make_socket
+from horizonrl.protocol.transport import free_ports, make_socket
 
 from learner_fixtures import build_tiny_model, groups
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def _learner(config_data: dict, dist_port: int) -> None:
-    from horizonrl.config import TrainConfig
+    from horizonrl.core.config import TrainConfig
     from horizonrl.learner.main import main
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
@@ -32,13 +32,14 @@ def _learner(config_data: dict, dist_port: int) -> None:
 def _fake_actor(port: int, out_dir: str) -> None:
     from safetensors.torch import save_file
 
-    from horizonrl.weight_sync import create_weight_group, receive_weights
+    from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
 
-    group = create_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=120)
+    group = join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=120)
     versions = []
     while True:
         try:
-            version, named = receive_weights(group)
+            layout, named = receive_weights(group)
+            version = layout.version
         except Exception:
             break  # the learner is gone: done
         versions.append(version)
@@ -68,8 +69,8 @@ class FakeBuffer(threading.Thread):
                 if len(self.requests) > self.replies:
                     continue  # never answered: the learner must stop while waiting
                 if len(self.requests) == 1:
-                    self.socket.send_multipart([identity, encode(Batch(request_id=999, groups=[]))])
-                batch = Batch(request_id=request.request_id, groups=groups(seed=len(self.requests)), buffer_stats={"depth": 3.0})
+                    self.socket.send_multipart([identity, encode(Batch(run_id="test-run", request_id=999, groups=[]))])
+                batch = Batch(run_id="test-run", request_id=request.request_id, groups=groups(seed=len(self.requests)), buffer_stats={"depth": 3.0})
                 self.socket.send_multipart([identity, encode(batch)])
         finally:
             self.socket.close(linger=0)
@@ -77,7 +78,7 @@ class FakeBuffer(threading.Thread):
 
 def _config(tmp_path: Path, model_dir: Path, total_steps: int, ports: dict) -> dict:
     return {
-        "run": {"output_dir": str(tmp_path / "run"), "log_level": "INFO"},
+        "run": {"output_dir": str(tmp_path / "run"), "log_level": "INFO", "run_id": "test-run"},
         "model": {"path": str(model_dir)},
         "envs": [{"name": "fake"}],
         "rollout": {"num_actors": 1, "n": 4, "temperature": 0.8},
@@ -91,7 +92,7 @@ def _config(tmp_path: Path, model_dir: Path, total_steps: int, ports: dict) -> d
 
 def _ports() -> dict:
     names = ("control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port")
-    return {name: free_port() for name in names}
+    return dict(zip(names, free_ports(len(names))))
 
 
 def _start(tmp_path: Path, total_steps: int, replies: int):
@@ -127,6 +128,8 @@ def _collect(coordinator, until, timeout_s: float):
     while time.monotonic() < deadline and not until(reports):
         if coordinator.poll(200):
             message = decode(coordinator.recv())
+            if isinstance(message, LearnerReport) and message.startup:
+                continue  # the learner announcing its weight epoch: not a step
             (reports if isinstance(message, LearnerReport) else heartbeats).append(message)
     return reports, heartbeats
 
@@ -187,6 +190,7 @@ def test_sigterm_while_waiting_for_a_batch_stops_cleanly(tmp_path):
         deadline = time.monotonic() + 30
         while len(buffer.requests) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert len(buffer.requests) >= 2, "the learner never asked for its second batch"
         os.kill(learner.pid, signal.SIGTERM)
         more, _ = _collect(coordinator, lambda r: any(x.final for x in r), timeout_s=60)
         learner.join(60)

@@ -1,70 +1,136 @@
-"""The clipped surrogate and its metrics against a numpy reference."""
+"""The loss training runs (``micro_batch_loss``) and the log-probabilities it takes, against numpy references."""
+
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
+from torch import nn
 
-from horizonrl.learner.policy_loss import PolicyLossStats, ppo_clip_loss, token_logprobs_and_entropy
-
-
-def _reference(logp, mu, adv, mask, eps, n):
-    ratio = np.exp(logp - mu)
-    loss_tok = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
-    m = mask.astype(bool)
-    r = ratio[m]
-    return {
-        "loss": (loss_tok * mask).sum() / n,
-        "ratio_mean": r.mean(),
-        "ratio_min": r.min(),
-        "ratio_max": r.max(),
-        "clip_fraction": (np.abs(r - 1) > eps).mean(),
-        "kl": ((r - 1) - np.log(r)).mean(),
-    }
+from horizonrl.learner.batching import MicroBatch
+from horizonrl.learner.policy_loss import ClipSettings, PolicyLossStats, clipped_policy_loss, token_logprobs_and_entropy
+from horizonrl.learner.train_step import LossSettings, micro_batch_loss
 
 
-def test_ppo_clip_loss_matches_numpy():
-    rng = np.random.default_rng(0)
-    logp = rng.normal(-2, 0.5, size=(3, 6))
-    mu = logp + rng.normal(0, 0.3, size=(3, 6))
-    adv = rng.normal(size=(3, 1)).repeat(6, axis=1)
-    mask = (rng.random((3, 6)) > 0.4).astype(np.float64)
-    n = int(mask.sum())
-    ref = _reference(logp, mu, adv * mask, mask, 0.2, n)
+class FixedLogits(nn.Module):
+    """A stand-in for the transformer whose logits (B, T, V) are the parameter: the loss code runs unchanged."""
 
-    logp_t = torch.tensor(logp, requires_grad=True)
-    loss, stats = ppo_clip_loss(logp_t, torch.tensor(mu), torch.tensor(adv * mask), torch.tensor(mask), 0.2, n)
+    def __init__(self, logits: np.ndarray) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+
+    def forward(self, input_ids, use_cache=False):
+        return SimpleNamespace(logits=self.logits)
+
+
+def _problem(seed=0, b=3, t=7, v=11):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 1.5, size=(b, t, v))
+    ids = rng.integers(0, v, size=(b, t))
+    mask = (rng.random((b, t)) > 0.35).astype(np.float32)
+    mask[:, 0] = 0
+    mu = rng.normal(-2.3, 0.5, size=(b, t)) * mask
+    adv = (rng.normal(size=(b, 1)) * mask).astype(np.float32)
+    return logits, ids, mask, mu, adv
+
+
+def _micro_batch(ids, mask, mu, adv, rows=slice(None)):
+    return MicroBatch(torch.tensor(ids[rows]), torch.tensor(mask[rows]), torch.tensor(mu[rows], dtype=torch.float32),
+                      torch.tensor(adv[rows]), num_sequences=len(ids[rows]))
+
+
+def _numpy_loss(logits, ids, mask, mu, adv, temperature, eps, beta, n):
+    """Σ_t w_t (ℓ_t − β H_t) with w = 1/N over loss tokens; logits at t−1 predict token t."""
+    z = logits[:, :-1] / temperature
+    logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    logp = np.take_along_axis(logp_all, ids[:, 1:, None], -1)[..., 0]
+    entropy = -(np.exp(logp_all) * logp_all).sum(-1)
+    m = mask[:, 1:]
+    ratio = np.exp(logp - mu[:, 1:])
+    a = adv[:, 1:]
+    pg = np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps, 1 + eps))
+    r = ratio[m.astype(bool)]
+    return ((pg - beta * entropy) * m).sum() / n, {"clip_fraction": ((r < 1 - eps) | (r > 1 + eps)).mean(),
+                                                  "ratio_mean": r.mean(), "entropy": (entropy * m).sum() / m.sum()}
+
+
+def test_micro_batch_loss_matches_numpy():
+    logits, ids, mask, mu, adv = _problem()
+    n = int(mask[:, 1:].sum())
+    settings = LossSettings(temperature=0.8, clip=ClipSettings(0.2, 0.2), entropy_coeff=0.01)
+    model = FixedLogits(logits)
+    loss, stats = micro_batch_loss(model, _micro_batch(ids, mask, mu, adv), settings, num_loss_tokens=n, num_sequences=3)
+    expected, ref = _numpy_loss(logits, ids, mask, mu, adv, 0.8, 0.2, 0.01, n)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
     metrics = stats.metrics()
-    np.testing.assert_allclose(loss.item(), ref["loss"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["loss/policy"], ref["loss"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["ratio/mean"], ref["ratio_mean"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["ratio/min"], ref["ratio_min"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["ratio/max"], ref["ratio_max"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["ratio/clip_fraction"], ref["clip_fraction"], rtol=1e-12)
-    np.testing.assert_allclose(metrics["loss/approx_kl"], ref["kl"], rtol=1e-10)
+    assert ref["clip_fraction"] > 0  # the data exercises the clip
+    assert metrics["ratio/clip_fraction"] == pytest.approx(ref["clip_fraction"])
+    assert metrics["ratio/mean"] == pytest.approx(ref["ratio_mean"], rel=1e-5)
+    assert metrics["loss/entropy"] == pytest.approx(ref["entropy"], rel=1e-5)
     loss.backward()
-    assert torch.all(logp_t.grad[torch.tensor(mask) == 0] == 0)
+    # logits at the last position predict nothing; at positions whose next token is not trained, no gradient
+    grad = model.logits.grad
+    assert torch.all(grad[:, -1] == 0)
+    assert torch.all(grad[:, :-1][torch.tensor(mask[:, 1:]) == 0] == 0)
+    assert grad.abs().sum() > 0
 
 
-def test_global_normaliser_makes_splits_add_up():
-    rng = np.random.default_rng(1)
-    logp, mu, adv = (torch.tensor(rng.normal(size=(4, 5))) for _ in range(3))
-    mask = torch.tensor((rng.random((4, 5)) > 0.3).astype(np.float64))
-    n = int(mask.sum())
-    whole, _ = ppo_clip_loss(logp, mu, adv, mask, 0.2, n)
-    parts = [ppo_clip_loss(logp[i : i + 1], mu[i : i + 1], adv[i : i + 1], mask[i : i + 1], 0.2, n) for i in range(4)]
-    torch.testing.assert_close(sum(loss for loss, _ in parts), whole)
-    total = PolicyLossStats()
-    for _, stats in parts:
-        total.add(stats)
-    assert total.tokens == n
+def test_micro_batches_with_the_global_normaliser_add_up_to_the_whole():
+    logits, ids, mask, mu, adv = _problem(seed=1)
+    n = int(mask[:, 1:].sum())
+    settings = LossSettings(temperature=1.0, clip=ClipSettings(0.2, 0.2))
+    whole, _ = micro_batch_loss(FixedLogits(logits), _micro_batch(ids, mask, mu, adv), settings, n, 3)
+    total, stats = 0.0, PolicyLossStats()
+    for i in range(3):
+        part, part_stats = micro_batch_loss(FixedLogits(logits[i:i + 1]), _micro_batch(ids, mask, mu, adv, slice(i, i + 1)),
+                                            settings, n, 3)
+        total += part.item()
+        stats.add(part_stats)
+    assert total == pytest.approx(whole.item(), rel=1e-6)
+    assert stats.tokens == n
 
 
-def test_logprobs_use_temperature_and_entropy():
+def _nucleus_reference(scaled_logits: np.ndarray, p: float) -> np.ndarray:
+    """log-probabilities over the nucleus, from the definition (Holtzman et al., eq. 3), row by row:
+    the smallest set of most likely tokens whose probability reaches p, renormalised."""
+    out = np.full_like(scaled_logits, -np.inf)
+    for row, z in enumerate(scaled_logits):
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        keep, mass = [], 0.0
+        for token in order:
+            keep.append(token)
+            mass += probs[token]
+            if mass >= p:
+                break
+        kept = z[keep]
+        out[row, keep] = kept - np.log(np.exp(kept - kept.max()).sum()) - kept.max()
+    return out
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
+def test_logprobs_are_over_the_engines_nucleus(top_p):
     rng = np.random.default_rng(2)
-    logits = rng.normal(size=(5, 7))
-    targets = rng.integers(0, 7, size=5)
+    logits = rng.normal(0, 2.0, size=(64, 50))
     temperature = 0.7
-    z = logits / temperature
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    got_logp, got_entropy = token_logprobs_and_entropy(torch.tensor(logits), torch.tensor(targets), temperature)
-    np.testing.assert_allclose(got_logp.numpy(), logp[np.arange(5), targets], rtol=1e-6)
-    np.testing.assert_allclose(got_entropy.numpy(), -(np.exp(logp) * logp).sum(-1), rtol=1e-6)
+    reference = _nucleus_reference(logits / temperature, top_p)
+    targets = np.array([rng.choice(np.flatnonzero(np.isfinite(row))) for row in reference])  # sampled inside
+    logp, entropy = token_logprobs_and_entropy(torch.tensor(logits), torch.tensor(targets), temperature, top_p)
+    np.testing.assert_allclose(logp.numpy(), reference[np.arange(64), targets], rtol=1e-5, atol=1e-6)
+    probs = np.exp(reference)
+    np.testing.assert_allclose(entropy.numpy(), -(probs * np.where(probs > 0, reference, 0)).sum(-1), rtol=1e-5,
+                               atol=1e-6)
+    if top_p < 1:  # the full softmax (what the learner used to take) is a different distribution
+        full, _ = token_logprobs_and_entropy(torch.tensor(logits), torch.tensor(targets), temperature)
+        assert (logp - full).min() > 1e-3
+
+
+def test_a_token_outside_the_current_nucleus_gives_no_gradient_and_no_nan():
+    logprobs = torch.tensor([float("-inf"), -1.0], requires_grad=True)
+    loss, diag = clipped_policy_loss(logprobs, torch.tensor([-2.0, -1.2]), torch.tensor([1.0, -1.0]), ClipSettings())
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0] == 0 and diag["ratio"][0] == 0
+    stats = PolicyLossStats.from_tokens(loss, diag["ratio"], diag["clipped"])
+    assert np.isfinite(stats.metrics()["loss/approx_kl"])

@@ -18,17 +18,29 @@ def _data(seed=0, n=40):
     return logp, mu, adv
 
 
-def test_asymmetric_and_dual_clip_match_numpy():
+def test_asymmetric_clip_matches_numpy():
     logp, mu, adv = _data()
-    lo, hi, c = 0.1, 0.3, 2.0
+    lo, hi = 0.1, 0.3
     r = np.exp(logp - mu)
     ref = np.maximum(-adv * r, -adv * np.clip(r, 1 - lo, 1 + hi))
-    ref_dual = np.where(adv < 0, np.minimum(ref, -adv * c), ref)
     got, diag = clipped_policy_loss(torch.tensor(logp), torch.tensor(mu), torch.tensor(adv), ClipSettings(lo, hi))
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12)
-    np.testing.assert_allclose(diag["clipped"].numpy(), ((r < 1 - lo) | (r > 1 + hi)).astype(float))
-    got, _ = clipped_policy_loss(torch.tensor(logp), torch.tensor(mu), torch.tensor(adv), ClipSettings(lo, hi, c))
-    np.testing.assert_allclose(got.numpy(), ref_dual, rtol=1e-12)
+    clipped = (r < 1 - lo) | (r > 1 + hi)
+    assert 0 < clipped.sum() < len(r)  # the data exercises both sides of the clip
+    np.testing.assert_allclose(diag["clipped"].numpy(), clipped.astype(float))
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    """Hand-made tokens, ε_low 0.1, ε_high 0.3, c = 2; ℓ = max(−rA, −clip(r)A), then min(ℓ, −cA) where A < 0."""
+    ratios = np.array([3.0, 3.0, 1.5, 0.5])
+    adv = torch.tensor([-1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    logp, mu = torch.tensor(np.log(ratios)), torch.zeros(4, dtype=torch.float64)
+    without, _ = clipped_policy_loss(logp, mu, adv, ClipSettings(0.1, 0.3))
+    dual, _ = clipped_policy_loss(logp, mu, adv, ClipSettings(0.1, 0.3, 2.0))
+    # r=3, A=-1: max(3, 1.3) = 3 -> min(3, 2) = 2;  r=3, A=1: max(-3, -1.3) = -1.3;
+    # r=1.5, A=-1: max(1.5, 1.3) = 1.5 < 2;         r=0.5, A=-1: max(0.5, 0.9) = 0.9
+    np.testing.assert_allclose(without.numpy(), [3.0, -1.3, 1.5, 0.9], rtol=1e-12)
+    np.testing.assert_allclose(dual.numpy(), [2.0, -1.3, 1.5, 0.9], rtol=1e-12)
 
 
 def test_decoupled_loss_weights_by_truncated_behaviour_ratio_and_has_the_on_policy_gradient():

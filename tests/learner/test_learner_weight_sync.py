@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from horizonrl.protocol.transport import free_port
-from horizonrl.weight_sync import WeightSyncError, broadcast_weights, create_weight_group, receive_weights
+from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
+from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
+from horizonrl.protocol.weights import WeightSyncError
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +30,15 @@ def _state_dict() -> dict[str, torch.Tensor]:
 
 
 def _receiver(port: int, versions: int, queue) -> None:
-    group = create_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
+    group = join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
     for _ in range(versions):
-        version, named = receive_weights(group)
+        layout, named = receive_weights(group)
+        version = layout.version
         queue.put((version, [(name, tensor.clone()) for name, tensor in named]))
 
 
 def _idle_member(port: int) -> None:
-    create_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
+    join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
     time.sleep(60)  # joined, but never receives
 
 
@@ -52,7 +55,7 @@ def test_round_trip_is_exact():
     receiver = ctx.Process(target=_receiver, args=(port, 2, queue), daemon=True)
     receiver.start()
     try:
-        group = create_weight_group("127.0.0.1", port, rank=0, world_size=2, timeout_s=30)
+        group = host_weight_group("127.0.0.1", port, world_size=2, timeout_s=30)
         sent = _state_dict()
         for version in (1, 2):
             stats = broadcast_weights(group, version, ((k, v * version if v.is_floating_point() else v) for k, v in sent.items()))
@@ -72,7 +75,7 @@ def test_round_trip_is_exact():
 def test_missing_receiver_fails_within_timeout():
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not form the group"):
-        create_weight_group("127.0.0.1", free_port(), rank=0, world_size=2, timeout_s=2)
+        host_weight_group("127.0.0.1", free_port(), world_size=2, timeout_s=2)
     assert time.monotonic() - start < 15
 
 
@@ -82,7 +85,7 @@ def test_receiver_that_never_receives_fails_the_sender():
     member = ctx.Process(target=_idle_member, args=(port,), daemon=True)
     member.start()
     try:
-        group = create_weight_group("127.0.0.1", port, rank=0, world_size=2, timeout_s=30)
+        group = host_weight_group("127.0.0.1", port, world_size=2, timeout_s=30)
         group.timeout_s = 2  # the rendezvous may be slow (a spawned child); the broadcast must not
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="version 7"):

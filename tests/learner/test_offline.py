@@ -14,19 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from horizonrl.chat import ChatTokenizer
-from horizonrl.expert_data import expert_reply, read_sign, signpost_records
-from horizonrl.learner.offline_data import (
+from horizonrl.core.agentgym_records import (
     OfflineDataError,
-    conversation_ids,
     conversation_record,
-    load_dpo_data,
-    load_sft_data,
     parse_conversation,
     read_sft_conversations,
     write_records,
 )
-from horizonrl.offline_config import load_offline_config
+from horizonrl.core.chat import ChatTokenizer
+from horizonrl.core.offline_config import load_offline_config
+from horizonrl.envs.signpost_expert import expert_reply, read_sign, signpost_records
+from horizonrl.learner.offline_data import conversation_ids, load_dpo_data, load_sft_data
 from horizonrl.protocol.transport import free_port
 from horizonrl.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
 
@@ -80,7 +78,7 @@ def test_token_layout_and_loss_mask_equal_the_actor_episode(chat):
         replies = [m.value for m in conversation.messages if m.role == "gpt"]
         task_id = int(record["item_id"].split("_")[1])
         episode = asyncio.run(run_episode(ReplayEngine(chat, replies), SignpostEnv(length=3), chat, task_id,
-                                          max_turns=len(replies), sampling=sampling, weight_version=lambda: 0))
+                                          max_turns=len(replies), sampling=sampling))
         assert episode.num_turns == len(replies)
         ids, mask = conversation_ids(chat, conversation)
         assert ids == episode.token_ids[: len(ids)]
@@ -321,11 +319,11 @@ def test_sft_lowers_nll_and_the_checkpoint_loads_with_the_same_logits(model_dir,
 
 @pytest.mark.parametrize("sft_weight", [0.0, 1.0])
 def test_dpo_starts_at_log_2_and_learns_the_preference(model_dir, expert_files, tmp_path, sft_weight):
-    from horizonrl.learner.offline import run_dpo
+    from horizonrl.learner.offline import run_offline
 
     config = offline_config(model_dir, expert_files[1], tmp_path / "dpo", "lr=5e-4", "beta=0.5", "batch_size=8",
                             "micro_batch_size=4", "epochs=3", f"sft_weight={sft_weight}")
-    summary = run_dpo(config)
+    summary = run_offline(config, "dpo")
     steps = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
     print("dpo:", json.dumps({"before": summary["before"], "after": summary["after"],
                               "losses": [round(s["loss"], 4) for s in steps],
@@ -387,7 +385,7 @@ def test_cli_dry_run_and_expert_data(model_dir, tmp_path, capsys):
 
 
 def test_offline_config_is_bottom_layer_and_takes_one_data_file():
-    code = "import sys, horizonrl.offline_config; assert 'torch' not in sys.modules"
+    code = "import sys, horizonrl.core.offline_config; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     config = load_offline_config(None, ["model.path=m", "data=one.jsonl"])
     assert config.data == ["one.jsonl"] and config.checkpoint_dir == Path("runs/offline/final")

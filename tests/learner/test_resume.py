@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from horizonrl.protocol import Batch, LearnerReport, decode, encode
-from horizonrl.protocol.transport import free_port, make_socket
-from horizonrl.run_dirs import latest_checkpoint, read_state, resolve_resume, resumed_step
+from horizonrl.protocol.transport import free_ports, make_socket
+from horizonrl.core.run_dirs import latest_checkpoint, read_state, resolve_resume, resumed_step
 
 from learner_fixtures import build_tiny_model, groups
 from test_learner_main_loop import _fake_actor, _learner
@@ -50,7 +50,7 @@ class FixedBuffer(threading.Thread):
                 self.requests.append(request)
                 if request.learner_version >= self.serve_up_to:
                     continue
-                batch = Batch(request_id=request.request_id, groups=groups(seed=100 + request.learner_version))
+                batch = Batch(run_id="test-run", request_id=request.request_id, groups=groups(seed=100 + request.learner_version))
                 self.socket.send_multipart([identity, encode(batch)])
         finally:
             self.socket.close(linger=0)
@@ -58,7 +58,7 @@ class FixedBuffer(threading.Thread):
 
 def _config(out_dir: Path, model_dir: Path, ports: dict, resume: str | None) -> dict:
     return {
-        "run": {"output_dir": str(out_dir), "log_level": "INFO", "seed": 3},
+        "run": {"output_dir": str(out_dir), "log_level": "INFO", "seed": 3, "run_id": "test-run"},
         "model": {"path": str(model_dir)},
         "envs": [{"name": "fake"}],
         "rollout": {"num_actors": 1, "n": 4, "temperature": 0.9},
@@ -70,8 +70,7 @@ def _config(out_dir: Path, model_dir: Path, ports: dict, resume: str | None) -> 
             "kl_loss_coef": 0.05, "entropy_coeff": 0.01, "clip_ratio_high": 0.28,
             "batch_timeout_s": 60, "weight_sync_timeout_s": 90, "resume": resume,
         },
-        "network": {"host": "127.0.0.1", **{n: free_port() for n in (
-            "control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port")}},
+        "network": {"host": "127.0.0.1", **dict(zip(("control_port", "report_port", "trajectory_port", "batch_port", "weight_port", "dist_port"), free_ports(6)))},
     }
 
 
@@ -96,11 +95,12 @@ def _run(out_dir: Path, model_dir: Path, serve_up_to: int, resume: str | None = 
         while time.monotonic() < deadline and not any(r.final for r in reports):
             if pull.poll(200):
                 message = decode(pull.recv())
-                if isinstance(message, LearnerReport):
+                if isinstance(message, LearnerReport) and not message.startup:
                     reports.append(message)
                     if stop_after is not None and message.step == stop_after and not message.final:
                         while len(buffer.requests) <= stop_after and time.monotonic() < deadline:
                             time.sleep(0.05)  # it is waiting for the batch it will never get
+                        assert len(buffer.requests) > stop_after, "the learner never asked for the next batch"
                         os.kill(learner.pid, signal.SIGTERM)
         learner.join(60)
         assert learner.exitcode == 0
@@ -153,20 +153,29 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
 
 
 def test_turn_budget_after_resume_is_the_uninterrupted_one(tmp_path):
-    """The coordinator's budget is a pure function of the completed step it reads from the checkpoint."""
-    from horizonrl.config import RoundsCtrlConfig
-    from horizonrl.schedule import TurnBudgetSchedule
+    """The coordinator resumed from a checkpoint of step k publishes the uninterrupted run's budget:
+    rounds [2, 3, 4, 5] raised every 2 steps, for step k + 1: rounds[min(k // 2, 3)]."""
+    from horizonrl.coordinator import Coordinator
+    from horizonrl.core.config import TrainConfig
+    from horizonrl.core.runtime import StopFlag
+    from horizonrl.launcher import resolve_ports
 
-    schedule = TurnBudgetSchedule.from_config(RoundsCtrlConfig(type="scaling_inter_stepwise", rounds=[2, 3, 4, 5],
-                                                               steps_scaling_inter=2))
-    for k in range(0, 9):
+    expected = [2, 2, 3, 3, 4, 4, 5, 5, 5]
+    got = []
+    for k in range(9):
         ckpt = tmp_path / "checkpoints" / f"step_{k:06d}"
         ckpt.mkdir(parents=True)
         (ckpt / "train_state.json").write_text(f'{{"step": {k}}}')
-        assert resumed_step("auto", tmp_path) == k
-        # continuing from k: the budget of every later step equals the uninterrupted run's
-        uninterrupted = [schedule.budget_after(s) for s in range(12)]
-        assert [schedule.budget_after(s) for s in range(resumed_step(str(ckpt), tmp_path), 12)] == uninterrupted[k:]
+        data = _config(tmp_path, tmp_path, {}, resume=str(ckpt))
+        data["algorithm"]["rounds_ctrl"]["steps_scaling_inter"] = 2
+        data["network"] = {"host": "127.0.0.1"}
+        config = resolve_ports(TrainConfig.model_validate(data))
+        coordinator = Coordinator.for_run(config, StopFlag())
+        try:
+            got.append(coordinator.control().max_turns)
+        finally:
+            coordinator.close()
+    assert got == expected
     assert resumed_step(None, tmp_path) == 0
     assert resolve_resume("auto", tmp_path / "nothing") is None
     (tmp_path / "checkpoints" / "step_000099").mkdir()  # incomplete: no train_state.json

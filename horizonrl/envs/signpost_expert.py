@@ -23,7 +23,7 @@ import sys
 from typing import Any, Callable
 
 from horizonrl.envs.signpost import DIRECTIONS, SignpostEnv
-from horizonrl.learner.offline_data import conversation_record, write_records
+from horizonrl.core.agentgym_records import conversation_record, write_records
 
 _SIGN = re.compile(r"A sign points (left|right|straight)\.")
 

@@ -28,11 +28,13 @@ def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; loops check it at phase boundaries and exit cleanly."""
+    """Set by SIGINT/SIGTERM; loops check it at phase boundaries and exit cleanly. ``count`` says how
+    many stop signals came (a second Ctrl-C asks to force)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.signal_name = ""
+        self.count = 0
 
     def install(self) -> "StopFlag":
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -41,6 +43,7 @@ class StopFlag:
 
     def _handle(self, signum: int, _frame) -> None:
         self.signal_name = signal.Signals(signum).name
+        self.count += 1
         self._event.set()
 
     def set(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from horizonrl.config import RoundsCtrlConfig
+from horizonrl.core.config import RoundsCtrlConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Typed configuration of the offline paradigms (``horizonrl sft`` / ``horizonrl dpo``).
 
-Bottom layer, like :mod:`horizonrl.config` (imports neither torch nor vllm): one YAML file,
+Bottom layer, like :mod:`horizonrl.core.config` (imports neither torch nor vllm): one YAML file,
 dotted overrides, validated once and frozen. ``model`` is the same section as in a training
 run's config, so ``model.path=...`` means the same thing in ``horizonrl train``.
 The formats, the losses and how to start RL from the result: docs/offline.md.
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from horizonrl.config import ModelConfig, dump_config, load_typed_config
+from horizonrl.core.config import ModelConfig, dump_config, load_typed_config
 
 PARADIGMS = ("sft", "dpo")
 

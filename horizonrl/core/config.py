@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from horizonrl.protocol.transport import tcp_endpoint
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -23,6 +25,8 @@ class _Frozen(BaseModel):
 class RunConfig(_Frozen):
     name: str = "run"
     output_dir: str = "runs/run"  # TensorBoard events, checkpoints, logs and the resolved config
+    run_id: str = Field("", description="set by the launcher: a new id for a new output_dir, the same id when it "
+                                        "resumes; every message carries it and processes reject other runs' messages")
     seed: int = 0
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -30,6 +34,8 @@ class RunConfig(_Frozen):
 class ModelConfig(_Frozen):
     path: str = Field(..., description="Hugging Face model directory on local disk")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    vocab_size: int | None = Field(None, ge=1, description="set by the launcher from the model's config.json: the "
+                                                           "buffer rejects token ids outside it")
 
 
 class EnvSpec(_Frozen):
@@ -58,6 +64,14 @@ class RolloutConfig(_Frozen):
     synchronous: bool = Field(False, description="the synchronous baseline (benchmarks, debugging): each actor "
                               "generates its share of one learner batch under the current weights, then waits "
                               "for the next weight version; nothing overlaps with training")
+    turn_timeout_s: float = Field(300.0, gt=0, description="a generation taking longer is abandoned: the episode "
+                                  "ends as a timeout failure (counted, never trained on)")
+    episode_timeout_s: float = Field(1800.0, gt=0, description="an episode (environment steps included) taking "
+                                     "longer is abandoned as a timeout failure, so no group waits forever")
+    ack_timeout_s: float = Field(30.0, gt=0, description="resend a trajectory the buffer has not acknowledged for this "
+                                 "long (the buffer de-duplicates)")
+    max_unacked: int = Field(256, ge=1, description="trajectories an actor keeps unacknowledged before it stops "
+                             "starting groups")
     engine: EngineConfig = EngineConfig()
 
 
@@ -115,11 +129,18 @@ class LearnerConfig(_Frozen):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1, description="trajectories per forward/backward on one rank")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch (verl's ppo_epochs)")
+    ppo_mini_batch_size: int | None = Field(
+        None, ge=1, description="groups per optimizer update (verl's ppo_mini_batch_size, in prompts); None: the "
+                                "whole batch. Several updates per step: with decoupled_loss they are clipped to the "
+                                "policy before the first one")
     save_every: int = Field(0, ge=0, description="save a checkpoint (Hugging Face weights + the full training "
                             "state) every N steps (0: only at the end)")
     resume: str | None = Field(None, description="a checkpoint directory (<output_dir>/checkpoints/step_N) to "
                                "continue from, or 'auto' for the newest complete one (`horizonrl train ... resume=`)")
     batch_timeout_s: float = Field(600.0, gt=0, description="fail if no batch arrives for this long")
+    batch_resend_s: float = Field(60.0, gt=0, description="ask the buffer again after this long without an answer "
+                                  "(a restarted buffer lost the request; asking again is safe)")
     weight_sync_timeout_s: float = Field(300.0, gt=0)
 
     @property
@@ -142,6 +163,17 @@ class BufferConfig(_Frozen):
     equal_reward_fallback_s: float = Field(
         300.0, ge=0, description="top a waiting batch request up with equal-reward groups after this long")
     group_timeout_s: float = Field(600.0, gt=0, description="drop a group still incomplete after this long")
+    wal: bool = Field(True, description="keep the write-ahead log (<output_dir>/buffer_wal): acknowledged trajectories "
+                      "survive a crash of any process; off only to measure its cost")
+    wal_fsync: Literal["always", "batch", "never"] = Field(
+        "batch", description="always: fsync every record; batch: one fsync per batch of records, before their "
+                             "acknowledgements (group commit); never: leave it to the OS (survives a process crash, "
+                             "not a machine crash)")
+    wal_segment_mb: float = Field(64.0, gt=0, description="start a new log segment past this size")
+    wal_compact_mb: float = Field(512.0, gt=0, description="compact (drop the payloads of trained and dropped "
+                                  "trajectories) when the log grows past this")
+    future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard of "
+                                 "yet waits this long for it, then is rejected as from the future")
 
 
 class NetworkConfig(_Frozen):
@@ -152,9 +184,11 @@ class NetworkConfig(_Frozen):
     batch_port: int = Field(0, ge=0, le=65535)
     weight_port: int = Field(0, ge=0, le=65535)
     dist_port: int = Field(0, ge=0, le=65535)  # the learner's own FSDP process group
+    curve_keys_dir: str | None = Field(None, description="CurveZMQ keys (`horizonrl keys DIR` makes them); required "
+                                       "when host is not a loopback address")
 
     def endpoint(self, port: int) -> str:
-        return f"tcp://{self.host}:{port}"
+        return tcp_endpoint(self.host, port)
 
     @property
     def resolved(self) -> bool:
@@ -167,6 +201,12 @@ class MonitorConfig(_Frozen):
     tensorboard: bool = False  # also start TensorBoard on loopback and print its address
     tensorboard_port: int = Field(6006, ge=1, le=65535)
     heartbeat_timeout_s: float = Field(60.0, gt=0)
+    stop_timeout_s: float = Field(600.0, gt=0, description="at Ctrl-C/SIGTERM, how long the learner may take to finish "
+                                  "its step and write the checkpoint before it is killed (a second Ctrl-C forces)")
+    episode_sample_every_s: float = Field(
+        30.0, ge=0, description="each actor sends one finished episode per environment as text this often; the "
+                                "coordinator writes it to TensorBoard (episodes/<env>) and <output_dir>/episodes.jsonl "
+                                "(0: never)")
 
 
 class EvalConfig(_Frozen):

@@ -1,0 +1,220 @@
+"""Acknowledged delivery of trajectories to the buffer, with an on-disk outbox.
+
+A trajectory leaves the actor's care only when the buffer acknowledges it (``TrajectoryAck``:
+accepted and durable in its log, a duplicate of an accepted one, or rejected as invalid). Until
+then it is *unacknowledged*: it is resent every ``ack_timeout_s`` (the buffer de-duplicates by
+trajectory id), and it is in the outbox on disk — appended as it is produced, before it is sent —
+so a crashed or restarted actor sends it again. The outbox is a sequence of segment files
+``outbox_<n>.bin`` of length-prefixed encoded trajectories, each with ``outbox_<n>.acked`` listing
+the ids acknowledged so far (skipped at a restart); a segment is deleted once all of its
+trajectories are acknowledged. Appends are not fsync'ed: they survive the actor's crash (the OS
+holds them), not the machine's — and what was acknowledged but not yet marked is merely sent again
+(the buffer answers "duplicate").
+
+Backpressure: at most ``max_unacked`` trajectories are unacknowledged; :meth:`send` waits
+for room, so a buffer that stops reading slows the actor's groups down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from horizonrl.core.runtime import RateLimitedLog
+from horizonrl.protocol import ACK_REJECTED, ProtocolError, Trajectory, TrajectoryAck, decode_as, encode
+
+log = logging.getLogger("horizonrl.actors.delivery")
+
+MAX_ACK_BYTES = 4 * 1024 * 1024
+SEGMENT_ENTRIES = 256
+_LENGTH = struct.Struct("<I")
+_SEGMENT = re.compile(r"^outbox_(\d{8})\.bin$")
+
+
+@dataclass
+class _Unacked:
+    data: bytes
+    segment: int
+    sent_at: float | None = None  # None: not yet sent (or the send queue was full)
+
+
+class TrajectoryDelivery:
+    def __init__(self, socket: zmq.asyncio.Socket, outbox_dir: Path, run_id: str, *, ack_timeout_s: float,
+                 max_unacked: int) -> None:
+        self.socket = socket
+        self.outbox_dir = Path(outbox_dir)
+        self.outbox_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.ack_timeout_s = ack_timeout_s
+        self.max_unacked = max_unacked
+        self.unacked: dict[str, _Unacked] = {}
+        self.counters: Counter[str] = Counter()
+        self._segment_ids: dict[int, set[str]] = {}  # outbox segment -> its unacknowledged ids
+        self._segment = 0
+        self._segment_entries = 0
+        self._file = None
+        self._room = asyncio.Event()
+        self._room.set()
+        self._resend_log = RateLimitedLog(log)
+        self._reject_log = RateLimitedLog(log)
+        self._load_outbox()
+
+    # ------------------------------------------------------------------ outbox on disk
+
+    def _segments(self) -> list[tuple[int, Path]]:
+        return sorted((int(m.group(1)), p) for p in self.outbox_dir.iterdir() if (m := _SEGMENT.match(p.name)))
+
+    def _load_outbox(self) -> None:
+        """What a previous run of this actor produced and never saw acknowledged: sent again."""
+        for number, path in self._segments():
+            data = path.read_bytes()
+            acked_file = path.with_suffix(".acked")
+            acked = set(acked_file.read_text().split()) if acked_file.is_file() else set()
+            offset, ids = 0, set()
+            while offset + _LENGTH.size <= len(data):
+                (length,) = _LENGTH.unpack_from(data, offset)
+                payload = data[offset + _LENGTH.size: offset + _LENGTH.size + length]
+                if len(payload) < length:
+                    break  # a torn last append: that trajectory was never sent
+                offset += _LENGTH.size + length
+                try:
+                    trajectory = decode_as(payload, Trajectory, run_id=self.run_id)
+                except ProtocolError as exc:
+                    log.warning("outbox %s: skipping an entry that does not decode (%s)", path.name, exc)
+                    continue
+                if trajectory.trajectory_id in acked:
+                    continue
+                self.unacked[trajectory.trajectory_id] = _Unacked(payload, number)
+                ids.add(trajectory.trajectory_id)
+            self._segment_ids[number] = ids
+            self._segment = max(self._segment, number)
+        if self.unacked:
+            log.info("outbox: %d unacknowledged trajectories from before the restart; sending them again",
+                     len(self.unacked))
+            self.counters["outbox_recovered"] += len(self.unacked)
+        self._forget_acknowledged_segments()
+        self._update_room()
+
+    def _append(self, trajectory_id: str, data: bytes) -> int:
+        if self._file is None or self._segment_entries >= SEGMENT_ENTRIES:
+            if self._file is not None:
+                self._file.close()
+            self._segment += 1
+            self._segment_entries = 0
+            self._segment_ids[self._segment] = set()
+            self._file = open(self.outbox_dir / f"outbox_{self._segment:08d}.bin", "ab")
+        self._file.write(_LENGTH.pack(len(data)) + data)
+        self._file.flush()
+        self._segment_entries += 1
+        self._segment_ids[self._segment].add(trajectory_id)
+        return self._segment
+
+    def _forget_acknowledged_segments(self) -> None:
+        for number in [n for n, ids in self._segment_ids.items() if not ids]:
+            if number == self._segment and self._file is not None and self._segment_entries < SEGMENT_ENTRIES:
+                continue  # still being written
+            if number == self._segment and self._file is not None:
+                self._file.close()
+                self._file = None
+            (self.outbox_dir / f"outbox_{number:08d}.bin").unlink(missing_ok=True)
+            (self.outbox_dir / f"outbox_{number:08d}.acked").unlink(missing_ok=True)
+            del self._segment_ids[number]
+
+    # ------------------------------------------------------------------ sending
+
+    async def send(self, trajectory: Trajectory) -> None:
+        """Hand a trajectory over: outbox first, then the socket. Waits while too many are unacknowledged."""
+        start = time.monotonic()
+        while len(self.unacked) >= self.max_unacked:  # every waiter wakes when room is made: look again
+            await self._room.wait()
+        data = encode(trajectory)
+        segment = self._append(trajectory.trajectory_id, data)
+        self.unacked[trajectory.trajectory_id] = _Unacked(data, segment)
+        self._update_room()
+        await self._try_send(trajectory.trajectory_id)
+        self.counters["sent"] += 1
+        self.counters["send_wait_s"] += time.monotonic() - start
+
+    async def _try_send(self, trajectory_id: str) -> None:
+        entry = self.unacked[trajectory_id]
+        try:
+            await self.socket.send(entry.data, zmq.NOBLOCK)
+            entry.sent_at = time.monotonic()
+        except zmq.Again:
+            entry.sent_at = None  # the queue to the buffer is full: the resend loop tries again
+
+    async def run(self) -> None:
+        """Forever: read acknowledgements; resend what waited too long (or never left)."""
+        while True:
+            if await self.socket.poll(200):
+                while True:
+                    try:
+                        data = await self.socket.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_ack(data)
+            await self._resend_overdue()
+
+    def _on_ack(self, data: bytes) -> None:
+        try:
+            ack = decode_as(data, TrajectoryAck, MAX_ACK_BYTES, self.run_id)
+        except ProtocolError as exc:
+            self.counters["bad_acks"] += 1
+            log.warning("ignoring a malformed acknowledgement: %s", exc)
+            return
+        marks: dict[int, list[str]] = {}
+        for trajectory_id, status, reason in zip(ack.trajectory_ids, ack.statuses, ack.reasons or [""] * len(ack.statuses)):
+            entry = self.unacked.pop(trajectory_id, None)
+            if entry is None:
+                continue  # acknowledged before (an ack of a resend)
+            self._segment_ids.get(entry.segment, set()).discard(trajectory_id)
+            marks.setdefault(entry.segment, []).append(trajectory_id)
+            self.counters[f"acked_{status}"] += 1
+            if status == ACK_REJECTED:
+                self._reject_log.warning("the buffer rejected trajectory %s: %s", trajectory_id, reason)
+        for segment, ids in marks.items():
+            if self._segment_ids.get(segment):  # still holds unacknowledged ones: remember which are done
+                with open(self.outbox_dir / f"outbox_{segment:08d}.acked", "a") as f:
+                    f.write("".join(i + "\n" for i in ids))
+        self._forget_acknowledged_segments()
+        self._update_room()
+
+    async def _resend_overdue(self) -> None:
+        now = time.monotonic()
+        overdue = [tid for tid, e in self.unacked.items() if e.sent_at is None or now - e.sent_at > self.ack_timeout_s]
+        for trajectory_id in overdue:
+            was_sent = self.unacked[trajectory_id].sent_at is not None
+            await self._try_send(trajectory_id)
+            if was_sent:
+                self.counters["resent"] += 1
+        if overdue:
+            self._resend_log.warning("%d trajectories unacknowledged for over %.0f s (or not yet sent): sending again",
+                                     len(overdue), self.ack_timeout_s)
+
+    def _update_room(self) -> None:
+        if len(self.unacked) < self.max_unacked:
+            self._room.set()
+        else:
+            self._room.clear()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every trajectory to be acknowledged; returns how many are not."""
+        deadline = time.monotonic() + timeout_s
+        while self.unacked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.unacked)
+
+    def close(self) -> None:
+        """Unacknowledged trajectories stay in the outbox for the next start."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

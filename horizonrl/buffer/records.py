@@ -1,0 +1,114 @@
+"""The records of the buffer's write-ahead log, and how each one changes the buffer's state.
+
+Every change of the buffer's state is one of these records, appended (and durable, per the fsync
+policy) before anything depending on it leaves the process — an acknowledgement to an actor, a
+batch to the learner. Replaying the records in order through :func:`apply` rebuilds the state
+(``groups.GroupBuffer`` is deterministic given it). Compaction replaces the payload of a resolved
+trajectory (trained into a checkpoint, or dropped) with a ``Resolved`` stub, which keeps its id
+and fate for de-duplication and accounting.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from horizonrl.buffer.groups import GroupBuffer
+from horizonrl.protocol import Trajectory
+
+
+class Accepted(msgspec.Struct, tag="accepted"):
+    """An accepted trajectory: its message exactly as it arrived (no re-encoding on the hot path)."""
+
+    message: bytes
+
+    @property
+    def trajectory(self) -> Trajectory:
+        return msgspec.msgpack.decode(self.message, type=Trajectory)
+
+
+class Expired(msgspec.Struct, tag="expired"):
+    group_ids: list[str]
+
+
+class Served(msgspec.Struct, tag="served"):
+    batch: int
+    request_id: int
+    learner_version: int
+    group_ids: list[str]
+
+
+class RolledBack(msgspec.Struct, tag="rolled_back"):
+    batches: list[int]
+
+
+class Committed(msgspec.Struct, tag="committed"):
+    step: int
+
+
+class Lineage(msgspec.Struct, tag="lineage"):
+    lineage: list[tuple[int, int]]
+
+
+class Settings(msgspec.Struct, tag="settings"):
+    """The buffer's decision settings from here on (written at start when they differ from the log's),
+    so a replay decides as the live buffer did even if the run was resumed with other settings."""
+
+    capacity_groups: int
+    max_staleness: int
+    skip_equal_reward_groups: bool
+
+
+class Resolved(msgspec.Struct, tag="resolved"):
+    trajectory_id: str
+    group_id: str
+    fate: str
+
+
+Record = Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def encode_record(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_record(data: bytes) -> Record:
+    return _decoder.decode(data)
+
+
+def apply(buffer: GroupBuffer, record: Record):
+    """Change ``buffer`` as the record says (the same call the live server made); returns that call's
+    result (a Served record: the groups of the batch)."""
+    if isinstance(record, Accepted):
+        buffer.accept(record.trajectory)
+    elif isinstance(record, Expired):
+        buffer.expire(record.group_ids)
+    elif isinstance(record, Served):
+        return buffer.serve(record.batch, record.request_id, record.learner_version, record.group_ids)
+    elif isinstance(record, RolledBack):
+        buffer.roll_back(record.batches)
+    elif isinstance(record, Committed):
+        buffer.commit(record.step)
+    elif isinstance(record, Lineage):
+        buffer.set_lineage(record.lineage)
+    elif isinstance(record, Settings):
+        buffer.capacity_groups = record.capacity_groups
+        buffer.max_staleness = record.max_staleness
+        buffer.skip_equal_reward_groups = record.skip_equal_reward_groups
+    elif isinstance(record, Resolved):
+        buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate)
+    else:  # pragma: no cover - the decoder admits only the types above
+        raise TypeError(f"unknown record {record!r}")
+    return None
+
+
+def compacted(record_bytes: bytes, buffer: GroupBuffer) -> bytes:
+    """A record as compaction keeps it: a resolved trajectory's payload becomes its stub."""
+    record = decode_record(record_bytes)
+    if isinstance(record, Accepted):
+        fate = buffer.fates.get(record.trajectory.trajectory_id)
+        if fate is not None:
+            return encode_record(Resolved(record.trajectory.trajectory_id, record.trajectory.group_id, fate))
+    return record_bytes

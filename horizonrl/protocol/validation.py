@@ -1,0 +1,83 @@
+"""What the schema cannot say: the semantic checks of a trajectory (bottom layer, numpy only).
+
+The codec guarantees types; a trajectory can still be well-typed and inconsistent — arrays of
+different lengths, an id outside the model's vocabulary, a NaN reward, a turn span outside the
+sequence or not matching the loss mask — and any of those would crash the learner or silently
+poison a step. The buffer runs :func:`trajectory_problem` on every trajectory at the door and
+rejects (and counts) what fails; the learner runs it again on every batch it receives.
+
+The checks that need state — a group whose members disagree on task or size, weight versions
+from the future — are the buffer's (``buffer/groups.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
+from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, Trajectory
+
+MAX_ID_CHARS = 256
+LOGPROB_SLACK = 1e-3  # a log-probability is <= 0; float32 rounding may give a hair above
+
+# Rejection reasons (counted by the buffer as rejected_<reason>).
+REJECT_IDS = "ids"
+REJECT_ARRAYS = "array_lengths"
+REJECT_MASK = "loss_mask"
+REJECT_VOCAB = "token_out_of_vocab"
+REJECT_LOGPROBS = "logprobs"
+REJECT_NUMBERS = "non_finite_number"
+REJECT_TURNS = "turns"
+REJECT_SPANS = "turn_spans"
+REJECT_FIELDS = "fields"
+
+
+def trajectory_problem(t: Trajectory, vocab_size: int | None = None) -> tuple[str, str] | None:
+    """``None`` if ``t`` is consistent, else ``(reason, detail)`` (reason: one of the REJECT_* names)."""
+    if not t.trajectory_id or not t.group_id or max(len(t.trajectory_id), len(t.group_id)) > MAX_ID_CHARS:
+        return REJECT_IDS, f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters"
+    if t.group_size < 1 or t.task_id < 0 or t.failure not in FAILURE_KINDS:
+        return REJECT_FIELDS, f"group_size {t.group_size}, task_id {t.task_id}, failure {t.failure!r}"
+    sizes = (len(t.token_ids), len(t.loss_mask), len(t.logprobs))
+    if sizes[0] % TOKEN_DTYPE.itemsize or sizes[2] % LOGPROB_DTYPE.itemsize:
+        return REJECT_ARRAYS, f"byte lengths {sizes} are not whole numbers of items"
+    tokens = np.frombuffer(t.token_ids, TOKEN_DTYPE)
+    mask = np.frombuffer(t.loss_mask, MASK_DTYPE)
+    logprobs = np.frombuffer(t.logprobs, LOGPROB_DTYPE)
+    n = len(tokens)
+    if not n == len(mask) == len(logprobs):
+        return REJECT_ARRAYS, f"{n} tokens, {len(mask)} mask entries, {len(logprobs)} logprobs"
+    if n == 0 or not 0 <= t.prompt_length <= n:
+        return REJECT_ARRAYS, f"{n} tokens with prompt_length {t.prompt_length}"
+    if mask.size and mask.max() > 1:
+        return REJECT_MASK, "loss_mask holds values other than 0 and 1"
+    if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
+        return REJECT_VOCAB, f"token ids span [{tokens.min()}, {tokens.max()}]; the vocabulary has {vocab_size}"
+    if not np.isfinite(logprobs).all():
+        return REJECT_LOGPROBS, "a logprob is NaN or infinite"
+    generated = mask == 1
+    if (logprobs[generated] > LOGPROB_SLACK).any() or (logprobs[~generated] != 0).any():
+        return REJECT_LOGPROBS, "logprobs must be <= 0 on generated tokens and 0 elsewhere"
+    numbers = [t.reward, t.score, *t.turn_rewards]
+    if not all(math.isfinite(x) for x in numbers):
+        return REJECT_NUMBERS, "reward, score or a turn reward is NaN or infinite"
+    turns = len(t.turn_spans)
+    if not turns == len(t.turn_versions) == len(t.turn_epochs) == t.num_turns:
+        return REJECT_TURNS, (f"{turns} spans, {len(t.turn_versions)} versions, {len(t.turn_epochs)} epochs, "
+                              f"num_turns {t.num_turns}")
+    if len(t.turn_rewards) > turns or (t.failure == FAILURE_NONE and len(t.turn_rewards) != turns):
+        return REJECT_TURNS, f"{len(t.turn_rewards)} turn rewards for {turns} turns"
+    if min(t.turn_versions, default=0) < 0 or min(t.turn_epochs, default=0) < 0:
+        return REJECT_TURNS, "negative weight version or epoch"
+    in_spans = np.zeros(n, dtype=bool)
+    previous_end = t.prompt_length
+    for start, end in t.turn_spans:
+        if not previous_end <= start < end <= n:
+            return REJECT_SPANS, f"span ({start}, {end}) is not inside ({previous_end}, {n}] after the previous one"
+        in_spans[start:end] = True
+        previous_end = end
+    if not np.array_equal(in_spans, generated):
+        return REJECT_SPANS, "the loss mask is not 1 exactly on the turn spans"
+    return None

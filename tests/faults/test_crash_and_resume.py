@@ -1,0 +1,187 @@
+"""``kill -9`` of the buffer, of the learner, of the whole run, at a random moment of a CPU training run;
+then ``resume=auto`` to the end. Nothing is lost and nothing trained twice (``horizonrl accounting``),
+and the learner's steps continue from its newest checkpoint. Also: Ctrl-C while the learner is
+stuck in a weight broadcast still leaves a checkpoint a run resumes from.
+
+Each run is real: the launcher, coordinator, buffer, learner and an actor with its vLLM engine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+
+from horizonrl.buffer.accounting import account
+from horizonrl.core.run_dirs import latest_checkpoint, read_state
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "signpost_test.yaml"
+TOTAL_STEPS = 8
+SMALL_RUN = ["rollout.num_actors=1", "rollout.n=4", "learner.groups_per_step=2", "learner.save_every=2",
+             "rollout.ack_timeout_s=5", "learner.batch_resend_s=10", "buffer.capacity_groups=8",
+             f"learner.total_steps={TOTAL_STEPS}"]
+STEP = re.compile(r"^step (\d+)/\d+", re.M)
+
+
+def start(tiny_model: Path, run_dir: Path, log: Path, *overrides: str):
+    return start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
+                                       *SMALL_RUN, *overrides), log)
+
+
+def steps_in(log: Path) -> list[int]:
+    return [int(n) for n in STEP.findall(log.read_text(errors="replace"))]
+
+
+def role_processes(launcher_pid: int, role: str) -> list[psutil.Process]:
+    """The launcher's children running ``horizonrl <role>``."""
+    found = []
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            cmdline = child.cmdline()
+        except psutil.Error:
+            continue
+        if "horizonrl" in cmdline and role in cmdline:
+            found.append(child)
+    return found
+
+
+def kill_at_a_random_moment(proc, log: Path, victims, seed: int) -> float:
+    """After step 3 (a checkpoint of step 2 exists), wait a random 0-1.5 s, then SIGKILL ``victims()``."""
+    wait_until(lambda: any(s >= 3 for s in steps_in(log)), 400, "learner step 3")
+    delay = random.Random(seed).uniform(0, 1.5)
+    time.sleep(delay)
+    for victim in victims(proc.pid):
+        victim.kill()
+    return delay
+
+
+def resume_to_the_end(tiny_model: Path, run_dir: Path, tmp_path: Path) -> tuple[str, int]:
+    """``resume=auto`` to TOTAL_STEPS; returns the resumed run's log and the step it resumed from."""
+    resumed_from = latest_checkpoint(run_dir)
+    assert resumed_from is not None, "no checkpoint before the crash"
+    checkpoint_step = read_state(resumed_from)["step"]
+    log = tmp_path / "resumed.log"
+    proc = start(tiny_model, run_dir, log, "resume=auto")
+    try:
+        rc = proc.wait(timeout=900)
+    finally:
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert f"resuming from {resumed_from}" in text
+    # the learner continues from the checkpoint: its first step is the checkpoint's next one
+    assert steps_in(log) == list(range(checkpoint_step + 1, TOTAL_STEPS + 1)), steps_in(log)
+    return text, checkpoint_step
+
+
+def assert_nothing_lost_nothing_twice(run_dir: Path) -> dict:
+    ledger = account(run_dir)
+    assert ledger["lost"] == [] and ledger["trained_twice"] == [] and ledger["in_two_fates"] == [], ledger
+    assert ledger["steps"] == TOTAL_STEPS and ledger["trained_once"] > 0, ledger
+    total = (ledger["trained_once"] + sum(ledger["learner_skipped"].values()) + sum(ledger["dropped"].values())
+             + ledger["held"])
+    assert total == ledger["accepted"], ledger
+    return ledger
+
+
+@pytest.mark.parametrize("kind", ["buffer", "learner", "whole-run"])
+def test_kill_9_then_resume_loses_nothing(tiny_model, tmp_path, kind):
+    seed = int(time.time()) % 10_000
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    proc = start(tiny_model, run_dir, log)
+
+    def victims(launcher_pid):
+        if kind == "whole-run":  # every process at once, as a power cut would
+            return [psutil.Process(launcher_pid), *psutil.Process(launcher_pid).children(recursive=True)]
+        found = role_processes(launcher_pid, kind)
+        assert found, f"no {kind} process to kill"
+        return found
+
+    try:
+        delay = kill_at_a_random_moment(proc, log, victims, seed)
+        rc = proc.wait(timeout=300)
+    finally:
+        stop_process(proc)
+    assert rc != 0, "the run went on as if nothing happened"
+    print(f"{kind}: killed {delay:.2f} s after step 3 was reported (seed {seed}); steps before: {steps_in(log)}")
+    text, checkpoint_step = resume_to_the_end(tiny_model, run_dir, tmp_path)
+    if kind != "learner":
+        assert "recovered" in (run_dir / "logs" / "buffer.log").read_text(errors="replace")
+    ledger = assert_nothing_lost_nothing_twice(run_dir)
+    print(f"{kind}: resumed from step {checkpoint_step}; accounting {ledger}")
+
+
+def _suspend(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        p.suspend()
+
+
+def _resume(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        try:
+            p.resume()
+        except psutil.Error:
+            pass
+
+
+def freeze_until_a_broadcast_blocks(log: Path, learner_log: Path, engines: list[psutil.Process]) -> int:
+    """Freeze the engines (SIGSTOP) until the learner reports a step whose broadcast then does not finish.
+
+    A step is reported (the launcher's ``step n/N`` line) before its weights are sent, and the
+    learner logs ``step n: loss ...`` only after every engine acknowledged them; a frozen engine never
+    does. With the engines frozen the actors produce nothing, so the learner may have no batch for a
+    next step: then the engines run for a moment to produce one, and are frozen again."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        reached = max(steps_in(log), default=0)
+        _suspend(engines)
+        try:
+            wait_until(lambda: max(steps_in(log), default=0) > reached, 20, "a step with the engines frozen")
+        except TimeoutError:
+            _resume(engines)  # no batch for a next step: let the actors produce one
+            time.sleep(2)
+            continue
+        step = max(steps_in(log))
+        time.sleep(5)  # a broadcast that began before the freeze has finished (and is logged) by now
+        if f"step {step}: loss" not in learner_log.read_text(errors="replace"):
+            return step
+        _resume(engines)
+    raise AssertionError("the learner never blocked in a weight broadcast to the frozen engines")
+
+
+def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_model, tmp_path):
+    """The actor's engine processes are frozen (SIGSTOP), so the learner's weight broadcast of its next
+    step cannot complete; Ctrl-C then must still end with a checkpoint, and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    proc = start(tiny_model, run_dir, log, "learner.save_every=0", "learner.weight_sync_timeout_s=600")
+    engines: list[psutil.Process] = []
+    try:
+        wait_until(lambda: any(s >= 2 for s in steps_in(log)), 400, "learner step 2")
+        engines = [p for actor in role_processes(proc.pid, "actor") for p in actor.children(recursive=True)]
+        assert engines, "no engine processes under the actor"
+        blocked = freeze_until_a_broadcast_blocks(log, run_dir / "logs" / "learner-0.log", engines)
+        os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        _resume(engines)
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 130, text[-5000:]
+    assert "abandoned the broadcast" in (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
+    checkpoint = latest_checkpoint(run_dir)
+    # the step whose broadcast was abandoned is in the checkpoint
+    assert checkpoint is not None and read_state(checkpoint)["step"] == blocked, (checkpoint, blocked)
+    resume_to_the_end(tiny_model, run_dir, tmp_path)
+    assert_nothing_lost_nothing_twice(run_dir)

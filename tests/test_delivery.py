@@ -1,0 +1,132 @@
+"""The actor's acknowledged delivery (real ZMQ sockets; the test plays the buffer) and its task sequence."""
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+from helpers import RUN_ID, make_trajectory
+
+from horizonrl.actors.delivery import TrajectoryDelivery
+from horizonrl.actors.task_sequence import TaskSequence
+from horizonrl.core.config import EnvSpec
+from horizonrl.protocol import ACK_ACCEPTED, ACK_DUPLICATE, Trajectory, TrajectoryAck, decode_as, encode
+from horizonrl.protocol.transport import make_socket
+
+
+class Buffer:
+    """A ROUTER that records what arrives and acknowledges on request."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.socket = make_socket(ctx, zmq.ROUTER)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+
+    async def receive(self, count: int, timeout_s: float = 10.0) -> list[tuple[bytes, Trajectory]]:
+        got = []
+        while len(got) < count:
+            assert await self.socket.poll(int(timeout_s * 1000)), f"only {len(got)} of {count} arrived"
+            identity, data = await self.socket.recv_multipart()
+            got.append((identity, decode_as(data, Trajectory)))
+        return got
+
+    async def ack(self, identity: bytes, ids: list[str], status: str = ACK_ACCEPTED) -> None:
+        ack = TrajectoryAck(run_id=RUN_ID, trajectory_ids=ids, statuses=[status] * len(ids), reasons=[""] * len(ids))
+        await self.socket.send_multipart([identity, encode(ack)])
+
+
+def _delivery(ctx, port, outbox, **kw):
+    socket = make_socket(ctx, zmq.DEALER)
+    socket.connect(f"tcp://127.0.0.1:{port}")
+    args = dict(ack_timeout_s=30.0, max_unacked=8)
+    args.update(kw)
+    return TrajectoryDelivery(socket, outbox, RUN_ID, **args), socket
+
+
+async def test_acknowledged_trajectories_leave_the_outbox_and_unacknowledged_survive_a_restart(tmp_path):
+    ctx = zmq.asyncio.Context()
+    buffer = Buffer(ctx)
+    delivery, socket = _delivery(ctx, buffer.port, tmp_path)
+    runner = asyncio.create_task(delivery.run())
+    try:
+        for i in range(3):
+            await delivery.send(make_trajectory("g", i, group_size=3))
+        arrived = await buffer.receive(3)
+        await buffer.ack(arrived[0][0], ["g-0"])
+        await buffer.ack(arrived[0][0], ["g-1", "g-0"], ACK_DUPLICATE)  # an ack of a resend is harmless
+        await asyncio.wait_for(_until(lambda: len(delivery.unacked) == 1), 10)
+        assert delivery.counters["acked_accepted"] == 1 and delivery.counters["acked_duplicate"] == 1
+    finally:
+        runner.cancel()
+        delivery.close()
+        socket.close(linger=0)
+    # the actor restarts: what was never acknowledged is sent again, from the outbox on disk
+    again, socket = _delivery(ctx, buffer.port, tmp_path)
+    runner = asyncio.create_task(again.run())
+    try:
+        assert list(again.unacked) == ["g-2"] and again.counters["outbox_recovered"] == 1
+        (identity, resent), = await buffer.receive(1)
+        assert resent.trajectory_id == "g-2"
+        await buffer.ack(identity, ["g-2"])
+        await asyncio.wait_for(_until(lambda: not again.unacked), 10)
+    finally:
+        runner.cancel()
+        again.close()
+        socket.close(linger=0)
+    assert not list(tmp_path.glob("outbox_*.bin"))  # all acknowledged: nothing left on disk
+    buffer.socket.close(linger=0)
+    ctx.term()
+
+
+async def test_an_unacknowledged_trajectory_is_resent_and_too_many_hold_the_sender_back(tmp_path):
+    ctx = zmq.asyncio.Context()
+    buffer = Buffer(ctx)
+    delivery, socket = _delivery(ctx, buffer.port, tmp_path, ack_timeout_s=0.5, max_unacked=2)
+    runner = asyncio.create_task(delivery.run())
+    try:
+        await delivery.send(make_trajectory("g", 0))
+        await delivery.send(make_trajectory("g", 1))
+        third = asyncio.create_task(delivery.send(make_trajectory("g", 2)))
+        await asyncio.sleep(0.3)
+        assert not third.done()  # two unacknowledged: the third waits
+        arrived = await buffer.receive(4)  # the first two, then both again after the ack timeout
+        assert sorted(t.trajectory_id for _, t in arrived) == ["g-0", "g-0", "g-1", "g-1"]
+        assert delivery.counters["resent"] >= 2
+        fourth = asyncio.create_task(delivery.send(make_trajectory("g", 3)))
+        await buffer.ack(arrived[0][0], ["g-0"])
+        # room for one: exactly one of the two waiting senders goes on, the other waits again
+        done, _ = await asyncio.wait([third, fourth], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.3)
+        assert len(done) == 1 and not (third.done() and fourth.done())
+        assert len(delivery.unacked) == 2
+        await buffer.ack(arrived[0][0], ["g-1"])
+        await asyncio.wait_for(asyncio.gather(third, fourth), 10)
+    finally:
+        runner.cancel()
+        delivery.close()
+        socket.close(linger=0)
+        buffer.socket.close(linger=0)
+        ctx.term()
+
+
+async def _until(predicate):
+    while not predicate():
+        await asyncio.sleep(0.02)
+
+
+def test_the_task_sequence_continues_where_it_left_off(tmp_path):
+    envs = [EnvSpec(name="a", weight=1.0), EnvSpec(name="b", weight=3.0)]
+    ids = {"a": list(range(100)), "b": list(range(1000, 1100))}
+    state = tmp_path / "actor_0.json"
+    first = TaskSequence(state, seed=7, actor=0, envs=envs, train_ids=ids)
+    played = [first.next() for _ in range(5)]
+    assert [t.number for t in played] == [0, 1, 2, 3, 4]
+    restarted = TaskSequence(state, seed=7, actor=0, envs=envs, train_ids=ids)
+    assert restarted.next().number == 5  # not 0: no task is replayed after a restart
+    # the sequence is a pure function of (seed, actor, number)
+    assert [restarted.task_of(n) for n in range(5)] == played
+    other_actor = TaskSequence(tmp_path / "actor_1.json", seed=7, actor=1, envs=envs, train_ids=ids)
+    assert [other_actor.task_of(n) for n in range(5)] != played
+    names = [restarted.task_of(n).env.name for n in range(400)]
+    assert 0.65 < names.count("b") / 400 < 0.85  # drawn by the environments' weights (3:1)
+
+

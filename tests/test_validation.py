@@ -1,0 +1,60 @@
+"""Semantic checks at the door (protocol/validation.py): each inconsistency is named, the valid passes."""
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from helpers import make_trajectory
+
+from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
+from horizonrl.protocol.validation import trajectory_problem
+
+GOOD = make_trajectory("g", 0, reward=1.0, tokens=12)  # prompt 6 tokens, one turn of 6
+
+
+def broken(**changes):
+    return msgspec.structs.replace(GOOD, **changes)
+
+
+def test_a_consistent_trajectory_passes():
+    assert trajectory_problem(GOOD, vocab_size=12) is None
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(trajectory_id=""), "ids"),
+    (dict(group_size=0), "fields"),
+    (dict(failure="meteor"), "fields"),
+    (dict(token_ids=GOOD.token_ids[:-1]), "array_lengths"),  # not a whole number of int32
+    (dict(loss_mask=GOOD.loss_mask + b"\x01"), "array_lengths"),
+    (dict(logprobs=GOOD.logprobs[:-4]), "array_lengths"),
+    (dict(prompt_length=13), "array_lengths"),
+    (dict(loss_mask=pack([0] * 6 + [2] * 6, MASK_DTYPE)), "loss_mask"),
+    (dict(token_ids=pack(list(range(11)) + [-3], TOKEN_DTYPE)), "token_out_of_vocab"),
+    (dict(logprobs=pack([0] * 6 + [-0.5] * 5 + [math.nan], LOGPROB_DTYPE)), "logprobs"),
+    (dict(logprobs=pack([0] * 6 + [-0.5] * 5 + [0.7], LOGPROB_DTYPE)), "logprobs"),  # a probability above 1
+    (dict(logprobs=pack([-0.1] + [0] * 5 + [-0.5] * 6, LOGPROB_DTYPE)), "logprobs"),  # on a prompt token
+    (dict(reward=math.nan), "non_finite_number"),
+    (dict(turn_rewards=[math.inf]), "non_finite_number"),
+    (dict(turn_versions=[0, 0]), "turns"),
+    (dict(turn_epochs=[]), "turns"),
+    (dict(turn_rewards=[]), "turns"),
+    (dict(turn_versions=[-1]), "turns"),
+    (dict(turn_spans=[(6, 13)]), "turn_spans"),  # past the end
+    (dict(turn_spans=[(4, 12)]), "turn_spans"),  # inside the prompt
+    (dict(turn_spans=[(7, 12)]), "turn_spans"),  # the mask says token 6 was generated too
+])
+def test_each_inconsistency_is_named(changes, reason):
+    problem = trajectory_problem(broken(**changes), vocab_size=12)
+    assert problem is not None and problem[0] == reason, problem
+
+
+def test_token_ids_are_checked_against_the_vocabulary_when_known():
+    t = broken(token_ids=pack(np.arange(12) + 300, TOKEN_DTYPE))
+    assert trajectory_problem(t, vocab_size=None) is None
+    assert trajectory_problem(t, vocab_size=312) is None  # ids 300..311
+    assert trajectory_problem(t, vocab_size=311)[0] == "token_out_of_vocab"
+
+
+def test_a_failed_episode_may_lack_the_reward_of_its_last_turn():
+    assert trajectory_problem(broken(failure="environment", turn_rewards=[])) is None
