@@ -76,7 +76,10 @@ def _cmd_role(args) -> int:
     elif args.role == "buffer":
         from horizonrl.buffer.server import main as role_main
     elif args.role == "learner":
-        from horizonrl.learner.main import main as role_main
+        from horizonrl.core.runtime import exit_skipping_finalization
+        from horizonrl.learner.main import main as learner_main
+
+        exit_skipping_finalization(learner_main(config))  # its gloo groups can abort finalization
     else:
         from horizonrl.actors.actor import main as actor_main
         from horizonrl.envs import make_env

@@ -3,7 +3,8 @@
 Coroutines on one event loop:
 - ``_follow_control``: reads the coordinator's ``Control`` (turn budget, weight
   version, stop) and receives each announced weight version into the live engine, in
-  order (every broadcast is a collective the learner waits on).
+  order. The engine is a member of the learner's weight hub (joined at start, with the
+  learner's newest weights); dropped by the hub, or facing a restarted learner, it joins again.
 - ``_run_groups`` × ``groups_in_flight``: each runs GRPO groups back to back — ``n``
   episodes of one task (the next of the actor's task sequence, ``task_sequence.py``) under
   one turn budget — and hands every finished episode to the delivery.
@@ -174,12 +175,8 @@ class Actor:
         return self.weights[1]
 
     async def run(self) -> None:
-        net = self.config.network
-        log.info("joining the weight group as rank %d of %d", self.index + 1, self.config.rollout.num_actors + 1)
-        joined = await self._unless_stopped(self.engine.join_weight_group(
-            net.host, net.weight_port, self.index + 1, self.config.rollout.num_actors + 1,
-            self.config.learner.weight_sync_timeout_s))
-        if not joined:
+        log.info("joining the learner's weight hub at %s", self.config.network.endpoint(self.config.network.weight_port))
+        if not await self._unless_stopped(self._join_weights()):
             return
         services = [asyncio.create_task(self._follow_control(), name="control"),
                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
@@ -246,6 +243,15 @@ class Actor:
         log.info("started: learner step %d, turn budget %d, weights %s (epoch, version)", self.control.learner_step,
                  self.control.max_turns, self.weights)
 
+    async def _join_weights(self) -> None:
+        """Join the learner's weight hub; its newest weights are in the engine when this returns."""
+        net = self.config.network
+        update = await self.engine.join_weights(net.host, net.weight_port, actor=self.index, run_id=self.run_id,
+                                                timeout_s=self.config.learner.weight_sync_timeout_s)
+        self._took(update)
+        self.counters["weight_joins"] += 1
+        log.info("joined the weight hub at weights %s (epoch, version)", self.weights)
+
     async def _follow_control(self) -> None:
         while True:
             data = await self.sub.recv()
@@ -255,20 +261,35 @@ class Actor:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
             self.control = control
-            # Every announced version is one collective broadcast; receive them in order. A newer
-            # weight epoch (a restarted learner) comes first, whatever its version.
+            # The hub sends every member each version once, in order. A newer weight epoch is a
+            # restarted learner, hence a new hub: join that one, which answers with its newest weights.
             while (control.weight_epoch, control.weight_version) > self.weights:
-                update = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
-                received = (update.epoch, update.version)
-                if received <= self.weights:
-                    raise RuntimeError(f"received weights {received} after {self.weights} (epoch, version)")
-                self.weights = received
-                self.counters["weight_updates"] += 1
-                self.counters["weight_receive_s"] += update.stall_s  # the engine's whole stall
-                self.counters["weight_transfer_s"] += update.receive_s
-                self.counters["weight_load_s"] += update.load_s
-                log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s)", received, update.stall_s,
-                          update.receive_s, update.load_s)
+                if control.weight_epoch > self.weights[0]:
+                    log.info("the learner restarted (weight epoch %d): joining its weight hub", control.weight_epoch)
+                    await self._join_weights()
+                    continue
+                try:
+                    update = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the learner dropped us, or it is gone: join again
+                    self.counters["weight_receive_failures"] += 1
+                    log.warning("receiving weights after %s failed (%s); joining the weight hub again", self.weights,
+                                str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
+                    await self._join_weights()  # a failure here fails the actor (the launcher restarts it)
+                    continue
+                if (update.epoch, update.version) <= self.weights:
+                    raise RuntimeError(f"received weights {(update.epoch, update.version)} after {self.weights} "
+                                       "(epoch, version)")
+                self._took(update)
+
+    def _took(self, update) -> None:
+        """The engine holds ``update``'s weights now."""
+        self.weights = (update.epoch, update.version)
+        self.counters["weight_updates"] += 1
+        self.counters["weight_receive_s"] += update.stall_s  # the engine's whole stall
+        self.counters["weight_transfer_s"] += update.receive_s
+        self.counters["weight_load_s"] += update.load_s
+        log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s)", self.weights, update.stall_s,
+                  update.receive_s, update.load_s)
 
     async def _run_groups(self, slot: int) -> None:
         while not self.stop and not self.control.stop:

@@ -102,19 +102,21 @@ class RolloutEngine:
         logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids)]
         return Generation(ids, logprobs, completion.finish_reason or "abort")
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        backend = "nccl" if self.on_gpu else "gloo"
-        await self._llm.collective_rpc("horizonrl_join_weight_group", timeout=timeout_s + 30,
-                                       args=(host, port, rank, world_size, timeout_s, backend))
+    async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float) -> "WeightUpdate":
+        """Join (or rejoin) the learner's weight hub; the learner's newest weights are in the engine on return."""
+        return await self._weight_rpc("horizonrl_join_weight_hub", timeout_s,
+                                      (host, port, actor, run_id, timeout_s, "nccl" if self.on_gpu else "gloo"))
 
     async def receive_weights(self, timeout_s: float) -> "WeightUpdate":
-        """Receive one weight broadcast into the live engine.
+        """Receive the next version the learner sends into the live engine."""
+        return await self._weight_rpc("horizonrl_receive_weights", timeout_s, ())
 
-        The receive runs inside the engine's busy loop, so generation pauses meanwhile;
-        requests in flight continue afterwards under the new weights.
-        """
+    async def _weight_rpc(self, method: str, timeout_s: float, args: tuple) -> "WeightUpdate":
+        """The receive runs inside the engine's busy loop, so generation pauses meanwhile; requests in
+        flight continue afterwards under the new weights. A failure inside the worker (the learner gone,
+        a timeout) is raised here; the worker itself carries on."""
         start = time.perf_counter()
-        results = await self._llm.collective_rpc("horizonrl_receive_weights", timeout=timeout_s + 30)
+        results = await self._llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
         version, epoch, receive_s, load_s = results[0]
         # Cached prefixes hold keys/values computed with the old weights. Running requests
         # are preempted and recompute theirs, so every token after this point is sampled

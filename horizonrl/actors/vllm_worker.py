@@ -14,18 +14,26 @@ log = logging.getLogger("horizonrl.actors.worker")
 
 
 class WeightReceiverExtension:
-    def horizonrl_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                    backend: str) -> None:
-        from horizonrl.actors.weight_receiver import join_weight_group
+    def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
+                                  backend: str) -> tuple[int, int, float, float]:
+        """Join (or rejoin) the learner's weight hub and load the version it answers with; returns
+        what :meth:`horizonrl_receive_weights` returns."""
+        from horizonrl.actors.weight_receiver import join_weight_hub
 
-        self._horizonrl_group = join_weight_group(host, port, rank, world_size, timeout_s, backend=backend)
+        previous = getattr(self, "_horizonrl_receiver", None)
+        if previous is not None:
+            self._horizonrl_receiver = None
+            previous.close()
+        self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
+                                                   backend=backend)
+        return self.horizonrl_receive_weights()
 
     def horizonrl_receive_weights(self) -> tuple[int, int, float, float]:
         """Receive one broadcast and load it in place; returns (version, epoch, receive seconds, load seconds)."""
         from horizonrl.actors.weight_receiver import receive_weights
 
         start = time.perf_counter()
-        layout, named_tensors = receive_weights(self._horizonrl_group)
+        layout, named_tensors = receive_weights(self._horizonrl_receiver)
         received = time.perf_counter()
         # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;
         # the worker's own reload path re-runs the post-load processing.

@@ -1,30 +1,30 @@
-"""An engine worker's side of the weight transfer: join the learner's weight group, receive versions.
+"""An engine worker's side of the weight transfer: join the learner's weight hub, receive versions.
 
 Runs inside the vLLM worker process (see ``vllm_worker.py``), which already has a default
-process group, so nothing here touches it. The wire format is defined in
+process group, so nothing here touches it. The join steps and the wire format are defined in
 ``protocol/weights.py``; the sending end is ``learner/weight_broadcast.py``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from horizonrl.protocol import ProtocolError, WeightLayout, decode_as
-from horizonrl.protocol.weights import STORE_PREFIX, WeightSyncError, layout_offsets
+from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
+from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, layout_offsets, member_prefix
 
-__all__ = ["WeightReceiver", "WeightSyncError", "join_weight_group", "receive_weights"]
+__all__ = ["WeightReceiver", "WeightSyncError", "join_weight_hub", "receive_weights"]
 
 
 @dataclass
 class WeightReceiver:
-    """Rank ``rank`` (> 0) of the weight group."""
+    """Rank 1 of a two-rank group with the learner (rank 0): one membership of the weight hub."""
 
-    rank: int
-    world_size: int
+    number: int  # the join number
     backend: str
     timeout_s: float
     process_group: dist.ProcessGroup
@@ -51,29 +51,32 @@ class WeightReceiver:
                 pass
 
 
-def join_weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                      backend: str = "gloo") -> WeightReceiver:
-    """Join the learner's weight group as ``rank``; blocks until all ranks joined (WeightSyncError after the timeout)."""
-    if not 0 < rank < world_size:
-        raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
+def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
+                    backend: str = "gloo") -> WeightReceiver:
+    """Join the learner's weight hub as ``actor``'s engine (WeightSyncError after the timeout).
+
+    The learner answers with its newest version at once: receive it next (:func:`receive_weights`)."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(host, port, world_size, False, timeout)
-        prefix_store = dist.PrefixStore(STORE_PREFIX, store)
+        store = dist.TCPStore(host, port, None, False, timeout)
+        joins = dist.PrefixStore(STORE_PREFIX, store)
+        number = joins.add(JOIN_COUNTER, 1)
+        joins.set(join_key(number), encode(WeightJoin(run_id=run_id, actor=actor, pid=os.getpid())))
+        member_store = dist.PrefixStore(member_prefix(number), joins)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(prefix_store, rank, world_size, options)
+            group = dist.ProcessGroupNCCL(member_store, 1, 2, options)
         else:
-            group = dist.ProcessGroupGloo(prefix_store, rank, world_size, timeout)
+            group = dist.ProcessGroupGloo(member_store, 1, 2, timeout)
     except RuntimeError as exc:
         raise WeightSyncError(
-            f"weight group rank {rank}/{world_size} at {host}:{port} ({backend}): could not join within "
-            f"{timeout_s:.0f} s (is the learner up and hosting the group at this address?): {exc}"
+            f"weight hub at {host}:{port} ({backend}): actor {actor} could not join within {timeout_s:.0f} s "
+            f"(is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
-    return WeightReceiver(rank, world_size, backend, timeout_s, group, store)
+    return WeightReceiver(number, backend, timeout_s, group, store)
 
 
 def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
@@ -89,7 +92,7 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
     try:
         layout = decode_as(layout_buffer.cpu().numpy().tobytes(), WeightLayout)
     except ProtocolError as exc:
-        raise WeightSyncError(f"weight sync rank {receiver.rank}: malformed weight layout: {exc}") from exc
+        raise WeightSyncError(f"weight sync (join {receiver.number}): malformed weight layout: {exc}") from exc
     flat = receiver.flat_buffer(layout.total_bytes)
     _broadcast(receiver, flat, "payload", layout.version)
     ack = torch.ones(1, dtype=torch.int64, device=receiver.device)
@@ -102,7 +105,7 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
     offsets, total_bytes = layout_offsets(sizes)
     if total_bytes != layout.total_bytes:
         raise WeightSyncError(
-            f"weight sync rank {receiver.rank}: layout of version {layout.version} says {layout.total_bytes} bytes, "
+            f"weight sync (join {receiver.number}): layout of version {layout.version} says {layout.total_bytes} bytes, "
             f"its tensors need {total_bytes}"
         )
     named = [
@@ -125,8 +128,8 @@ def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) 
         start_work().wait(timedelta(seconds=receiver.timeout_s))
     except RuntimeError as exc:
         raise WeightSyncError(
-            f"weight sync engine rank {receiver.rank} (receiver): {what} of {which} did not complete within "
-            f"{receiver.timeout_s:.0f} s ({receiver.world_size} ranks, {receiver.backend}): {exc}"
+            f"weight sync (join {receiver.number}, receiver): {what} of {which} did not complete within "
+            f"{receiver.timeout_s:.0f} s ({receiver.backend}): {exc}"
         ) from exc
 
 

@@ -1,22 +1,22 @@
 """Part 4 — weight sync: time per broadcast, and bytes/s against the link's limit.
 
 One sender process (the learner's side: rank 0) and K receiver processes (the engines'
-side: ranks 1..K, default 2 like ``rollout.num_actors``) on loopback. For each model they
-run the project's own :func:`horizonrl.learner.weight_broadcast.broadcast_weights` /
-:func:`~horizonrl.actors.weight_receiver.receive_weights` on a group from
-:func:`~horizonrl.learner.weight_broadcast.host_weight_group`, and — as the baseline — a raw
-``broadcast`` of one same-size flat ``uint8`` tensor on a plain gloo process group among
-the same processes (what the link can do at best: no packing, no layout, no ack, a receive
-buffer allocated once and reused). A third row, ``raw, fresh recv buffer``, is the same raw
-broadcast into a buffer allocated for each broadcast, as ``receive_weights`` did before the
-group kept its flat buffer: on a CPU machine first touching fresh pages inside the socket
-receive cost 2-3x (kept to show what the reuse buys).
+side, default 2 like ``rollout.num_actors``) on loopback. For each model they run the
+project's own weight hub (:class:`horizonrl.learner.weight_broadcast.WeightHub`: one two-rank
+group per engine, the sends to all engines at once, each in its own thread) and
+:func:`~horizonrl.actors.weight_receiver.receive_weights`, and — as the baseline — a raw
+``broadcast`` of one same-size flat ``uint8`` tensor on one plain gloo process group of all
+1 + K processes (what a fixed group can do at best: no packing, no layout, no ack, a receive
+buffer allocated once and reused; it is also what the hub's per-engine groups replaced, so
+the ratio is what elastic membership costs). A third row, ``raw, fresh recv buffer``, is the
+same raw broadcast into a buffer allocated for each broadcast: on a CPU machine first touching
+fresh pages inside the socket receive cost 2-3x (kept to show what the reuse buys).
 
 Each repeat measures both back to back (order alternating), every broadcast starting from a
 barrier so all receivers wait from the same moment. Per broadcast:
 
 - sender: ``total_s`` = ``pack_s`` (copy every tensor into the flat buffer) + ``send_s``
-  (header, layout, payload, acknowledgement), as ``broadcast_weights`` reports them;
+  (header, layout, payload, acknowledgement, to every engine), as ``WeightHub.send`` reports them;
 - receivers: seconds inside ``receive_weights``; the slowest receiver counts (that is when
   every engine has the new weights), and bytes/s = payload bytes / that time.
 
@@ -57,6 +57,7 @@ from horizonrl.bench.report import (
 PART = "weight_sync"
 HOST = "127.0.0.1"
 RAW_STORE_PREFIX = "horizonrl-bench-raw"
+RUN_ID = "bench-weight-sync"
 KINDS = ("horizonrl", "raw", "raw_fresh")
 LABELS = {"horizonrl": "horizonrl", "raw": "raw", "raw_fresh": "raw, fresh recv buffer"}
 
@@ -204,10 +205,17 @@ def _sender_main(port: int, world_size: int, specs: list[dict], repeats: int, dt
 
         torch.set_num_threads(threads)
 
-        from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
+        from horizonrl.learner.weight_broadcast import WeightHub
 
-        group = host_weight_group(HOST, port, world_size, timeout_s)
-        raw_group = _raw_group(group, timeout_s)
+        hub = WeightHub(HOST, port, backend="gloo", timeout_s=timeout_s, run_id=RUN_ID)
+        hub.pack(0, [("placeholder", torch.zeros(1))])  # what a joiner receives first
+        hub.start()
+        deadline = time.monotonic() + timeout_s
+        while len(hub.members) < world_size - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size - 1 - len(hub.members)} receivers did not join the hub")
+            time.sleep(0.05)
+        raw_group = _raw_group(hub.store, 0, world_size, timeout_s)
         report: dict[str, Any] = {"rank": 0, "models": {}, "timings": {}}
         version = 0
         for spec in [ModelSpec(**s) for s in specs]:
@@ -225,7 +233,7 @@ def _sender_main(port: int, world_size: int, specs: list[dict], repeats: int, dt
                         _barrier(raw_group, timeout_s)
                         if kind == "horizonrl":
                             version += 1
-                            broadcasts.append(broadcast_weights(group, version, named))
+                            broadcasts.append(hub.send(hub.pack(version, named)))
                         else:
                             begin = time.perf_counter()
                             _raw_broadcast(raw_group, raw, timeout_s)
@@ -243,7 +251,7 @@ def _sender_main(port: int, world_size: int, specs: list[dict], repeats: int, dt
         _barrier(raw_group, timeout_s)  # everyone is done before anyone tears the groups down
         results.put(report)
         raw_group.shutdown()
-        group.close()
+        hub.close()
     except BaseException:
         results.put({"rank": 0, "error": traceback.format_exc()})
         raise
@@ -255,11 +263,12 @@ def _receiver_main(rank: int, port: int, world_size: int, specs: list[dict], rep
     try:
         import torch
 
-        from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
+        from horizonrl.actors.weight_receiver import join_weight_hub, receive_weights
 
         torch.set_num_threads(1)  # as in a vLLM CPU worker
-        group = join_weight_group(HOST, port, rank, world_size, timeout_s)
-        raw_group = _raw_group(group, timeout_s)
+        group = join_weight_hub(HOST, port, actor=rank - 1, run_id=RUN_ID, timeout_s=timeout_s)
+        receive_weights(group)  # the hub's answer to the join
+        raw_group = _raw_group(group.store, rank, world_size, timeout_s)
         report: dict[str, Any] = {"rank": rank, "timings": {}, "checks": {}}
         last_version = 0
         for spec in [ModelSpec(**s) for s in specs]:
@@ -351,13 +360,13 @@ def _checksums(named: list) -> list:
     return [[name, digest(tensor)] for name, tensor in (named[0], named[-1])] if named else []
 
 
-def _raw_group(group, timeout_s: float):
-    """A plain gloo group among the same processes, on the weight group's store under another prefix."""
+def _raw_group(store, rank: int, world_size: int, timeout_s: float):
+    """One plain gloo group of all the processes, on the hub's store under another prefix."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.ProcessGroupGloo(dist.PrefixStore(RAW_STORE_PREFIX, group.store), group.rank, group.world_size,
+    return dist.ProcessGroupGloo(dist.PrefixStore(RAW_STORE_PREFIX, store), rank, world_size,
                                  timedelta(seconds=timeout_s))
 
 

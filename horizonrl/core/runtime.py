@@ -27,6 +27,23 @@ def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
     return logging.getLogger(f"horizonrl.{role.split('-')[0]}")
 
 
+def exit_skipping_finalization(code: int) -> None:
+    """Flush what the process wrote, then leave at once (``os._exit``), without interpreter finalization.
+
+    For processes that ran torch.distributed collectives over gloo: at finalization gloo's worker
+    threads may still hold work objects whose destruction needs the interpreter, and the process then
+    aborts (``terminate called without an active exception``, SIGABRT) after it finished its work —
+    which its parent would take for a failure. Call it only when everything (files, process groups,
+    sockets) is closed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 class StopFlag:
     """Set by SIGINT/SIGTERM; loops check it at phase boundaries and exit cleanly. ``count`` says how
     many stop signals came (a second Ctrl-C asks to force)."""

@@ -10,12 +10,13 @@ One loop, with named, timed phases:
     save         every ``save_every`` steps and at the end: a Hugging Face checkpoint plus the full
                  training state (DCP, see checkpoint.py), so that ``resume=`` continues exactly
     report       rank 0 pushes LearnerReport(step, weight_version = step) to the coordinator
-    weight_sync  rank 0 broadcasts weight version ``step`` to the K actors' engines
+    weight_sync  rank 0 sends weight version ``step`` to every engine in its weight hub
 
-Version 0 is the initial weights, which the actors load from ``model.path`` themselves, so
-nothing is broadcast before the first step. A run resumed at step k broadcasts its weights as
-version k once the actors have joined. Every trajectory of a batch is either trained on or
-left out for a counted reason (``batch/*_skipped``, see batching.py).
+Rank 0 hosts the weight hub (weight_broadcast.py): engines join it whenever they start (or
+restart) and get the newest version at once — at start-up that is version ``step`` (0, or the
+step a resumed run continues from) — so the learner never waits for the actors to start. Every
+trajectory of a batch is either trained on or left out for a counted reason (``batch/*_skipped``,
+see batching.py).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Resources:
     batches: Any = None
     reports: Any = None
     heartbeat: Any = None
-    weight_group: Any = None
-    weight_group_abandoned: bool = False  # a broadcast thread may still be blocked in it: do not touch it
+    weight_hub: Any = None
+    weight_hub_abandoned: bool = False  # a send thread may still be blocked in it: do not touch it
 
     def close(self) -> None:
         if self.heartbeat is not None:
@@ -137,8 +138,8 @@ class Resources:
         for channel in (self.batches, self.reports):
             if channel is not None:
                 channel.close()
-        if self.weight_group is not None and not self.weight_group_abandoned:
-            self.weight_group.close()
+        if self.weight_hub is not None and not self.weight_hub_abandoned:
+            self.weight_hub.close()
         if self.security is not None:
             self.security.stop()
         if dist.is_initialized():
@@ -167,7 +168,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     import zmq
 
     from horizonrl.learner.channels import BatchClient, HeartbeatThread, ReportSender, share_bytes
-    from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group, pack_weights, send_packed
+    from horizonrl.learner.weight_broadcast import WeightHub
 
     lc, net = config.learner, config.network
     is_main = ranks.rank == 0
@@ -215,23 +216,16 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
     epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0)
     lineage.append((epoch, step))
-    if step > 0 or epoch > 0:
-        state_dict = gather_full_state_dict(model)  # collective; rank 0 sends it once the actors joined
+    state_dict = gather_full_state_dict(model)  # collective: every joining engine gets these weights first
     if is_main:
-        start = time.perf_counter()
-        num_actors = config.rollout.num_actors
-        log.info("waiting for %d actor engines to join the weight group on port %d", num_actors, net.weight_port)
-        res.weight_group = host_weight_group(
-            net.host, net.weight_port, world_size=1 + num_actors, timeout_s=lc.weight_sync_timeout_s,
-            backend="nccl" if backend == "nccl" else "gloo",
-        )
-        log.info("weight group formed with %d engines in %.1f s", num_actors, time.perf_counter() - start)
-        # Announce this incarnation (the coordinator publishes its epoch), then its weights: actors
-        # that hold another epoch's weights, or none but the starting model, take these.
+        # The hub before the announcement: actors that see this epoch in Control join it at once.
+        res.weight_hub = WeightHub(net.host, net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
+                                   timeout_s=lc.weight_sync_timeout_s, run_id=run_id)
+        res.weight_hub.pack(step, weights_to_send(model.config, state_dict), epoch=epoch)
+        res.weight_hub.start()
+        log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", net.weight_port,
+                 (epoch, step))
         res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch, startup=True))
-        if step > 0 or epoch > 0:
-            broadcast_weights(res.weight_group, step, weights_to_send(model.config, state_dict), epoch=epoch,
-                              run_id=run_id)
 
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
     update_settings = UpdateSettings.from_config(config)
@@ -288,23 +282,25 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             "time/weight_sync_s": weight_sync_s,  # of the previous broadcast
             "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
         }
+        metrics.update({f"weights/{k}": float(v) for k, v in res.weight_hub.counters.items()})
+        metrics["weights/members"] = float(len(res.weight_hub.members))
         # Pack first: the engines stop generating once they enter the receive the report announces.
-        packed = pack_weights(res.weight_group, step, weights_to_send(model.config, state_dict), epoch=epoch,
-                              run_id=run_id)
+        packed = res.weight_hub.pack(step, weights_to_send(model.config, state_dict), epoch=epoch)
         res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
                                        metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
-        sync = send_interruptibly(lambda: send_packed(res.weight_group, packed), stop)
+        sync = send_interruptibly(lambda: res.weight_hub.send(packed), stop)
         if sync is None:
             log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
                         "checkpoint comes next", step)
-            res.weight_group_abandoned = True
+            res.weight_hub_abandoned = True
             continue
         weight_sync_s = sync["total_s"]
         log.info(
-            "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs (%.1f MB)",
+            "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs "
+            "(%.1f MB to %d engines%s)",
             step, metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
             metrics["batch/staleness_mean"], times["batch_wait"], times["step"], times["gather"], weight_sync_s,
-            sync["bytes"] / 1e6,
+            sync["bytes"] / 1e6, sync["members"], f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
         )
 
     if step > saved_step and step > 0:

@@ -506,4 +506,6 @@ def setup_rank_logging(level: str, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(rank_main())
+    from horizonrl.core.runtime import exit_skipping_finalization
+
+    exit_skipping_finalization(rank_main())  # its gloo group can abort interpreter finalization

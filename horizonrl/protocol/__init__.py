@@ -27,6 +27,7 @@ from horizonrl.protocol.messages import (
     Message,
     Trajectory,
     TrajectoryAck,
+    WeightJoin,
     WeightLayout,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "Message",
     "ProtocolError",
     "Trajectory",
+    "WeightJoin",
     "WeightLayout",
     "decode",
     "decode_as",

@@ -117,6 +117,15 @@ class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
     total_bytes: int
 
 
+class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
+    """Engine worker -> learner, through the weight store (``protocol/weights.py``): "admit me"."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    actor: int  # the actor index whose engine this is (a newer join of the same actor replaces the older)
+    pid: int
+
+
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
     """Learner rank 0 -> buffer: "send me ``num_groups`` groups for step ``learner_version + 1``".
 
@@ -212,5 +221,5 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
     reasons: list[str] = []  # per trajectory, "" unless rejected
 
 
-Message = (Trajectory | Control | WeightLayout | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
+Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
            | TrajectoryAck)

@@ -4,18 +4,29 @@ Torch-free (bottom layer): the two ends live in their parts — the sender in
 ``learner/weight_broadcast.py``, the receiver in ``actors/weight_receiver.py`` (it runs inside
 the vLLM worker process) — and both follow this definition.
 
-A weight group is a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU) formed on a
-``TCPStore`` hosted by the learner, under the store prefix ``STORE_PREFIX`` (both ends must use
-the same prefix, or the rendezvous hangs until its timeout). Rank 0 is the learner; the engines'
-workers are ranks 1..K. One version is sent as four collectives, in order, all rooted at rank 0:
+Membership is elastic: engines join and leave at any time. The learner (rank 0 of its own
+ranks) hosts a ``TCPStore`` at ``network.weight_port``; every key below lives under the store
+prefix ``STORE_PREFIX``. An engine's worker joins in four steps:
+
+1. ``n = add(JOIN_COUNTER, 1)`` — its join number, unique for the store's life;
+2. ``set(join_key(n), encode(WeightJoin(...)))`` — who it is (run id, actor index, pid);
+3. a two-rank ``torch.distributed`` group (gloo on CPU, NCCL on GPU) on the store prefix
+   ``member_prefix(n)``: the learner is rank 0, the engine rank 1;
+4. it receives one version at once: the learner's newest (whatever its number), as below.
+
+From then on the learner sends each new version to every member, once; a member that fails
+or does not finish within the timeout is dropped (its group closed), and the engine, whose
+receive then fails, joins again with a new number. A join of an actor that is already a member
+replaces the older member. A restarted learner is a new store (and a new weight epoch): an
+engine that sees the epoch change in ``Control`` joins it.
+
+One version is sent to one member as four collectives, in order, all rooted at rank 0:
 
 1. header   int64[1]  = number of bytes of the msgpack-encoded :class:`WeightLayout`
-2. layout   uint8[n]  = the layout: version, names, dtypes, shapes, total bytes
+2. layout   uint8[n]  = the layout: version, epoch, names, dtypes, shapes, total bytes
 3. payload  uint8[total_bytes] = every tensor's bytes in layout order, each tensor starting at an
             offset aligned to ``ALIGN_BYTES`` (:func:`layout_offsets`), so a receiver can view it in place
-4. ack      int64[1]  all-reduce (sum): each receiver adds 1, so the sender learns that all K
-            receivers got this version — a receiver that died or never joined is an error on the
-            sender too, not a silent success.
+4. ack      int64[1]  all-reduce (sum): the engine adds 1, so the learner knows it got this version.
 
 One flat payload rather than tensor by tensor (~0.3 ms per tensor per collective). Every wait is
 bounded by the group's timeout and fails with :class:`WeightSyncError` saying who, which version
@@ -24,16 +35,28 @@ and what timed out: an unbounded hang is the classic NCCL weight-sync failure.
 
 from __future__ import annotations
 
-from horizonrl.protocol.messages import WeightLayout
+from horizonrl.protocol.messages import WeightJoin, WeightLayout
 
-__all__ = ["ALIGN_BYTES", "STORE_PREFIX", "WeightLayout", "WeightSyncError", "layout_offsets"]
+__all__ = ["ALIGN_BYTES", "JOIN_COUNTER", "STORE_PREFIX", "WeightJoin", "WeightLayout", "WeightSyncError", "join_key",
+           "layout_offsets", "member_prefix"]
 
 STORE_PREFIX = "horizonrl-weights"
+JOIN_COUNTER = "joins"
 ALIGN_BYTES = 64  # each tensor's offset in the flat payload; >= every dtype's element size
 
 
 class WeightSyncError(RuntimeError):
     """A weight group could not be formed, or a transfer did not complete within the timeout."""
+
+
+def join_key(number: int) -> str:
+    """The store key holding join ``number``'s :class:`WeightJoin`."""
+    return f"join/{number}"
+
+
+def member_prefix(number: int) -> str:
+    """The store prefix of join ``number``'s two-rank group."""
+    return f"member/{number}"
 
 
 def layout_offsets(sizes: list[int]) -> tuple[list[int], int]:

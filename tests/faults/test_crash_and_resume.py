@@ -124,14 +124,17 @@ def test_kill_9_then_resume_loses_nothing(tiny_model, tmp_path, kind):
 
 def _suspend(processes: list[psutil.Process]) -> None:
     for p in processes:
-        p.suspend()
+        try:
+            p.suspend()
+        except (psutil.Error, ProcessLookupError):
+            pass  # a short-lived helper process that has exited
 
 
 def _resume(processes: list[psutil.Process]) -> None:
     for p in processes:
         try:
             p.resume()
-        except psutil.Error:
+        except (psutil.Error, ProcessLookupError):
             pass
 
 

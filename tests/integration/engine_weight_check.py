@@ -1,8 +1,9 @@
 """Run as a script (vLLM spawns processes, so it needs the __main__ guard).
 
-Starts a real engine with the worker extension, perturbs a copy of the model in this
-process (the "learner"), broadcasts it over a real gloo weight group into the live
-engine, and prints JSON comparing the engine's logprobs with transformers'.
+Starts a real engine with the worker extension and a weight hub in this process (the
+"learner"), lets the engine join it, perturbs a copy of the model, sends it over the hub's
+real gloo group into the live engine, and prints JSON comparing the engine's logprobs with
+transformers'.
 """
 
 import asyncio
@@ -32,7 +33,7 @@ async def check(model_dir: str, port: int) -> dict:
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.config import EngineConfig
     from horizonrl.learner.model import weights_to_send
-    from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
+    from horizonrl.learner.weight_broadcast import WeightHub
 
     temperature = 0.7
     engine = RolloutEngine.start(model_dir, dtype="float32", engine=EngineConfig(), max_model_len=512, seed=0)
@@ -43,16 +44,15 @@ async def check(model_dir: str, port: int) -> dict:
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    groups = {}
-    joiner = threading.Thread(target=lambda: groups.setdefault("g", host_weight_group("127.0.0.1", port, 2, 60)))
-    joiner.start()
-    await engine.join_weight_group("127.0.0.1", port, 1, 2, 60)
-    joiner.join()
+    hub = WeightHub("127.0.0.1", port, backend="gloo", timeout_s=60, run_id="check")
+    hub.pack(0, weights_to_send(original.config, original.state_dict()))
+    hub.start()
+    joined = await engine.join_weights("127.0.0.1", port, actor=0, run_id="check", timeout_s=60)
     prompt = chat.prompt_ids("Follow the signs to the exit.\nA sign points left.")
     kwargs = dict(max_tokens=24, temperature=temperature, top_p=1.0, stop_token_ids=[])
     before = await engine.generate(prompt, **kwargs)
-    sender = threading.Thread(target=broadcast_weights,
-                              args=(groups["g"], 1, weights_to_send(learner.config, learner.state_dict())))
+    packed = hub.pack(1, weights_to_send(learner.config, learner.state_dict()))
+    sender = threading.Thread(target=hub.send, args=(packed,))
     sender.start()
     update = await engine.receive_weights(60)
     version, seconds = update.version, update.stall_s
@@ -61,12 +61,30 @@ async def check(model_dir: str, port: int) -> dict:
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
     nucleus = await engine.generate(prompt, **{**kwargs, "max_tokens": 48, "top_p": top_p})
+    # The learner goes away (its groups close): the engine's next receive fails, the worker lives on,
+    # and the engine joins another hub (a restarted learner), which answers with its own weights.
+    hub.close()
+    try:
+        await engine.receive_weights(5)
+        receive_after_close = "returned"
+    except Exception as exc:  # noqa: BLE001 - what the actor sees
+        receive_after_close = type(exc).__name__
+    from horizonrl.protocol.transport import free_port
+
+    port2 = free_port()
+    restarted = WeightHub("127.0.0.1", port2, backend="gloo", timeout_s=60, run_id="check")
+    restarted.pack(0, weights_to_send(original.config, original.state_dict()), epoch=1)
+    restarted.start()
+    rejoined = await engine.join_weights("127.0.0.1", port2, actor=0, run_id="check", timeout_s=60)
+    after_rejoin = await engine.generate(prompt, **kwargs)
+    restarted.close()
     engine.shutdown()
 
     def max_diff(a, b):
         return max(abs(x - y) for x, y in zip(a, b))
 
     return {
+        "joined_at": joined.version,
         "version": version,
         "receive_s": seconds,
         "transfer_s": update.receive_s,
@@ -75,6 +93,10 @@ async def check(model_dir: str, port: int) -> dict:
         "before_vs_original": max_diff(before.logprobs, hf_logprobs(original, prompt, before.token_ids, temperature)),
         "before_vs_learner": max_diff(before.logprobs, hf_logprobs(learner, prompt, before.token_ids, temperature)),
         "after_vs_learner": max_diff(after.logprobs, hf_logprobs(learner, prompt, after.token_ids, temperature)),
+        "receive_after_close": receive_after_close,
+        "rejoined_at": [rejoined.epoch, rejoined.version],
+        "after_rejoin_vs_original": max_diff(after_rejoin.logprobs,
+                                             hf_logprobs(original, prompt, after_rejoin.token_ids, temperature)),
         "nucleus_tokens": len(nucleus.token_ids),
         "nucleus_vs_learner": max_diff(nucleus.logprobs,
                                        hf_logprobs(learner, prompt, nucleus.token_ids, temperature, top_p)),

@@ -1,4 +1,5 @@
-"""After a broadcast, the live engine's logprobs equal the learner's (float32, ≤ 1e-4), with and without nucleus sampling."""
+"""After a weight update, the live engine's logprobs equal the learner's (float32, ≤ 1e-4), with and without
+nucleus sampling; an engine whose learner went away joins another hub and takes its weights."""
 
 import json
 import subprocess
@@ -34,6 +35,10 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path):
     assert result["before_vs_original"] <= 1e-4  # the engine started on the checkpoint's weights
     assert result["before_vs_learner"] > 1e-3  # the perturbation is visible, so the check can fail
     assert result["after_vs_learner"] <= 1e-4  # the broadcast weights are the ones generating
+    assert result["joined_at"] == 0  # the hub answered the join with its newest version
+    # the learner gone: the receive fails (the actor rejoins), the engine lives on and takes the new hub's weights
+    assert result["receive_after_close"] != "returned"
+    assert result["rejoined_at"] == [1, 0] and result["after_rejoin_vs_original"] <= 1e-4
     # top_p < 1: the learner takes the engine's truncated, renormalised distribution (not the full softmax)
     assert result["nucleus_tokens"] >= 3
     assert result["nucleus_vs_learner"] <= 1e-4

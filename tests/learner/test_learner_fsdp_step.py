@@ -38,6 +38,7 @@ def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: st
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from horizonrl.core.runtime import exit_skipping_finalization
     from horizonrl.learner.batching import samples_from_batch
     from horizonrl.learner.model import gather_full_state_dict, load_critic, load_model, load_reference, shard_model, weights_to_send
     from horizonrl.learner.policy_loss import ClipSettings
@@ -88,11 +89,12 @@ def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: st
             save_file({k: v.contiguous() for k, v in weights_to_send(model.config, state_dict)}, str(Path(out_dir) / "weights.safetensors"))
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out_dir) / "grads.safetensors"))
             (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics))
-        # Tear down together: one run saw rank 1 abort at exit ("terminate called without an active
-        # exception") after it destroyed the group while rank 0 was still writing its files.
-        dist.barrier()
+        dist.barrier()  # tear down together: rank 0 has written its files
     finally:
         dist.destroy_process_group()
+    # As the learner does: leave without interpreter finalization, where gloo's threads can abort
+    # a process that finished its work (1 run in ~50 here, under load).
+    exit_skipping_finalization(0)
 
 
 def _run(world_size: int, model_dir: Path, out_dir: Path, variant: str = "grpo", optimizer: str = "sgd",

@@ -23,22 +23,23 @@ pytestmark = pytest.mark.slow
 
 def _learner(config_data: dict, dist_port: int) -> None:
     from horizonrl.core.config import TrainConfig
+    from horizonrl.core.runtime import exit_skipping_finalization
     from horizonrl.learner.main import main
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
-    raise SystemExit(main(TrainConfig.model_validate(config_data)))
+    exit_skipping_finalization(main(TrainConfig.model_validate(config_data)))  # as `horizonrl learner` does
 
 
 def _fake_actor(port: int, out_dir: str) -> None:
     from safetensors.torch import save_file
 
-    from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
+    from horizonrl.actors.weight_receiver import join_weight_hub, receive_weights
 
-    group = join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=120)
+    receiver = join_weight_hub("127.0.0.1", port, actor=0, run_id="test-run", timeout_s=120)
     versions = []
     while True:
         try:
-            layout, named = receive_weights(group)
+            layout, named = receive_weights(receiver)  # first: the version the learner answers the join with
             version = layout.version
         except Exception:
             break  # the learner is gone: done
@@ -48,10 +49,12 @@ def _fake_actor(port: int, out_dir: str) -> None:
 
 
 class FakeBuffer(threading.Thread):
-    """A ROUTER answering each BatchRequest; before the first real reply, one stale reply."""
+    """A ROUTER answering each BatchRequest; before the first real reply, one stale reply. It answers
+    nothing before ``ready()`` (the fake engine has joined), so the engine sees every version."""
 
-    def __init__(self, context: zmq.Context, port: int, replies: int) -> None:
+    def __init__(self, context: zmq.Context, port: int, replies: int, ready=lambda: True) -> None:
         super().__init__(daemon=True)
+        self.ready = ready
         self.socket = make_socket(context, zmq.ROUTER)
         self.socket.bind(f"tcp://127.0.0.1:{port}")
         self.replies = replies
@@ -68,6 +71,8 @@ class FakeBuffer(threading.Thread):
                 self.requests.append(request)
                 if len(self.requests) > self.replies:
                     continue  # never answered: the learner must stop while waiting
+                while not self.ready() and not self.done.is_set():
+                    time.sleep(0.05)
                 if len(self.requests) == 1:
                     self.socket.send_multipart([identity, encode(Batch(run_id="test-run", request_id=999, groups=[]))])
                 batch = Batch(run_id="test-run", request_id=request.request_id, groups=groups(seed=len(self.requests)), buffer_stats={"depth": 3.0})
@@ -99,7 +104,7 @@ def _start(tmp_path: Path, total_steps: int, replies: int):
     model_dir = build_tiny_model(tmp_path / "model")
     ports = _ports()
     context = zmq.Context()
-    buffer = FakeBuffer(context, ports["batch_port"], replies)
+    buffer = FakeBuffer(context, ports["batch_port"], replies, ready=(tmp_path / "versions.json").exists)
     buffer.start()
     coordinator = make_socket(context, zmq.PULL)
     coordinator.bind(f"tcp://127.0.0.1:{ports['report_port']}")
@@ -162,7 +167,7 @@ def test_learner_trains_reports_broadcasts_and_saves(tmp_path):
         final = Path(reports[2].checkpoint)
         assert final.name == "step_000002" and (final / "tokenizer.json").is_file()
 
-        assert json.loads((tmp_path / "versions.json").read_text()) == [1, 2]
+        assert json.loads((tmp_path / "versions.json").read_text()) == [0, 1, 2]  # the join's, then each step's
         received = load_file(str(tmp_path / "received.safetensors"))
         saved = load_file(str(final / "model.safetensors"))
         assert set(received) == set(saved)

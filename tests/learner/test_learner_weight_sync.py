@@ -1,4 +1,5 @@
-"""The weight broadcast between two plain processes over gloo (no default process group)."""
+"""The weight hub between plain processes over gloo (no default process group): exact round trips,
+engines that join late or again, and members that fail without holding the others back."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 
+from horizonrl.actors.weight_receiver import join_weight_hub, receive_weights
+from horizonrl.learner.weight_broadcast import WeightHub
 from horizonrl.protocol.transport import free_port
-from horizonrl.actors.weight_receiver import join_weight_group, receive_weights
-from horizonrl.learner.weight_broadcast import broadcast_weights, host_weight_group
 from horizonrl.protocol.weights import WeightSyncError
 
 pytestmark = pytest.mark.slow
 
+RUN_ID = "test-run"
 
-def _state_dict() -> dict[str, torch.Tensor]:
+
+def _state_dict(scale: int = 1) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {
+    tensors = {
         "model.embed_tokens.weight": torch.randn(7, 5, generator=generator),
         "model.layers.0.mlp.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
         "model.norm.weight": torch.randn(5, generator=generator).to(torch.float16),
@@ -27,69 +31,145 @@ def _state_dict() -> dict[str, torch.Tensor]:
         "flags": torch.tensor([True, False, True]),
         "empty": torch.zeros(0, 4),
     }
+    return {k: v * scale if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-def _receiver(port: int, versions: int, queue) -> None:
-    group = join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
+def _receiver(port: int, actor: int, versions: int, queue, run_id: str = RUN_ID) -> None:
+    """Join as ``actor``, then receive ``versions`` versions (the join's own first); report each."""
+    receiver = join_weight_hub("127.0.0.1", port, actor=actor, run_id=run_id, timeout_s=60)
     for _ in range(versions):
-        layout, named = receive_weights(group)
-        version = layout.version
-        queue.put((version, [(name, tensor.clone()) for name, tensor in named]))
+        layout, named = receive_weights(receiver)
+        queue.put((actor, layout.epoch, layout.version, [(name, tensor.clone()) for name, tensor in named]))
+    time.sleep(60)  # stay a member until the test ends
 
 
-def _idle_member(port: int) -> None:
-    join_weight_group("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
-    time.sleep(60)  # joined, but never receives
+def _idle_member(port: int, actor: int) -> None:
+    """Joins and takes its first version, then never receives again."""
+    receiver = join_weight_hub("127.0.0.1", port, actor=actor, run_id=RUN_ID, timeout_s=60)
+    receive_weights(receiver)
+    time.sleep(60)
 
 
-def _stop(process: mp.Process) -> None:
-    if process.is_alive():
-        process.kill()
-    process.join(10)
+def _stop(*processes: mp.Process) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(10)
 
 
-def test_round_trip_is_exact():
+def _hub(version: int = 0, **kwargs) -> WeightHub:
+    hub = WeightHub("127.0.0.1", free_port(), backend="gloo", timeout_s=kwargs.get("timeout_s", 60), run_id=RUN_ID)
+    hub.pack(version, _state_dict(version + 1).items())
+    return hub.start()
+
+
+def _port(hub: WeightHub) -> int:
+    return int(hub.address.rsplit(":", 1)[1])
+
+
+def _assert_exact(named, version: int) -> None:
+    sent = _state_dict(version + 1)
+    assert [name for name, _ in named] == list(sent)
+    for name, tensor in named:
+        assert tensor.dtype == sent[name].dtype and tensor.shape == sent[name].shape, name
+        assert torch.equal(tensor, sent[name]), name
+
+
+def test_round_trip_is_exact_and_a_late_joiner_gets_the_newest_version_at_once():
     ctx = mp.get_context("spawn")
-    port = free_port()
+    hub = _hub(0)
     queue = ctx.Queue()
-    receiver = ctx.Process(target=_receiver, args=(port, 2, queue), daemon=True)
-    receiver.start()
+    first = ctx.Process(target=_receiver, args=(_port(hub), 0, 3, queue), daemon=True)
+    late = None
+    first.start()
     try:
-        group = host_weight_group("127.0.0.1", port, world_size=2, timeout_s=30)
-        sent = _state_dict()
+        actor, epoch, version, named = queue.get(timeout=120)  # the join: version 0
+        assert (actor, epoch, version) == (0, 0, 0)
+        _assert_exact(named, 0)
         for version in (1, 2):
-            stats = broadcast_weights(group, version, ((k, v * version if v.is_floating_point() else v) for k, v in sent.items()))
-            assert stats["bytes"] >= sum(t.numel() * t.element_size() for t in sent.values())
-            got_version, named = queue.get(timeout=30)
-            assert got_version == version
-            assert [name for name, _ in named] == list(sent)
-            for name, tensor in named:
-                expected = sent[name] * version if sent[name].is_floating_point() else sent[name]
-                assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, name
-                assert torch.equal(tensor, expected), name
-        group.close()
+            stats = hub.send(hub.pack(version, _state_dict(version + 1).items()))
+            assert stats["members"] == 1 and stats["dropped"] == 0
+            assert stats["bytes"] >= sum(t.numel() * t.element_size() for t in _state_dict().values())
+            actor, _, got, named = queue.get(timeout=60)
+            assert (actor, got) == (0, version)
+            _assert_exact(named, version)
+        late = ctx.Process(target=_receiver, args=(_port(hub), 1, 1, queue), daemon=True)
+        late.start()
+        actor, _, version, named = queue.get(timeout=120)
+        assert (actor, version) == (1, 2)  # not version 0: the newest, before anything else
+        _assert_exact(named, 2)
+        wait_until(lambda: len(hub.members) == 2, 30, "the late joiner to be a member")
+        # version 2 is not sent to it again: a member gets each version once
+        assert hub.send(hub.latest)["dropped"] == 0 and queue.empty()
     finally:
-        _stop(receiver)
+        hub.close()
+        _stop(first, *([late] if late else []))
 
 
-def test_missing_receiver_fails_within_timeout():
-    start = time.monotonic()
-    with pytest.raises(WeightSyncError, match="could not form the group"):
-        host_weight_group("127.0.0.1", free_port(), world_size=2, timeout_s=2)
-    assert time.monotonic() - start < 15
-
-
-def test_receiver_that_never_receives_fails_the_sender():
+def test_a_member_that_stops_receiving_is_dropped_and_the_others_get_the_version():
     ctx = mp.get_context("spawn")
-    port = free_port()
-    member = ctx.Process(target=_idle_member, args=(port,), daemon=True)
-    member.start()
+    hub = _hub(0)
+    queue = ctx.Queue()
+    good = ctx.Process(target=_receiver, args=(_port(hub), 0, 2, queue), daemon=True)
+    idle = ctx.Process(target=_idle_member, args=(_port(hub), 1), daemon=True)
+    good.start()
+    idle.start()
     try:
-        group = host_weight_group("127.0.0.1", port, world_size=2, timeout_s=30)
-        group.timeout_s = 2  # the rendezvous may be slow (a spawned child); the broadcast must not
+        wait_until(lambda: len(hub.members) == 2, 120, "both engines to join")
+        assert queue.get(timeout=30)[2] == 0
+        hub.timeout_s = 2  # joining may be slow (spawned children); a send must not wait longer than this
         start = time.monotonic()
-        with pytest.raises(WeightSyncError, match="version 7"):
-            broadcast_weights(group, 7, _state_dict().items())
-        assert time.monotonic() - start < 15
+        stats = hub.send(hub.pack(1, _state_dict(2).items()))
+        assert time.monotonic() - start < 20
+        assert stats["dropped"] == 1 and set(hub.members) == {0} and hub.counters["dropped"] == 1
+        actor, _, version, named = queue.get(timeout=30)
+        assert (actor, version) == (0, 1)
+        _assert_exact(named, 1)
     finally:
-        _stop(member)
+        hub.close()
+        _stop(good, idle)
+
+
+def test_a_dead_member_is_dropped_and_a_rejoin_replaces_the_old_membership():
+    ctx = mp.get_context("spawn")
+    hub = _hub(0)
+    queue = ctx.Queue()
+    first = ctx.Process(target=_receiver, args=(_port(hub), 0, 1, queue), daemon=True)
+    first.start()
+    second = None
+    try:
+        assert queue.get(timeout=120)[2] == 0
+        _stop(first)  # kill -9: its connection breaks
+        stats = hub.send(hub.pack(1, _state_dict(2).items()))
+        assert stats["dropped"] == 1 and not hub.members
+        second = ctx.Process(target=_receiver, args=(_port(hub), 0, 2, queue), daemon=True)  # the same actor, restarted
+        second.start()
+        assert queue.get(timeout=120)[2] == 1  # it starts at the current version
+        stats = hub.send(hub.pack(2, _state_dict(3).items()))
+        assert stats["dropped"] == 0 and stats["members"] == 1
+        assert queue.get(timeout=30)[2] == 2
+        assert hub.counters["admitted"] == 2
+    finally:
+        hub.close()
+        _stop(first, *([second] if second else []))
+
+
+def test_a_join_of_another_run_is_refused():
+    ctx = mp.get_context("spawn")
+    hub = _hub(0, timeout_s=5)
+    queue = ctx.Queue()
+    stranger = ctx.Process(target=_receiver, args=(_port(hub), 0, 1, queue, "another-run"), daemon=True)
+    stranger.start()
+    try:
+        wait_until(lambda: hub.counters["bad_joins"] == 1, 120, "the foreign join to be refused")
+        assert not hub.members
+    finally:
+        hub.close()
+        _stop(stranger)
+
+
+def test_joining_a_hub_that_is_not_there_fails_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="could not join"):
+        join_weight_hub("127.0.0.1", free_port(), actor=0, run_id=RUN_ID, timeout_s=2)
+    assert time.monotonic() - start < 15
