@@ -10,6 +10,8 @@ Commands:
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
   bench [--quick] [--parts ...]  throughput benchmarks, async vs synchronous (docs/benchmarks.md)
+  chaos CONFIG --kill ROLE       a run with processes of one kind killed at random times (docs/faults.md)
+  accounting RUN_DIR             where every trajectory of a run went (docs/durability.md)
   env ...                        list / check / serve environments
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
@@ -56,6 +58,10 @@ def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
     p.add_argument("--config", type=Path, required=True)
     if indexed:
         p.add_argument("--index", type=int, default=0, help="which actor (0-based)")
+    if role == "learner":
+        p.add_argument("--resume", default=None, metavar="PATH|auto",
+                       help="resume from this checkpoint, or the newest complete one (the launcher restarts a "
+                            "learner with --resume auto); overrides learner.resume")
     p.set_defaults(func=_cmd_role, role=role)
 
 
@@ -63,7 +69,7 @@ def _cmd_role(args) -> int:
     from horizonrl.core.config import load_config
     from horizonrl.core.runtime import setup_logging
 
-    config = load_config(args.config)
+    config = load_config(args.config, [f"learner.resume={args.resume}"] if getattr(args, "resume", None) else [])
     if not config.network.resolved:
         print("error: this config has unresolved ports (0); start the run with `horizonrl train`, or pass "
               "the config.yaml it wrote to the run's output directory", file=sys.stderr)
@@ -232,6 +238,21 @@ def _add_run_tools(sub) -> None:
                                    "or dropped (by reason), or are still held — and any lost or trained twice.")
     p.add_argument("run_dir", type=Path)
     p.set_defaults(func=_cmd_accounting)
+    p = sub.add_parser("chaos", help="a training run with processes of one kind killed at random times",
+                       description="Start `horizonrl train CONFIG`, kill -9 a process of the chosen kind at random "
+                                   "times (0.5-1.5 x --every) for --duration seconds, stop the run (Ctrl-C), and "
+                                   "print the kills, restarts, time to recover and the accounting of every "
+                                   "trajectory (docs/faults.md).")
+    p.add_argument("config", type=Path)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
+    p.add_argument("--kill", required=True, choices=["actor", "buffer", "learner", "env-server"])
+    p.add_argument("--every", type=float, default=30.0, help="mean seconds between kills")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds before the run is stopped")
+    p.add_argument("--seed", type=int, default=0, help="the kills' random times and victims")
+    p.add_argument("--baseline", action="store_true",
+                   help="first run the same config for the same time without kills (into OUTPUT_DIR-baseline) "
+                        "and print the throughput ratio")
+    p.set_defaults(func=_cmd_chaos)
     p = sub.add_parser("keys", help="make CurveZMQ keys for a run whose processes talk across machines",
                        description="Write a server and a client key pair into DIR (0700; key files 0600). Point "
                                    "every process at it with network.curve_keys_dir=DIR; runs off loopback refuse "
@@ -246,6 +267,13 @@ def _cmd_accounting(args) -> int:
     result = account(args.run_dir)
     print(json.dumps(result, indent=1))
     return 0 if not result["lost"] and not result["trained_twice"] and not result["in_two_fates"] else 1
+
+
+def _cmd_chaos(args) -> int:
+    from horizonrl.chaos import main as chaos_main
+
+    return chaos_main(args.config, args.overrides, kill=args.kill, every_s=args.every, duration_s=args.duration,
+                      seed=args.seed, baseline=args.baseline)
 
 
 def _cmd_keys(args) -> int:

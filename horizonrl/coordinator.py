@@ -2,9 +2,16 @@
 and shutdown, and is the one writer of TensorBoard scalars.
 
 Inputs (PULL): ``LearnerReport`` after each learner step, ``Heartbeat`` from every
-process. Output (PUB): ``Control`` — completed learner steps, the max-turn budget for
+process, ``ProcessEvent`` from the launcher (a process died, was restarted, or the launcher
+gave up on it). Output (PUB): ``Control`` — completed learner steps, the max-turn budget for
 episodes started now, the newest weight version, and the stop flag — sent at once on
 every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
+
+Faults are counted under ``faults/`` in TensorBoard and written one JSON line each to
+``<output_dir>/faults.jsonl``: the launcher's events, and when a replacement has recovered
+(an actor: the buffer accepted a trajectory from it; a buffer: its first heartbeat; a learner:
+its first step; an environment server: it answers /health, as the launcher reports) with the
+seconds since the death.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ import zmq
 
 from horizonrl.core.config import TrainConfig
 from horizonrl.protocol import (
+    EVENT_DIED,
+    EVENT_RECOVERED,
+    EVENT_RESTARTED,
+    FAILURE_ACTOR_LOST,
     FAILURE_KINDS,
     STOP_CONTEXT,
     STOP_DONE,
@@ -27,6 +38,7 @@ from horizonrl.protocol import (
     EpisodeSample,
     Heartbeat,
     LearnerReport,
+    ProcessEvent,
     ProtocolError,
     decode,
     encode,
@@ -45,19 +57,40 @@ MAX_REPORT_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class ProcessHealth:
-    last_seen: dict[tuple[str, int], float] = field(default_factory=dict)
-    counters: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
+    """Liveness and counters of every process, by incarnation: a restarted process starts its
+    cumulative counters from 0 again, so totals add every incarnation's last heartbeat."""
 
-    def beat(self, hb: Heartbeat) -> None:
-        self.last_seen[(hb.role, hb.index)] = time.monotonic()
-        self.counters[(hb.role, hb.index)] = hb.counters
+    last_seen: dict[tuple[str, int], float] = field(default_factory=dict)
+    current_pid: dict[tuple[str, int], int] = field(default_factory=dict)
+    counters: dict[tuple[str, int, int], dict[str, float]] = field(default_factory=dict)  # (role, index, pid)
+
+    def beat(self, hb: Heartbeat) -> dict[str, float] | None:
+        """Record a heartbeat; returns the previous incarnation's last counters when this one is new."""
+        key = (hb.role, hb.index)
+        previous = self.current_pid.get(key)
+        self.last_seen[key] = time.monotonic()
+        self.current_pid[key] = hb.pid
+        self.counters[(hb.role, hb.index, hb.pid)] = hb.counters
+        if previous is not None and previous != hb.pid:
+            return self.counters.get((hb.role, hb.index, previous), {})
+        return None
 
     def silent(self, timeout_s: float) -> list[str]:
         now = time.monotonic()
         return [f"{r}-{i}" for (r, i), t in self.last_seen.items() if now - t > timeout_s]
 
     def total(self, role: str, key: str) -> float:
-        return sum(c.get(key, 0.0) for (r, _), c in self.counters.items() if r == role)
+        """A cumulative counter over every incarnation of every process of ``role``."""
+        return sum(c.get(key, 0.0) for (r, _, _), c in self.counters.items() if r == role)
+
+    def gauge(self, role: str, key: str) -> float:
+        """A level (a depth, a count in progress) over the current incarnations only: a dead process's
+        last value is not the state of anything any more."""
+        return sum(self.current(r, i).get(key, 0.0) for (r, i) in self.current_pid if r == role)
+
+    def current(self, role: str, index: int) -> dict[str, float]:
+        pid = self.current_pid.get((role, index))
+        return self.counters.get((role, index, pid), {}) if pid is not None else {}
 
 
 class RolloutWindow:
@@ -101,6 +134,9 @@ class Coordinator:
         self.health = ProcessHealth()
         self.window = RolloutWindow()
         self.bad_messages: Counter[str] = Counter()  # by kind: ProtocolError, ForeignRunError, UnexpectedMessage
+        self.faults: Counter[str] = Counter()  # faults/<role>_<event>, faults/episodes_lost
+        self._recovering: dict[str, tuple[str, float, int]] = {}  # name -> (role, died at, pid or learner epoch then)
+        self.recovery_s: dict[str, float] = {}  # role -> seconds from its last death to its recovery
         self.messages_read = 0
         self._bad_log = RateLimitedLog(log)
         self._silent_log = RateLimitedLog(log, 30.0)
@@ -128,7 +164,7 @@ class Coordinator:
         """Backpressure before the work is done: while the buffer holds a full load of
         groups, actors start no new ones (generating them would only make stale data and
         take CPU from the learner). Groups in flight still finish and are delivered."""
-        ready = self.health.total("buffer", "ready_groups")
+        ready = self.health.gauge("buffer", "ready_groups")
         return ready >= self.config.buffer.capacity_groups
 
     @property
@@ -183,19 +219,69 @@ class Coordinator:
                 self._bad_log.warning("rejected malformed report #%d: %s", sum(self.bad_messages.values()), exc)
                 continue
             if isinstance(message, Heartbeat):
-                paused = self.rollout_paused
-                self.health.beat(message)
-                if self.rollout_paused != paused:
-                    self.publish()  # pause or resume the actors at once
+                self.on_heartbeat(message)
             elif isinstance(message, LearnerReport):
                 self.on_learner_report(message)
             elif isinstance(message, EpisodeSample):
                 self.on_episode_sample(message)
+            elif isinstance(message, ProcessEvent):
+                self.on_process_event(message)
             else:
                 self.bad_messages["UnexpectedMessage"] += 1
                 self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
 
+    def on_heartbeat(self, beat: Heartbeat) -> None:
+        paused = self.rollout_paused
+        previous = self.health.beat(beat)
+        if previous is not None and beat.role == "actor":
+            # The episodes the dead incarnation was playing were never produced: infrastructure failures.
+            lost = previous.get("episodes_in_progress", 0.0)
+            self.faults["episodes_lost"] += lost
+            log.warning("actor-%d is back (pid %d); %d episodes it was playing were lost", beat.index, beat.pid, lost)
+        name = f"{beat.role}-{beat.index}" if beat.role == "actor" else beat.role
+        pending = self._recovering.get(name)
+        if pending is not None and beat.role in ("actor", "buffer") and beat.pid != pending[2]:
+            if beat.role == "buffer" or beat.counters.get("acked_accepted", 0.0) > 0:
+                self._recovered(name)
+        if self.rollout_paused != paused:
+            self.publish()  # pause or resume the actors at once
+
+    def on_process_event(self, event: ProcessEvent) -> None:
+        """The launcher's supervision decisions: counted, written to faults.jsonl, and timed to recovery."""
+        if event.event == EVENT_RECOVERED:
+            if event.name in self._recovering:
+                self._recovered(event.name)
+            return
+        self.faults[f"{event.role}_{event.event}"] += 1
+        self._fault_line({"event": event.event, "name": event.name, "role": event.role, "exit_code": event.exit_code,
+                          "restarts": event.restarts, "delay_s": event.delay_s, "at": event.at,
+                          "learner_step": self.learner_step})
+        if event.event == EVENT_DIED:
+            name = "learner" if event.role == "learner" else event.name
+            then = self.weight_epoch if event.role == "learner" else self.health.current_pid.get(
+                (event.role, int(event.name.rsplit("-", 1)[1]) if event.role == "actor" else 0), -1)
+            self._recovering.setdefault(name, (event.role, event.at or time.time(), then))
+        log.warning("%s %s%s", event.name, event.event,
+                    f" (exit code {event.exit_code})" if event.exit_code is not None else
+                    f" after {event.delay_s:.1f} s (restart {event.restarts})" if event.event == EVENT_RESTARTED else "")
+
+    def _recovered(self, name: str) -> None:
+        role, died_at, _ = self._recovering.pop(name)
+        seconds = time.time() - died_at
+        self.faults[f"{role}_recovered"] += 1
+        self.recovery_s[role] = seconds
+        self._fault_line({"event": "recovered", "name": name, "role": role, "recovery_s": round(seconds, 2),
+                          "at": time.time(), "learner_step": self.learner_step})
+        log.info("%s recovered %.1f s after it died", name, seconds)
+
+    def _fault_line(self, record: dict) -> None:
+        with open(self.config.output_dir / "faults.jsonl", "ab") as out:
+            out.write(msgspec.json.encode(record) + b"\n")
+
     def on_learner_report(self, report: LearnerReport) -> None:
+        pending = self._recovering.get("learner")
+        if pending is not None and not report.startup and report.weight_epoch > pending[2]:
+            self._recovered("learner")  # the restarted learner made its first step
         repeated = report.step == self.learner_step and report.step > 0
         self.learner_step = report.step
         self.weight_version = report.weight_version
@@ -216,6 +302,9 @@ class Coordinator:
         # Cumulative episode outcomes by kind: failures (never trained on) and the agent's own endings.
         for kind in FAILURE_KINDS[1:]:
             scalars[f"rollout/failures/{kind}"] = self.health.total("actor", f"failures_{kind}")
+        scalars[f"rollout/failures/{FAILURE_ACTOR_LOST}"] = self.faults["episodes_lost"]
+        scalars.update({f"faults/{key}": float(value) for key, value in self.faults.items()})
+        scalars.update({f"faults/recovery_s/{role}": seconds for role, seconds in self.recovery_s.items()})
         for reason in (STOP_DONE, STOP_MAX_TURNS, STOP_CONTEXT):
             scalars[f"rollout/stop/{reason}"] = self.health.total("actor", f"stop_{reason}")
         scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")

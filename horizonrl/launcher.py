@@ -1,12 +1,20 @@
-"""The launcher: start every process of a run from one config, watch them, stop them.
+"""The launcher: start every process of a run from one config, watch them, restart them, stop them.
 
-It only starts, watches and stops: each role is a separate program
+It only starts, watches, restarts and stops: each role is a separate program
 (``horizonrl coordinator|buffer|learner|actor --config run/config.yaml``) that can also
 be started by hand for debugging. The launcher resolves free ports, writes the
 resolved config next to the logs, streams progress lines and warnings to the terminal
-(full logs go to ``<output_dir>/logs/``), and on Ctrl-C, SIGTERM or any process's
-failure stops all of them — each in its own process group, so the engine processes
-vLLM spawns go too — and exits non-zero.
+(full logs go to ``<output_dir>/logs/``), and on Ctrl-C or SIGTERM stops all of them — each
+in its own process group, so the engine processes vLLM spawns go too.
+
+Supervision (``supervision.*``, docs/faults.md): a dead actor, buffer or managed environment
+server is restarted after a back-off that doubles, at most ``max_restarts`` times per
+``window_s``; a dead learner rank stops the other ranks and the learner restarts from its newest
+checkpoint (``recover: auto``). Replacements find the others where their predecessors were (the
+same ports): actors rejoin the weight hub at the current weights and resend their outboxes, a
+buffer replays its log, a learner resumes from its checkpoint. A death past the limits, or of
+the coordinator, stops the run with a non-zero exit. Every decision is logged and sent to the
+coordinator (``ProcessEvent``), which counts it under ``faults/`` and in ``faults.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,20 +28,25 @@ import sys
 import threading
 import time
 import uuid
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
-from horizonrl.core.config import ConfigError, TrainConfig, dump_config
-from horizonrl.protocol.transport import free_ports, is_loopback
+from horizonrl.core.config import ConfigError, SupervisionConfig, TrainConfig, dump_config
 from horizonrl.core.runtime import StopFlag
+from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, ProcessEvent, encode
+from horizonrl.protocol.transport import free_port, free_ports, is_loopback
 
 log = logging.getLogger("horizonrl.launcher")
 
 TERMINATE_GRACE_S = 20.0
 ACTOR_STOP_S = 30.0  # an actor lets its last sends be acknowledged (10 s), then shuts its engine down
+LEARNER_KILL_GRACE_S = 30.0  # the surviving ranks of a learner that lost one: SIGTERM, then SIGKILL
 # Lines of a child's output shown on the terminal; everything goes to its log file.
 _SHOWN = ("step ", "ERROR", "WARNING", "Traceback", "Error", "horizonrl.", "error:")
+RESTARTABLE = ("actor", "buffer", "env")
+HEALTH_TIMEOUT_S = 0.5
 
 
 def resolve_ports(config: TrainConfig) -> TrainConfig:
@@ -48,12 +61,51 @@ def resolve_ports(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"network": type(config.network).model_validate(net)})
 
 
+class RestartPolicy:
+    """Whether, and after what back-off, a process may be restarted: at most ``limit`` restarts within
+    ``window_s`` per process; the first waits ``backoff_s``, each further one in the window twice as
+    long (up to ``max_backoff_s``)."""
+
+    def __init__(self, limit: int, window_s: float, backoff_s: float, max_backoff_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self.backoff_s, self.max_backoff_s = limit, window_s, backoff_s, max_backoff_s
+        self.clock = clock
+        self._restarts: dict[str, deque[float]] = defaultdict(deque)
+
+    @classmethod
+    def for_processes(cls, cfg: SupervisionConfig) -> "RestartPolicy":
+        return cls(cfg.max_restarts if cfg.restart else 0, cfg.window_s, cfg.backoff_s, cfg.max_backoff_s)
+
+    @classmethod
+    def for_learner(cls, cfg: SupervisionConfig) -> "RestartPolicy":
+        return cls(cfg.max_learner_restarts if cfg.recover == "auto" else 0, cfg.window_s, cfg.backoff_s,
+                   cfg.max_backoff_s)
+
+    def recent(self, name: str) -> int:
+        times, now = self._restarts[name], self.clock()
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        return len(times)
+
+    def next_delay(self, name: str) -> float | None:
+        """The back-off before restarting ``name`` now, or None when it may not be restarted; records it."""
+        recent = self.recent(name)
+        if recent >= self.limit:
+            return None
+        self._restarts[name].append(self.clock())
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+
+
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen
+    args: list[str]
+    env: dict[str, str] | None
     essential: bool  # the run is over when every essential child has exited 0
     threads: list[threading.Thread] = field(default_factory=list)
+    expected_exit: bool = False  # the launcher stopped it on purpose (a learner rank whose peer died)
+    handled: bool = False  # its exit was dealt with
 
     @property
     def role(self) -> str:
@@ -68,6 +120,7 @@ def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, show_all: bool) -> 
         if show_all or any(tag in line for tag in _SHOWN):
             print(f"[{name}] {line}" if not line.startswith("step ") else line, flush=True)
     stream.close()
+    log_file.close()
 
 
 class Launcher:
@@ -77,6 +130,13 @@ class Launcher:
         self.tensorboard = tensorboard
         self.children: list[Child] = []
         self.log_dir = config.output_dir / "logs"
+        self.restarts = RestartPolicy.for_processes(config.supervision)
+        self.learner_restarts = RestartPolicy.for_learner(config.supervision)
+        self._due: list[tuple[float, str, Callable[[], None]]] = []  # (when, what, start it)
+        self._events = None  # a PUSH socket to the coordinator, made on first use
+        self._servers_recovering: dict[str, str] = {}  # restarted environment servers -> their URL
+
+    # ------------------------------------------------------------------ starting
 
     def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None,
               show_all: bool = False) -> Child:
@@ -90,7 +150,7 @@ class Launcher:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # its own process group: stopping it stops what it spawned
         )
-        child = Child(name, proc, essential)
+        child = Child(name, proc, args, env, essential)
         t = threading.Thread(target=_pump, args=(proc.stdout, log_file, name, show_all), daemon=True)
         t.start()
         child.threads.append(t)
@@ -98,23 +158,29 @@ class Launcher:
         log.info("started %s (pid %d)", name, proc.pid)
         return child
 
-    def role_args(self, role: str, index: int | None = None) -> list[str]:
-        args = [sys.executable, "-m", "horizonrl", role, "--config", str(self.config_path)]
+    def role_args(self, role: str, index: int | None = None, *extra: str) -> list[str]:
+        args = [sys.executable, "-m", "horizonrl", role, "--config", str(self.config_path), *extra]
         return args + (["--index", str(index)] if index is not None else [])
 
     def start_all(self) -> None:
         cfg = self.config
         self.spawn("coordinator", self.role_args("coordinator"), essential=True)
         self.spawn("buffer", self.role_args("buffer"), essential=False)
-        world = cfg.learner.num_ranks
-        for rank in range(world):
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": cfg.network.host, "MASTER_PORT": str(cfg.network.dist_port)}
-            self.spawn(f"learner-{rank}", self.role_args("learner"), essential=True, env=env)
+        self.start_learner()
+        for name, args in managed_env_servers(cfg):
+            self.spawn(name, args, essential=False)
         for i in range(cfg.rollout.num_actors):
             self.spawn(f"actor-{i}", self.role_args("actor", i), essential=False)
         if self.tensorboard:
             self.start_tensorboard()
+
+    def start_learner(self, *extra: str) -> None:
+        cfg = self.config
+        world = cfg.learner.num_ranks
+        for rank in range(world):
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": cfg.network.host, "MASTER_PORT": str(cfg.network.dist_port)}
+            self.spawn(f"learner-{rank}", self.role_args("learner", None, *extra), essential=True, env=env)
 
     def start_tensorboard(self) -> None:
         port = self.config.monitor.tensorboard_port
@@ -123,27 +189,162 @@ class Launcher:
         self.spawn("tensorboard", tb, essential=False)
         print(f"TensorBoard: http://127.0.0.1:{port}/", flush=True)
 
+    # ------------------------------------------------------------------ watching
+
+    def learners(self) -> list[Child]:
+        return [c for c in self.children if c.role == "learner" and not c.expected_exit]
+
+    def learner_finished(self) -> bool:
+        learners = self.learners()
+        return bool(learners) and all(c.proc.poll() == 0 for c in learners) and not self._learner_pending()
+
+    def _learner_pending(self) -> bool:
+        return any(what == "learner" for _, what, _ in self._due)
+
     def watch(self, stop: StopFlag) -> int:
-        """Wait until the essential processes finish (0), one fails, or we are stopped."""
+        """Wait until the essential processes finish (0), one dies past what supervision allows (1), or
+        we are stopped (130); restart the others as they die."""
         while True:
             if stop:
                 log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
                 return 130
-            for child in self.children:
+            self._start_due()
+            self._check_servers_recovered()
+            for child in list(self.children):
                 rc = child.proc.poll()
-                if rc is None:
+                if rc is None or child.handled:
                     continue
-                if rc != 0:
-                    log.error("%s exited with code %d; stopping the run (see %s)", child.name, rc,
-                              self.log_dir / f"{child.name}.log")
-                    return 1
-                learners_done = all(c.proc.poll() == 0 for c in self.children if c.name.startswith("learner"))
-                if not child.essential and not learners_done and child.name != "tensorboard":
-                    log.error("%s exited before the run finished; stopping the run", child.name)
-                    return 1
-            if all(c.proc.poll() == 0 for c in self.children if c.essential):
+                child.handled = True
+                outcome = self._on_exit(child, rc)
+                if outcome is not None:
+                    return outcome
+            essential = [c for c in self.children if c.essential and not c.expected_exit]
+            if not self._due and all(c.proc.poll() == 0 for c in essential):
                 return 0
             time.sleep(0.2)
+
+    def _on_exit(self, child: Child, rc: int) -> int | None:
+        """Deal with one exit; a return value ends the watch with it."""
+        if child.expected_exit or child.role == "tensorboard":
+            return None
+        if child.role == "learner":
+            if rc == 0:
+                return None  # a rank that finished; the run ends when every essential process has
+            return self._restart_learner(child, rc)
+        if child.role == "coordinator":
+            if rc == 0:
+                return None  # after the learner's final report (or a stop signal)
+            log.error("the coordinator exited with code %d; stopping the run (see %s)", rc,
+                      self.log_dir / "coordinator.log")
+            return 1
+        if rc == 0:
+            # An actor that was told to stop (the run is ending); a buffer or server only stops on a signal.
+            if child.role == "actor" or self.learner_finished():
+                return None
+            log.error("%s exited before the run finished; stopping the run", child.name)
+            return 1
+        if child.role not in RESTARTABLE:
+            log.error("%s exited with code %d; stopping the run (see %s)", child.name, rc,
+                      self.log_dir / f"{child.name}.log")
+            return 1
+        return self._restart(child, rc)
+
+    def _restart(self, child: Child, rc: int) -> int | None:
+        _signal_group(child.proc.pid, signal.SIGKILL)  # what it spawned (an engine's processes) goes with it
+        self._report(child.name, EVENT_DIED, exit_code=rc)
+        if self.learner_finished():
+            return None  # the run is over anyway
+        delay = self.restarts.next_delay(child.name)
+        if delay is None:
+            log.error("%s exited with code %d; %s; stopping the run (see %s)", child.name, rc,
+                      "restarts are off (supervision.restart)" if not self.config.supervision.restart else
+                      f"it was restarted {self.restarts.recent(child.name)} times within "
+                      f"{self.config.supervision.window_s:.0f} s", self.log_dir / f"{child.name}.log")
+            self._report(child.name, EVENT_GAVE_UP, exit_code=rc)
+            return 1
+        restarts = self.restarts.recent(child.name)
+        log.warning("%s exited with code %d; restarting it in %.1f s (restart %d of %d within %.0f s)", child.name, rc,
+                    delay, restarts, self.restarts.limit, self.restarts.window_s)
+
+        def start() -> None:
+            self.children.remove(child)
+            self.spawn(child.name, child.args, essential=child.essential, env=child.env)
+            self._report(child.name, EVENT_RESTARTED, restarts=restarts, delay_s=delay)
+            if child.role == "env":
+                self._servers_recovering[child.name] = server_url(child.args)
+
+        self._due.append((time.monotonic() + delay, child.name, start))
+        return None
+
+    def _restart_learner(self, dead: Child, rc: int) -> int | None:
+        """A rank died: the others cannot go on (their collectives need it). Stop them, then start every
+        rank again from the newest checkpoint."""
+        self._report(dead.name, EVENT_DIED, exit_code=rc)
+        survivors = [c for c in self.learners() if c is not dead and c.proc.poll() is None]
+        delay = self.learner_restarts.next_delay("learner")
+        if delay is None:
+            log.error("%s exited with code %d; %s; stopping the run (see %s)", dead.name, rc,
+                      "supervision.recover is off" if self.config.supervision.recover != "auto" else
+                      f"the learner was restarted {self.learner_restarts.recent('learner')} times within "
+                      f"{self.config.supervision.window_s:.0f} s", self.log_dir / f"{dead.name}.log")
+            self._report("learner", EVENT_GAVE_UP, exit_code=rc)
+            return 1
+        restarts = self.learner_restarts.recent("learner")
+        log.warning("%s exited with code %d; restarting the learner from its newest checkpoint in %.1f s (restart %d "
+                    "of %d within %.0f s)", dead.name, rc, delay, restarts, self.learner_restarts.limit,
+                    self.learner_restarts.window_s)
+        _stop_group_members(survivors, LEARNER_KILL_GRACE_S)
+        for child in self.learners():
+            child.expected_exit = True
+            _signal_group(child.proc.pid, signal.SIGKILL)
+
+        def start() -> None:
+            self.children = [c for c in self.children if not (c.role == "learner" and c.expected_exit)]
+            self.start_learner("--resume", "auto")
+            self._report("learner", EVENT_RESTARTED, restarts=restarts, delay_s=delay)
+
+        self._due.append((time.monotonic() + delay, "learner", start))
+        return None
+
+    def _check_servers_recovered(self) -> None:
+        """A restarted environment server has recovered once it answers /health (it sends no heartbeats)."""
+        import urllib.request
+
+        for name, url in list(self._servers_recovering.items()):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=HEALTH_TIMEOUT_S):
+                    pass
+            except OSError:
+                continue
+            del self._servers_recovering[name]
+            log.info("%s answers again at %s", name, url)
+            self._report(name, EVENT_RECOVERED)
+
+    def _start_due(self) -> None:
+        now = time.monotonic()
+        for item in [d for d in self._due if d[0] <= now]:
+            self._due.remove(item)
+            item[2]()
+
+    def _report(self, name: str, event: str, **fields) -> None:
+        """Tell the coordinator (it counts faults/ and writes faults.jsonl); never blocks."""
+        import zmq
+
+        if self._events is None:
+            from horizonrl.protocol.transport import make_socket, wire_security
+
+            context = zmq.Context.instance()
+            security = wire_security(context, self.config.network.host, self.config.network.curve_keys_dir)
+            self._events = make_socket(context, zmq.PUSH, security=security)
+            self._events.connect(self.config.network.endpoint(self.config.network.report_port))
+        message = ProcessEvent(run_id=self.config.run.run_id, name=name, role=name.split("-")[0], event=event,
+                               at=time.time(), **fields)
+        try:
+            self._events.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not tell the coordinator that %s %s", name, event)
+
+    # ------------------------------------------------------------------ stopping
 
     def stop_all(self, stop: StopFlag | None = None) -> None:
         """Stop in order, so nothing is lost and a checkpoint is written: first the actors (no new
@@ -151,10 +352,12 @@ class Launcher:
         saves), within ``monitor.stop_timeout_s``; then the buffer and the coordinator. A second
         stop signal (Ctrl-C again) kills everything at once. Whatever is left is killed, with the
         processes it spawned (each child leads its own process group)."""
+        self._due.clear()
         # (roles, how long each may take) per phase; the actors' part of the first is short: they
         # only let their last sends be acknowledged.
         phases = [{"actor": ACTOR_STOP_S, "learner": self.config.monitor.stop_timeout_s},
-                  {"buffer": TERMINATE_GRACE_S, "coordinator": TERMINATE_GRACE_S, "tensorboard": TERMINATE_GRACE_S}]
+                  {"buffer": TERMINATE_GRACE_S, "coordinator": TERMINATE_GRACE_S, "tensorboard": TERMINATE_GRACE_S,
+                   "env": TERMINATE_GRACE_S}]
         for grace in phases:
             members = [c for c in self.children if c.role in grace and c.proc.poll() is None]
             for child in members:
@@ -180,6 +383,23 @@ class Launcher:
         for child in self.children:
             for t in child.threads:
                 t.join(timeout=5)
+        if self._events is not None:
+            self._events.close(linger=0)
+
+
+def _stop_group_members(children: list[Child], grace_s: float) -> None:
+    """SIGTERM each child's process group, wait up to ``grace_s`` for all, then SIGKILL what is left."""
+    for child in children:
+        _signal_group(child.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(c.proc.poll() is None for c in children):
+        time.sleep(0.1)
+    for child in children:
+        _signal_group(child.proc.pid, signal.SIGKILL)
+        try:
+            child.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("%s (pid %d) did not die after SIGKILL", child.name, child.proc.pid)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -228,6 +448,39 @@ def resolve_run_identity(config: TrainConfig, resuming: bool) -> TrainConfig:
     return config.model_copy(update={"run": config.run.model_copy(update={"run_id": run_id})})
 
 
+def resolve_env_servers(config: TrainConfig) -> TrainConfig:
+    """Each ``http`` environment with ``managed: true`` gets the address of the server the launcher
+    starts for it: its ``url`` if set (the port is taken from it), else a free port on ``network.host``."""
+    specs = []
+    for spec in config.envs:
+        settings = dict(spec.settings)
+        if spec.name == "http" and settings.get("managed"):
+            if not settings.get("env"):
+                raise ConfigError("a managed http environment needs settings.env: the environment its server serves")
+            if not settings.get("url"):
+                settings["url"] = f"http://{config.network.host}:{free_port(config.network.host)}"
+            spec = spec.model_copy(update={"settings": settings})
+        specs.append(spec)
+    return config.model_copy(update={"envs": specs})
+
+
+def managed_env_servers(config: TrainConfig) -> list[tuple[str, list[str]]]:
+    """(name, command) of every environment server the launcher starts: ``env-<i>`` for ``envs[i]``."""
+    servers = []
+    for i, spec in enumerate(config.envs):
+        s = spec.settings
+        if spec.name == "http" and s.get("managed"):
+            host, _, port = s["url"].split("//", 1)[-1].rstrip("/").rpartition(":")
+            servers.append((f"env-{i}", [sys.executable, "-m", "horizonrl", "env", "serve", s["env"], "--host", host,
+                                         "--port", port, "--settings", json.dumps({s["env"]: s.get("env_settings", {})})]))
+    return servers
+
+
+def server_url(args: list[str]) -> str:
+    """The address a managed server's command line binds."""
+    return f"http://{args[args.index('--host') + 1]}:{args[args.index('--port') + 1]}"
+
+
 def resolve_vocab_size(config: TrainConfig) -> TrainConfig:
     """``model.vocab_size`` from the model's config.json (the buffer rejects token ids outside it)."""
     if config.model.vocab_size is not None:
@@ -255,6 +508,7 @@ def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     config = resolve_resume_setting(config)
     config = resolve_run_identity(config, resuming)
     config = resolve_vocab_size(config)
+    config = resolve_env_servers(config)
     path = config.output_dir / "config.yaml"
     path.write_text(dump_config(config))
     return config, path

@@ -1,6 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from horizonrl.core.config import ConfigError, load_config, parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_overrides_use_agentgym_names(tmp_path):
@@ -43,3 +47,9 @@ def test_synchronous_actors_split_one_batch_between_them():
                              "learner.groups_per_step=8"])
     shares = [Actor.synchronous_share(SimpleNamespace(config=cfg, index=i)) for i in range(3)]
     assert shares == [3, 3, 2]
+
+
+def test_supervision_settings_from_the_command_line():
+    config = load_config(REPO / "configs" / "signpost_test.yaml", ["supervision.recover=off", "supervision.restart=false"])
+    assert config.supervision.recover == "off" and config.supervision.restart is False  # YAML's bare off is False
+    assert load_config(REPO / "configs" / "signpost_test.yaml").supervision.recover == "auto"

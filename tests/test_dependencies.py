@@ -4,7 +4,7 @@ Three kinds of top-level module in ``horizonrl/``:
 - the bottom layer (``core/``, ``protocol/``): imports only itself, and neither torch nor vllm;
 - the parts (actors, learner, buffer, envs, coordinator, launcher): each imports the bottom layer and
   itself, never another part;
-- the programs (the command line, the demo, the benchmarks, the tiny-model builder): they wire
+- the programs (the command line, the demo, the benchmarks, chaos, the tiny-model builder): they wire
   parts together, so they may import anything.
 Every top-level module must be one of these, so a new module cannot slip past the rule.
 """
@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "horizonrl"
 
 BOTTOM = {"core", "protocol"}
 PARTS = {"actors", "learner", "buffer", "envs", "coordinator", "launcher"}
-PROGRAMS = {"cli", "demo", "bench", "tiny_model", "__main__", "__init__"}
+PROGRAMS = {"cli", "demo", "bench", "chaos", "tiny_model", "__main__", "__init__"}
 HEAVY = {"torch", "vllm"}
 
 

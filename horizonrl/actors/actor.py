@@ -194,6 +194,10 @@ class Actor:
                 for t in services + workers:
                     if t.done():
                         t.result()  # a dead coroutine fails the actor loudly
+                if self.engine.dead:
+                    # Every generation would fail from now on: exit non-zero so the launcher restarts
+                    # the actor with a new engine (the episodes it failed are counted as engine failures).
+                    raise RuntimeError("the vLLM engine died (its EngineCore or worker process exited)")
                 await asyncio.sleep(0.2)
         finally:
             await self._stop(workers, services)
@@ -342,10 +346,13 @@ class Actor:
     async def _play(self, env_name: str, task_id: int, max_turns: int) -> Episode:
         env = self.envs.acquire(env_name)
         ep = None
+        # A gauge in the heartbeat: if this actor dies, the coordinator counts these episodes as lost.
+        self.counters["episodes_in_progress"] += 1
         try:
             ep = await run_episode(self.engine, env, self.chat, task_id, max_turns=max_turns, sampling=self.sampling,
                                    weights=lambda: self.weights)
         finally:
+            self.counters["episodes_in_progress"] -= 1
             self.envs.release(env_name, env, healthy=ep is not None and ep.failure not in UNHEALTHY_ENV_FAILURES)
         self.counters["episodes"] += 1
         self.counters["generated_tokens"] += ep.generated_tokens

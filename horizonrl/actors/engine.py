@@ -124,6 +124,11 @@ class RolloutEngine:
         await self._llm.reset_prefix_cache(reset_running_requests=True)
         return WeightUpdate(int(version), int(epoch), float(receive_s), float(load_s), time.perf_counter() - start)
 
+    @property
+    def dead(self) -> bool:
+        """The engine's processes are gone (or it was shut down): nothing can be generated any more."""
+        return self._llm is None or bool(self._llm.errored)
+
     def shutdown(self) -> None:
         if self._llm is None:
             return

@@ -209,6 +209,28 @@ class MonitorConfig(_Frozen):
                                 "(0: never)")
 
 
+class SupervisionConfig(_Frozen):
+    """What the launcher does when a process of the run dies (docs/faults.md)."""
+
+    restart: bool = Field(True, description="restart a dead actor, buffer or managed environment server (off: any "
+                          "death stops the run)")
+    max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops the run")
+    window_s: float = Field(600.0, gt=0)
+    backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each restart in the "
+                             "window")
+    max_backoff_s: float = Field(30.0, ge=0)
+    recover: Literal["auto", "off"] = Field(
+        "auto", description="auto: when a learner rank dies, stop the other ranks and restart the learner from its "
+                            "newest checkpoint (AReaL's recover.mode=auto); off: the run stops")
+    max_learner_restarts: int = Field(3, ge=0, description="learner restarts within window_s")
+
+    @field_validator("recover", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML reads a bare `off` (and `on`) as a boolean
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
 class EvalConfig(_Frozen):
     episodes: int = Field(100, ge=0, description="held-out episodes before and after training (0: skip)")
     max_turns: int | None = None  # default: the schedule's last value
@@ -225,6 +247,7 @@ class TrainConfig(_Frozen):
     buffer: BufferConfig = BufferConfig()
     network: NetworkConfig = NetworkConfig()
     monitor: MonitorConfig = MonitorConfig()
+    supervision: SupervisionConfig = SupervisionConfig()
     eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")

@@ -3,8 +3,13 @@
 ``make_env("http", {"url": "http://host:8000", "env": "babyai"})``. Server and network failures
 (connection refused, timeouts, HTTP 5xx, a lost session) raise :class:`EnvironmentFailure`; a bad
 task id (HTTP 400 on reset) raises ``ValueError`` as the in-process environment does. Requests
-that are safe to repeat (create, reset, metadata) are retried; ``step`` is sent once, because
-repeating it could apply an action twice.
+that are safe to repeat (create, reset, metadata) are retried with a back-off that doubles (0.2 s
+up to 5 s) for up to ``retry_for_s`` — long enough for a server the launcher restarts to come
+back; ``step`` is sent once, because repeating it could apply an action twice, so an episode whose
+server dies mid-way ends as an environment failure (counted, never trained on).
+
+``managed: true`` (with ``env`` and ``env_settings``) asks the launcher to start and supervise the
+server itself (``url`` is then optional: it picks a free port); the client ignores those keys.
 
 ``protocol="agentgym"`` talks to AgentGym's own servers (``agentenv-*``): they answer errors
 with HTTP 200 and ``{"error": ...}`` (turned into EnvironmentFailure here), expect the bare
@@ -14,13 +19,18 @@ action (extracted here from the reply with the ``Action:`` rule), and have no ta
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import random
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
 
 from horizonrl.envs.base import EnvironmentFailure, StepResult, extract_react_action
+
+log = logging.getLogger("horizonrl.envs.client")
 
 MAX_ACTION_CHARS = 65_536  # longer replies are cut so they never trip the server's body limit
 
@@ -28,15 +38,15 @@ MAX_ACTION_CHARS = 65_536  # longer replies are cut so they never trip the serve
 class HTTPEnv:
     """One remote session; created on the first reset, closed by ``close``."""
 
-    def __init__(self, url: str, env: str | None = None, timeout_s: float = 60.0, retries: int = 2,
-                 protocol: str = "horizonrl") -> None:
+    def __init__(self, url: str, env: str | None = None, timeout_s: float = 60.0, retry_for_s: float = 60.0,
+                 protocol: str = "horizonrl", managed: bool = False, env_settings: dict[str, Any] | None = None) -> None:
         if protocol not in ("horizonrl", "agentgym"):
             raise ValueError("protocol must be 'horizonrl' or 'agentgym'")
         self.url = url.rstrip("/")
         self.env_name = env
         self.name = env or "http"
         self.timeout_s = timeout_s
-        self.retries = retries
+        self.retry_for_s = retry_for_s
         self.protocol = protocol
         self._session: Any = None
         self._id: int | None = None
@@ -71,6 +81,9 @@ class HTTPEnv:
         try:
             if session_id is not None:
                 await self._post("/close", {"id": session_id}, retry=False, missing_ok=True)
+        except EnvironmentFailure as exc:
+            # The server is unreachable: its sessions died with it (a restarted server starts empty).
+            log.info("closing session %s on %s: %s", session_id, self.url, exc)
         finally:
             if self._session is not None:
                 await self._session.close()
@@ -101,11 +114,16 @@ class HTTPEnv:
         return self._metadata
 
     def _get_blocking(self, path: str) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
-        except Exception as error:
-            raise EnvironmentFailure(f"environment server {self.url}{path} failed: {error!r}") from error
+        deadline = time.monotonic() + self.retry_for_s
+        for attempt in itertools.count():
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except Exception as error:
+                delay = _backoff(attempt)
+                if time.monotonic() + delay > deadline:
+                    raise EnvironmentFailure(f"environment server {self.url}{path} failed: {error!r}") from error
+                time.sleep(delay)
 
     # ------------------------------------------------------------ transport
     async def _post(self, path: str, body: dict[str, Any], retry: bool, missing_ok: bool = False) -> dict[str, Any]:
@@ -113,17 +131,20 @@ class HTTPEnv:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        attempts = self.retries + 1 if retry else 1
+        deadline = time.monotonic() + (self.retry_for_s if retry else 0.0)
         last: BaseException | None = None
-        for attempt in range(attempts):
+        for attempt in itertools.count():
+            if attempt > 0:
+                delay = _backoff(attempt - 1)
+                if time.monotonic() + delay > deadline:
+                    break
+                await asyncio.sleep(delay)
             try:
                 async with self._session.post(self.url + path, json=body) as response:
                     text = await response.text()
                     status = response.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:
                 last = error
-                if attempt + 1 < attempts:
-                    await asyncio.sleep(0.1 * 2**attempt)
                 continue
             payload = _parse(text)
             if status == 404 and missing_ok:
@@ -134,8 +155,7 @@ class HTTPEnv:
                 raise EnvironmentFailure(f"lost session on {self.url}: {payload.get('error', text[:200])}")
             if status >= 400:
                 last = EnvironmentFailure(f"{self.url}{path} answered HTTP {status}: {payload.get('error', text[:200])}")
-                if status >= 500 and attempt + 1 < attempts:
-                    await asyncio.sleep(0.1 * 2**attempt)
+                if status >= 500:
                     continue
                 raise last
             if "error" in payload:  # AgentGym's servers report failures with HTTP 200
@@ -144,6 +164,11 @@ class HTTPEnv:
         if isinstance(last, EnvironmentFailure):
             raise last
         raise EnvironmentFailure(f"environment server {self.url}{path} unreachable: {last!r}") from last
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt + 1``: 0.2, 0.4, 0.8, ... up to 5."""
+    return min(5.0, 0.2 * 2**attempt)
 
 
 def _parse(text: str) -> dict[str, Any]:

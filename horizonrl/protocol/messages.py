@@ -180,6 +180,27 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     counters: dict[str, float] = {}
 
 
+# What happened to a process of the run (ProcessEvent.event).
+EVENT_DIED = "died"  # it exited before the run was over (exit_code says how)
+EVENT_RESTARTED = "restarted"  # a replacement was started (after delay_s)
+EVENT_GAVE_UP = "gave_up"  # too many restarts in the window, or restarts are off: the run stops
+EVENT_RECOVERED = "recovered"  # the replacement works again (the coordinator sees it itself, but for servers)
+
+
+class ProcessEvent(msgspec.Struct, tag="process_event", kw_only=True):
+    """Launcher -> coordinator: a supervision decision about one process (counted under ``faults/``)."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    name: str  # "actor-1", "buffer", "learner-0", "env-babyai"
+    role: str
+    event: str  # EVENT_*
+    exit_code: int | None = None
+    restarts: int = 0  # restarts of this process within the supervision window, this one included
+    delay_s: float = 0.0  # the back-off before this restart
+    at: float = 0.0  # wall-clock time of the event (time.time())
+
+
 class EpisodeSample(msgspec.Struct, tag="episode_sample", kw_only=True):
     """Actor -> coordinator, now and then: one episode as text, so a person can see what the agent did.
 
@@ -222,4 +243,4 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
 
 
 Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
-           | TrajectoryAck)
+           | TrajectoryAck | ProcessEvent)

@@ -107,10 +107,32 @@ async def test_abrupt_disconnects_do_not_hurt_the_server(server):
 
 
 async def test_client_raises_environment_failure_when_server_is_gone():
-    env = HTTPEnv(f"http://127.0.0.1:{free_port()}", env="babyai", timeout_s=2, retries=1)
+    env = HTTPEnv(f"http://127.0.0.1:{free_port()}", env="babyai", timeout_s=2, retry_for_s=1)
     with pytest.raises(EnvironmentFailure):
         await env.reset(0)
     await env.close()
+
+
+async def test_the_client_waits_for_a_server_that_comes_back():
+    """A server restarted by the launcher: session creation is retried with back-off until it is back;
+    an episode in progress when it died fails as the environment's fault."""
+    first = ServerProcess(["babyai"])
+    env = HTTPEnv(first.url, env="babyai", timeout_s=5, retry_for_s=120)
+    await env.reset(3)
+    first.proc.kill()  # kill -9
+    first.proc.wait(15)
+    with pytest.raises(EnvironmentFailure):
+        await env.step("Action: turn left")  # sent once: never repeated
+    await env.close()
+    reset = asyncio.ensure_future(HTTPEnv(first.url, env="babyai", timeout_s=5, retry_for_s=120).reset(3))
+    await asyncio.sleep(2)
+    assert not reset.done()  # nothing listens: it keeps trying
+    second = ServerProcess(["babyai"], "--port", str(first.port))
+    try:
+        assert (await asyncio.wait_for(reset, 60)).startswith("Your goal:")
+    finally:
+        second.stop()
+        first.stop()
 
 
 async def test_lost_session_is_environment_failure(server):

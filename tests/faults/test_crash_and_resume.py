@@ -27,9 +27,11 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
 TOTAL_STEPS = 8
+# Supervision off: a death ends the run here, so what is tested is `resume=auto` after it (the launcher
+# replacing processes within a run is tests/faults/test_supervision.py).
 SMALL_RUN = ["rollout.num_actors=1", "rollout.n=4", "learner.groups_per_step=2", "learner.save_every=2",
              "rollout.ack_timeout_s=5", "learner.batch_resend_s=10", "buffer.capacity_groups=8",
-             f"learner.total_steps={TOTAL_STEPS}"]
+             f"learner.total_steps={TOTAL_STEPS}", "supervision.restart=false", "supervision.recover=off"]
 STEP = re.compile(r"^step (\d+)/\d+", re.M)
 
 

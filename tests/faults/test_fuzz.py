@@ -2,7 +2,7 @@
 no process dies, every message is counted, and the learner keeps stepping.
 
 The sockets: the buffer's trajectory intake and batch sockets (ZMQ ROUTER), the coordinator's report
-socket (ZMQ PULL), and the two torch TCPStores (the weight group's and the learner's own process
+socket (ZMQ PULL), and the two torch TCPStores (the weight hub's and the learner's own process
 group's: raw TCP). The coordinator's control socket is a PUB: it reads nothing.
 
 Messages over a socket's size limit (ZMQ MAXMSGSIZE) are refused by the transport — the connection is

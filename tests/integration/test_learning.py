@@ -1,7 +1,7 @@
 """Learning through the whole asynchronous loop, with every part real.
 
 Real processes (coordinator, buffer, learner rank(s), two actors with vLLM engines), real
-ZMQ sockets, a real gloo weight group. Success is measured two ways:
+ZMQ sockets, a real gloo weight hub. Success is measured two ways:
 - ``rollout/success_rate``: the actors' own episodes, unfiltered. It rises only if the
   learner's weights reach the actors' engines.
 - held-out success of the final checkpoint (test-split tasks the learner never saw),

@@ -1,0 +1,94 @@
+"""The rules of supervision, without processes: the launcher's restart policy, and how the coordinator
+counts deaths, lost episodes and recoveries across a process's incarnations."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from horizonrl.coordinator import Coordinator
+from horizonrl.core.config import TrainConfig
+from horizonrl.core.runtime import StopFlag
+from horizonrl.launcher import RestartPolicy, resolve_ports
+from horizonrl.protocol import EVENT_DIED, EVENT_RESTARTED, Heartbeat, LearnerReport, ProcessEvent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_restarts_back_off_double_and_stop_at_the_limit_within_the_window():
+    clock = Clock()
+    policy = RestartPolicy(limit=3, window_s=100, backoff_s=1, max_backoff_s=3, clock=clock)
+    assert [policy.next_delay("actor-0") for _ in range(3)] == [1, 2, 3]  # doubled, capped at 3
+    assert policy.next_delay("actor-0") is None  # a 4th within the window: give up
+    assert policy.next_delay("actor-1") == 1  # counted per process
+    clock.now = 101  # the first three left the window
+    assert policy.next_delay("actor-0") == 1 and policy.recent("actor-0") == 1
+
+
+def test_no_restarts_when_the_limit_is_zero():
+    assert RestartPolicy(limit=0, window_s=10, backoff_s=1, max_backoff_s=1).next_delay("buffer") is None
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    config = resolve_ports(TrainConfig.model_validate({
+        "run": {"output_dir": str(tmp_path), "run_id": "test-run"}, "model": {"path": "unused"},
+        "envs": [{"name": "signpost"}], "buffer": {"capacity_groups": 4}, "network": {"host": "127.0.0.1"}}))
+    c = Coordinator(config, StopFlag())
+    yield c
+    c.close()
+
+
+def beat(role: str, pid: int, index: int = 0, **counters: float) -> Heartbeat:
+    return Heartbeat(run_id="test-run", role=role, index=index, pid=pid, counters=counters)
+
+
+def faults(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+
+
+def test_counters_add_up_over_incarnations_but_levels_are_the_current_ones(coordinator):
+    coordinator.on_heartbeat(beat("actor", 10, episodes=5.0, episodes_in_progress=3.0))
+    coordinator.on_heartbeat(beat("buffer", 20, ready_groups=4.0))
+    assert coordinator.rollout_paused  # the buffer holds capacity_groups
+    coordinator.on_heartbeat(beat("actor", 11, episodes=2.0, episodes_in_progress=1.0))  # a restarted actor
+    coordinator.on_heartbeat(beat("buffer", 21, ready_groups=0.0))  # a restarted buffer, empty
+    assert coordinator.health.total("actor", "episodes") == 7  # cumulative: both incarnations
+    assert coordinator.health.gauge("actor", "episodes_in_progress") == 1  # a level: the current one
+    assert not coordinator.rollout_paused  # the dead buffer's last depth is not the buffer's state
+    assert coordinator.faults["episodes_lost"] == 3  # what the dead actor was playing
+
+
+def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(coordinator, tmp_path):
+    coordinator.on_heartbeat(beat("actor", 10, index=1))
+    died_at = time.time() - 5
+    coordinator.on_process_event(ProcessEvent(run_id="test-run", name="actor-1", role="actor", event=EVENT_DIED,
+                                              exit_code=-9, at=died_at))
+    coordinator.on_process_event(ProcessEvent(run_id="test-run", name="actor-1", role="actor", event=EVENT_RESTARTED,
+                                              restarts=1, delay_s=1.0, at=died_at + 1))
+    coordinator.on_heartbeat(beat("actor", 11, index=1))  # back, but has not produced yet
+    assert [f["event"] for f in faults(tmp_path)] == ["died", "restarted"]
+    coordinator.on_heartbeat(beat("actor", 11, index=1, acked_accepted=1.0))  # the buffer took its first trajectory
+    recovered = faults(tmp_path)[-1]
+    assert recovered["event"] == "recovered" and recovered["name"] == "actor-1"
+    assert 5 <= recovered["recovery_s"] < 60
+    assert coordinator.faults["actor_died"] == 1 and coordinator.faults["actor_recovered"] == 1
+
+
+def test_a_restarted_learner_has_recovered_at_its_first_step(coordinator, tmp_path):
+    coordinator.on_learner_report(LearnerReport(run_id="test-run", step=4, weight_version=4, weight_epoch=0))
+    coordinator.on_process_event(ProcessEvent(run_id="test-run", name="learner-1", role="learner", event=EVENT_DIED,
+                                              exit_code=1, at=time.time()))
+    coordinator.on_learner_report(LearnerReport(run_id="test-run", step=4, weight_version=4, weight_epoch=1,
+                                                startup=True))
+    assert "recovered" not in [f["event"] for f in faults(tmp_path)]  # started, no step yet
+    coordinator.on_learner_report(LearnerReport(run_id="test-run", step=5, weight_version=5, weight_epoch=1))
+    assert faults(tmp_path)[-1]["event"] == "recovered" and faults(tmp_path)[-1]["name"] == "learner"
