@@ -71,3 +71,51 @@ def test_compaction_rewrites_closed_segments_atomically(tmp_path):
     wal.append(b"new")
     wal.close()
     assert list(WriteAheadLog(tmp_path).replay()) == [keep_even(r) for r in data] + [b"new"]
+
+
+def test_a_submitted_batch_becomes_durable_under_its_ticket_and_wakes_a_poller(tmp_path):
+    import select
+
+    wal = WriteAheadLog(tmp_path, fsync="batch")
+    wal.append(b"a")
+    first = wal.submit()
+    wal.append(b"b")
+    second = wal.submit()
+    assert second > first and wal.submit() == second  # nothing new: the same ticket
+    readable, _, _ = select.select([wal.wakeup_fd], [], [], 10)
+    assert readable  # the writer said it advanced
+    wal.wait_durable(second, 10)
+    assert wal.durable >= second
+    wal.close()
+    assert list(WriteAheadLog(tmp_path).replay()) == [b"a", b"b"]
+
+
+def test_a_failed_write_is_raised_and_nothing_after_it_is_durable(tmp_path, monkeypatch):
+    wal = WriteAheadLog(tmp_path, fsync="batch")
+    wal.append(b"a")
+    wal.sync()
+
+    def disk_full(records):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(wal, "_write", disk_full)
+    wal.append(b"b")
+    ticket = wal.submit()
+    with pytest.raises(OSError, match="writing failed"):
+        wal.wait_durable(ticket, 10)
+    assert wal.durable < ticket
+    with pytest.raises(OSError):
+        wal.submit()  # the buffer stops: nothing is acknowledged that is not on disk
+
+
+@pytest.mark.parametrize("size", [0, 10, 255, 256, 65535, 65536, 100_000])
+def test_an_accepted_record_in_parts_is_the_encoded_record(tmp_path, size):
+    from horizonrl.buffer.records import Accepted, accepted_parts, decode_record, encode_record
+
+    message = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert b"".join(accepted_parts(message)) == encode_record(Accepted(message))
+    wal = WriteAheadLog(tmp_path, fsync="batch")
+    wal.append(accepted_parts(message))  # written in parts, read back whole
+    wal.close()
+    [record] = WriteAheadLog(tmp_path).replay()
+    assert decode_record(record) == Accepted(message)

@@ -32,13 +32,13 @@ import zmq
 
 from horizonrl.buffer.groups import GroupBuffer
 from horizonrl.buffer.records import (
-    Accepted,
     Committed,
     Expired,
     Lineage,
     RolledBack,
     Served,
     Settings,
+    accepted_parts,
     apply,
     compacted,
     decode_record,
@@ -110,8 +110,10 @@ class BufferServer:
         self._known: dict[int, int] = {}  # weight epoch -> newest version announced in it
         self._early: deque[_Early] = deque()
         self._early_ids: set[str] = set()
-        self._outbox: defaultdict[bytes, list[tuple[str, str, str]]] = defaultdict(list)  # acks after the sync
-        self._reply: tuple[bytes, bytes] | None = None  # a batch, sent after the sync
+        self._outbox: defaultdict[bytes, list[tuple[str, str, str]]] = defaultdict(list)  # acks, once durable
+        self._reply: tuple[bytes, bytes] | None = None  # a batch, once durable
+        # (log ticket, acks, batch reply): what may leave the process once the log is durable up to the ticket
+        self._undurable: deque[tuple[int, dict[bytes, list[tuple[str, str, str]]], tuple[bytes, bytes] | None]] = deque()
         self._pending: tuple[bytes, BatchRequest] | None = None
         self._pending_since = 0.0
         self._equal_seen_at_request = 0
@@ -162,6 +164,8 @@ class BufferServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
+        if self.wal is not None:
+            poller.register(self.wal.wakeup_fd, zmq.POLLIN)  # the log's writer made more records durable
         reading = False
         last_beat = 0.0
         while not self.stop:
@@ -192,17 +196,29 @@ class BufferServer:
             self._maybe_compact()
 
     def _flush(self) -> None:
-        """Make the logged records durable, then let their consequences out: acks, then the batch."""
+        """Hand the logged records to the log's writer; their consequences (acks, a batch) leave the
+        process once they are durable — meanwhile this loop goes on reading (group commit)."""
+        if self._outbox or self._reply is not None:
+            ticket = self.wal.submit() if self.wal is not None else 0
+            self._undurable.append((ticket, dict(self._outbox), self._reply))
+            self._outbox, self._reply = defaultdict(list), None
+        elif self.wal is not None:
+            self.wal.submit()  # records with no consequence of their own (an expiry, a lineage)
+        self._release_durable()
+
+    def _release_durable(self) -> None:
+        durable = self.wal.durable if self.wal is not None else 0
         if self.wal is not None:
-            self.wal.sync()
-        for identity, entries in self._outbox.items():
-            ids, statuses, reasons = (list(x) for x in zip(*entries))
-            self._send(self.intake, identity, TrajectoryAck(run_id=self.run_id, trajectory_ids=ids, statuses=statuses,
-                                                              reasons=reasons))
-        self._outbox.clear()
-        if self._reply is not None:
-            self._send_bytes(self.router, *self._reply)
-            self._reply = None
+            self.wal.check()  # the log cannot be written: crash loudly, acknowledge nothing more
+            self.wal.clear_wakeup()
+        while self._undurable and self._undurable[0][0] <= durable:
+            _, acks, reply = self._undurable.popleft()
+            for identity, entries in acks.items():
+                ids, statuses, reasons = (list(x) for x in zip(*entries))
+                self._send(self.intake, identity, TrajectoryAck(run_id=self.run_id, trajectory_ids=ids,
+                                                                  statuses=statuses, reasons=reasons))
+            if reply is not None:
+                self._send_bytes(self.router, *reply)
 
     # ------------------------------------------------------------------ trajectories in
 
@@ -248,7 +264,7 @@ class BufferServer:
             self._early_ids.add(tid)
             return
         if self.wal is not None:
-            self.wal.append(encode_record(Accepted(message)))
+            self.wal.append(accepted_parts(message))  # encode_record(Accepted(message)), without copying it
         self.groups.accept(t)  # what applying the record does, without decoding the message again
         self._ack(identity, tid, ACK_ACCEPTED)
 
@@ -404,7 +420,11 @@ class BufferServer:
 
     def close(self) -> None:
         if self.wal is not None:
+            self.wal.sync()
+            self._release_durable()  # acknowledge what is durable before going
             self.wal.close()
+        else:
+            self._release_durable()
         for sock in (self.intake, self.router, self.control, self.reports):
             sock.close(linger=0)
         if self.security is not None:

@@ -8,10 +8,17 @@ and a segment is closed once it exceeds ``segment_bytes``; records are only ever
 newest one. What a record means is the caller's business (``buffer/records.py``).
 
 Durability (``fsync``): ``always`` — each :meth:`append` is on disk before it returns;
-``batch`` — :meth:`sync` (called once per batch of appends, before their acknowledgements go
-out) writes and fsyncs them together (group commit); ``never`` — records reach the OS at
-:meth:`sync` and the disk when the OS decides (a machine crash can lose the newest ones, a
-process crash cannot).
+``batch`` — the records appended since the last :meth:`submit` are written and fsynced together
+(group commit); ``never`` — records reach the OS when written and the disk when the OS decides (a
+machine crash can lose the newest ones, a process crash cannot).
+
+Writing happens on a writer thread, so the caller goes on with its work while the disk works
+(the checksums, the write and the fsync release the GIL): :meth:`submit` hands over what was
+appended and returns a ticket; ``durable`` is the newest ticket on disk, and ``wakeup_fd``
+becomes readable each time it advances (for a poller). While one batch is being written the
+next one grows, so batches get larger exactly when the disk is the bottleneck. :meth:`sync`
+submits and waits. A failed write stops the writer: ``durable`` never passes it, and the next
+:meth:`submit` or :meth:`check` raises the error.
 
 Recovery (:meth:`replay`): a crash can leave the newest segment with a torn last record; it is cut
 off (and counted). A checksum mismatch anywhere else is corruption of durable data: a clear
@@ -26,8 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +44,7 @@ from pathlib import Path
 log = logging.getLogger("horizonrl.buffer.wal")
 
 HEADER = struct.Struct("<II")
+IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 SEGMENT = re.compile(r"^seg_(\d{8})\.wal$")
 FSYNC_POLICIES = ("always", "batch", "never")
 
@@ -53,8 +63,17 @@ class WriteAheadLog:
         self.segment_bytes = segment_bytes
         self.torn_tail_bytes = 0  # cut off the newest segment by the last replay
         self._file = None
-        self._pending: list[bytes] = []  # appended, not yet written (fsync=batch/never)
+        self._pending: list[tuple[bytes, ...]] = []  # appended (header, then the record's parts), not yet submitted
         self.bytes_written = 0
+        self._submitted = 0  # the newest ticket handed to the writer
+        self.durable = 0  # the newest ticket written (and fsynced, unless fsync=never)
+        self._batches: queue.Queue[tuple[int, list[tuple[bytes, ...]]] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None  # started on the first submit
+        self._error: BaseException | None = None
+        self._written = threading.Condition()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
 
     # ------------------------------------------------------------------ reading
 
@@ -101,33 +120,110 @@ class WriteAheadLog:
 
     # ------------------------------------------------------------------ writing
 
-    def append(self, payload: bytes) -> None:
-        """Add one record; durable at once (fsync=always) or at the next :meth:`sync`."""
-        self._pending.append(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+    def append(self, payload: bytes | tuple[bytes, ...]) -> None:
+        """Add one record (its bytes, or parts that are written one after the other); durable at once
+        (fsync=always) or once a later :meth:`submit` is durable."""
+        parts = payload if isinstance(payload, tuple) else (payload,)
+        crc = 0
+        for piece in parts:
+            crc = zlib.crc32(piece, crc)
+        # The header is made here, not on the writer thread: there each checksum would release and
+        # retake the GIL, and retaking it waits for this (busy) thread.
+        self._pending.append((HEADER.pack(sum(len(piece) for piece in parts), crc), *parts))
         if self.fsync == "always":
             self.sync()
 
-    def sync(self) -> None:
-        """Write what was appended (and fsync it unless fsync=never); rotate a full segment."""
-        if not self._pending:
-            return
-        f = self._writer()
-        data = b"".join(self._pending)
-        self._pending.clear()
-        f.write(data)
-        f.flush()
+    def submit(self) -> int:
+        """Hand what was appended to the writer; the ticket it is durable under (``durable`` >= it)."""
+        self.check()
+        if self._pending:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_forever, name="wal-writer", daemon=True)
+                self._writer.start()
+            self._submitted += 1
+            self._batches.put((self._submitted, self._pending))
+            self._pending = []
+        return self._submitted
+
+    def sync(self, timeout_s: float = 600.0) -> None:
+        """Submit what was appended and wait until it is durable."""
+        self.wait_durable(self.submit(), timeout_s)
+
+    def wait_durable(self, ticket: int, timeout_s: float = 600.0) -> None:
+        with self._written:
+            if not self._written.wait_for(lambda: self.durable >= ticket or self._error is not None, timeout_s):
+                raise TimeoutError(f"write-ahead log {self.directory}: not written within {timeout_s:.0f} s (a hung disk?)")
+        self.check()
+
+    def check(self) -> None:
+        """Raise the writer's error, if it failed."""
+        if self._error is not None:
+            raise OSError(f"write-ahead log {self.directory}: writing failed: {self._error}") from self._error
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Readable after ``durable`` advanced; read it empty with :meth:`clear_wakeup`."""
+        return self._wake_read
+
+    def clear_wakeup(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _write_forever(self) -> None:
+        while True:
+            item = self._batches.get()
+            if item is None:
+                return
+            ticket, records = item
+            try:  # whatever else was submitted meanwhile goes into the same write and fsync
+                while True:
+                    more = self._batches.get_nowait()
+                    if more is None:
+                        self._batches.put(None)
+                        break
+                    ticket, records = more[0], records + more[1]
+            except queue.Empty:
+                pass
+            try:
+                self._write(records)
+            except BaseException as exc:  # noqa: BLE001 - kept for the caller's thread; nothing more is durable
+                log.exception("write-ahead log %s: writing failed", self.directory)
+                with self._written:
+                    self._error = exc
+                    self._written.notify_all()
+                os.write(self._wake_write, b"!")
+                return
+            with self._written:
+                self.durable = ticket
+                self._written.notify_all()
+            try:
+                os.write(self._wake_write, b".")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
+    def _write(self, records: list[tuple[bytes, ...]]) -> None:
+        """Write records (each its header, then its parts) and fsync; rotate a full segment."""
+        f = self._open_segment()
+        # Headers and payload parts go to the kernel as they are (writev): no payload is copied in this process.
+        parts = [piece for record in records for piece in record]
+        for start in range(0, len(parts), IOV_MAX):
+            _writev_all(f.fileno(), parts[start:start + IOV_MAX])
+        written = sum(len(piece) for piece in parts)
         if self.fsync != "never":
             os.fsync(f.fileno())
-        self.bytes_written += len(data)
-        if f.tell() >= self.segment_bytes:
+        self.bytes_written += written
+        if os.lseek(f.fileno(), 0, os.SEEK_END) >= self.segment_bytes:
             self._close_file()
 
-    def _writer(self):
+    def _open_segment(self):
         if self._file is None:
             segments = self.segments()
             number = int(SEGMENT.match(segments[-1].name).group(1)) + 1 if segments else 1
             path = self.directory / f"seg_{number:08d}.wal"
-            self._file = open(path, "ab")
+            self._file = open(path, "ab", buffering=0)  # written with os.writev
             self._fsync_directory()  # the new file's name is durable too
         return self._file
 
@@ -137,8 +233,20 @@ class WriteAheadLog:
             self._file = None
 
     def close(self) -> None:
-        self.sync()
-        self._close_file()
+        """Write what was appended, stop the writer, close the segment."""
+        try:
+            self.sync()
+        finally:
+            if self._writer is not None:
+                self._batches.put(None)
+                self._writer.join(timeout=60)
+                self._writer = None
+            self._close_file()
+            for fd in (self._wake_read, self._wake_write):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ compaction
 
@@ -152,7 +260,7 @@ class WriteAheadLog:
     def rewrite_closed(self, transform: Callable[[bytes], bytes | None]) -> tuple[int, int]:
         """Pass every record of every closed segment through ``transform`` (None drops it); each
         rewritten segment atomically replaces the old one. Returns (bytes before, bytes after)."""
-        self.sync()
+        self.sync()  # the writer is idle now (it waits for the next submit): the files are ours
         self._close_file()  # the current segment is closed too: the next append starts a new one
         before = after = 0
         for path in self.closed_segments():
@@ -195,3 +303,14 @@ class WriteAheadLog:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _writev_all(fd: int, pieces: list[bytes]) -> None:
+    """``os.writev`` until every byte is written (a regular file rarely takes less than asked)."""
+    while pieces:
+        done = os.writev(fd, pieces)
+        while pieces and done >= len(pieces[0]):
+            done -= len(pieces[0])
+            pieces = pieces[1:]
+        if pieces and done:
+            pieces = [pieces[0][done:], *pieces[1:]]
