@@ -9,9 +9,9 @@ every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catc
 
 Faults are counted under ``faults/`` in TensorBoard and written one JSON line each to
 ``<output_dir>/faults.jsonl``: the launcher's events, and when a replacement has recovered
-(an actor: the buffer accepted a trajectory from it; a buffer: its first heartbeat; a learner:
-its first step; an environment server: it answers /health, as the launcher reports) with the
-seconds since the death.
+(an actor: its engine is up and joined the weight hub, at the current weights; a buffer: its first
+heartbeat, after replaying its log; a learner: its first step; an environment server: it answers
+/health, as the launcher reports) with the seconds since its last death.
 """
 
 from __future__ import annotations
@@ -241,7 +241,9 @@ class Coordinator:
         name = f"{beat.role}-{beat.index}" if beat.role == "actor" else beat.role
         pending = self._recovering.get(name)
         if pending is not None and beat.role in ("actor", "buffer") and beat.pid != pending[2]:
-            if beat.role == "buffer" or beat.counters.get("acked_accepted", 0.0) > 0:
+            # A buffer is back at its first heartbeat (it replayed its log first); an actor once its
+            # engine is up and has joined the weight hub (it holds the current weights and may play).
+            if beat.role == "buffer" or beat.counters.get("weight_joins", 0.0) > 0:
                 self._recovered(name)
         if self.rollout_paused != paused:
             self.publish()  # pause or resume the actors at once
@@ -260,7 +262,8 @@ class Coordinator:
             name = "learner" if event.role == "learner" else event.name
             then = self.weight_epoch if event.role == "learner" else self.health.current_pid.get(
                 (event.role, int(event.name.rsplit("-", 1)[1]) if event.role == "actor" else 0), -1)
-            self._recovering.setdefault(name, (event.role, event.at or time.time(), then))
+            # A process that dies again before it recovered: its time to recover counts from this death.
+            self._recovering[name] = (event.role, event.at or time.time(), then)
         log.warning("%s %s%s", event.name, event.event,
                     f" (exit code {event.exit_code})" if event.exit_code is not None else
                     f" after {event.delay_s:.1f} s (restart {event.restarts})" if event.event == EVENT_RESTARTED else "")

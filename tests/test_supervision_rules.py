@@ -74,13 +74,26 @@ def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(co
                                               exit_code=-9, at=died_at))
     coordinator.on_process_event(ProcessEvent(run_id="test-run", name="actor-1", role="actor", event=EVENT_RESTARTED,
                                               restarts=1, delay_s=1.0, at=died_at + 1))
-    coordinator.on_heartbeat(beat("actor", 11, index=1))  # back, but has not produced yet
+    coordinator.on_heartbeat(beat("actor", 11, index=1))  # back, its engine still starting
     assert [f["event"] for f in faults(tmp_path)] == ["died", "restarted"]
-    coordinator.on_heartbeat(beat("actor", 11, index=1, acked_accepted=1.0))  # the buffer took its first trajectory
+    coordinator.on_heartbeat(beat("actor", 11, index=1, weight_joins=1.0))  # joined the weight hub: ready
     recovered = faults(tmp_path)[-1]
     assert recovered["event"] == "recovered" and recovered["name"] == "actor-1"
     assert 5 <= recovered["recovery_s"] < 60
     assert coordinator.faults["actor_died"] == 1 and coordinator.faults["actor_recovered"] == 1
+
+
+def test_time_to_recover_counts_from_the_last_death(coordinator, tmp_path):
+    """Killed again while it was still starting: the first death never recovered; the time counts
+    from the second."""
+    coordinator.on_heartbeat(beat("actor", 10))
+    now = time.time()
+    for at in (now - 100, now - 3):
+        coordinator.on_process_event(ProcessEvent(run_id="test-run", name="actor-0", role="actor", event=EVENT_DIED,
+                                                  exit_code=-9, at=at))
+    coordinator.on_heartbeat(beat("actor", 12, weight_joins=1.0))
+    recovered = faults(tmp_path)[-1]
+    assert recovered["event"] == "recovered" and 3 <= recovered["recovery_s"] < 60
 
 
 def test_a_restarted_learner_has_recovered_at_its_first_step(coordinator, tmp_path):
