@@ -361,7 +361,10 @@ class Launcher:
         for grace in phases:
             members = [c for c in self.children if c.role in grace and c.proc.poll() is None]
             for child in members:
-                _signal_group(child.proc.pid, signal.SIGTERM)
+                # The process alone: it stops what it spawned itself (an actor shuts its engine down
+                # after its last sends). Signalled too, an engine core would die under the actor's
+                # feet and flood its log with EngineDeadError. Leftovers are killed below.
+                _signal_leader(child.proc.pid, signal.SIGTERM)
             start = time.monotonic()
             while time.monotonic() - start < max(grace.values(), default=0):
                 if stop is not None and stop.count >= 2:
@@ -400,6 +403,13 @@ def _stop_group_members(children: list[Child], grace_s: float) -> None:
             child.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             log.error("%s (pid %d) did not die after SIGKILL", child.name, child.proc.pid)
+
+
+def _signal_leader(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

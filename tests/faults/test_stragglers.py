@@ -1,5 +1,7 @@
-"""No group waits forever: a training run whose environment hangs on some steps (the step never answers)
-ends those episodes at ``rollout.episode_timeout_s`` as timeout failures, and the run goes on to its end.
+"""No group waits forever. A training run whose environment hangs on some steps (the step never answers)
+ends those episodes at ``rollout.episode_timeout_s`` as timeout failures, and the run goes on to its end;
+so does a run whose engine stops answering mid-generation (its engine core frozen with SIGSTOP): the
+generations in flight end at ``rollout.turn_timeout_s``.
 
 The environment is real — ``horizonrl env serve signpost`` in its own process — behind a small HTTP
 proxy in this test that forwards everything, except that a step of an episode of a task id divisible
@@ -11,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import glob
 import json
+import re
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp import web
 from env_server_proc import ServerProcess
-from helpers import horizonrl_cmd, start_process, stop_process
+from helpers import horizonrl_cmd, start_process, stop_process, wait_until
 
+from horizonrl.buffer.accounting import account
 from horizonrl.protocol.transport import free_port
 
 pytestmark = pytest.mark.slow
@@ -98,6 +104,49 @@ def test_a_hung_environment_step_ends_the_episode_at_its_limit_and_the_run_goes_
     assert proxy.held > 0  # some steps did hang
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    assert timeout_failures(run_dir) > 0  # counted, never trained on
+
+
+def timeout_failures(run_dir: Path) -> float:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(glob.glob(str(run_dir / "tensorboard" / "events.*"))[0])
     acc.Reload()
-    assert max(e.value for e in acc.Scalars("rollout/failures/timeout")) > 0  # counted, never trained on
+    return max((e.value for e in acc.Scalars("rollout/failures/timeout")), default=0.0)
+
+
+def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on(tiny_model, tmp_path):
+    """Actor 0's engine core is frozen after step 2 until its generations in flight have timed out
+    (counted, not trained on); actor 1 keeps the learner fed, and actor 0 plays again once thawed."""
+    total, turn_limit = 16, 3.0
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_process(horizonrl_cmd(
+        "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", "rollout.n=4",
+        "learner.groups_per_step=2", f"learner.total_steps={total}", f"rollout.turn_timeout_s={turn_limit}",
+        "buffer.skip_equal_reward_groups=false"), log)
+    steps = re.compile(r"^step (\d+)/\d+", re.M)
+    frozen = None
+    try:
+        wait_until(lambda: "step 2/" in log.read_text(errors="replace"), 600, "learner step 2")
+        [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
+        [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
+        frozen.suspend()
+        stalled_at = max(int(n) for n in steps.findall(log.read_text(errors="replace")))
+        actor_log = run_dir / "logs" / "actor-0.log"
+        # Frozen until a generation has run past its limit (the actor may have been paused, with none in flight).
+        wait_until(lambda: "a generation took longer than" in actor_log.read_text(errors="replace"), 300,
+                   "a generation to time out on the frozen engine")
+        time.sleep(turn_limit)
+        frozen.resume()
+        rc = proc.wait(timeout=900)
+    finally:
+        if frozen is not None and frozen.is_running():
+            frozen.resume()
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert f"step {total}/{total}" in text and stalled_at < total
+    assert timeout_failures(run_dir) > 0
+    ledger = account(run_dir)
+    assert ledger["lost"] == [] and ledger["trained_twice"] == [] and ledger["steps"] == total, ledger

@@ -67,6 +67,11 @@ def produced_trajectories(run_dir: Path) -> list:
     return accepted + outbox_trajectories(run_dir)
 
 
+def next_group_of(run_dir: Path, actor: int) -> int:
+    state = run_dir / "actors" / f"actor_{actor}.json"
+    return json.loads(state.read_text())["next_group"] if state.is_file() else 0
+
+
 def group_number(group_id: str) -> int:
     return int(group_id.rsplit("-g", 1)[1])
 
@@ -78,8 +83,10 @@ def test_resumed_run_continues_the_step_and_the_turn_budget(tiny_model, tmp_path
     assert first is not None and read_state(first)["step"] == 2
     a = scalars(run_dir, newest_only=True)
     assert a["batch/turns_mean"] == {1: 1.0, 2: 1.0}  # the 1-turn stage
-    next_group = {i: json.loads((run_dir / "actors" / f"actor_{i}.json").read_text())["next_group"] for i in (0, 1)}
-    assert all(n > 0 for n in next_group.values())
+    # The learner does not wait for every actor: on a loaded machine one actor's engine can still be
+    # starting when run A's 2 steps are done, and that actor never began a group (no state file).
+    next_group = {i: next_group_of(run_dir, i) for i in (0, 1)}
+    assert any(n > 0 for n in next_group.values())
 
     log_b = train(tiny_model, run_dir, tmp_path / "b.log", f"learner.total_steps={RESUMED_STEPS}", "resume=auto")
     assert "resumed from" in log_b and "step 3/6" in log_b and "step 6/6" in log_b
