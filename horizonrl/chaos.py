@@ -132,8 +132,11 @@ def print_report(summary: dict[str, Any], baseline: dict[str, Any] | None) -> No
           f"gave up {summary['gave_up']}")
     if summary["recovery_s"]:
         r = summary["recovery_s"]
+        # A replacement killed again while still starting never recovers: its time counts from the last death.
+        unrecovered = max(summary["deaths_seen"] - len(r), 0)
         print(f"  time to recover: median {statistics.median(r):.1f} s, min {min(r):.1f} s, max {max(r):.1f} s "
-              f"({len(r)} recoveries)")
+              f"({len(r)} recoveries; {unrecovered} deaths not followed by a recovery: killed again while "
+              f"starting, or the run stopped first)")
     print(f"  learner steps: {summary['learner_steps_reported']} reported, {summary['learner_steps_checkpointed']} in "
           f"the newest checkpoint ({summary['steps_per_minute']} per minute)")
     print(f"  trajectories: {a['accepted']} accepted, {a['trained_once']} trained once, dropped {a['dropped']}, "

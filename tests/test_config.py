@@ -53,3 +53,19 @@ def test_supervision_settings_from_the_command_line():
     config = load_config(REPO / "configs" / "signpost_test.yaml", ["supervision.recover=off", "supervision.restart=false"])
     assert config.supervision.recover == "off" and config.supervision.restart is False  # YAML's bare off is False
     assert load_config(REPO / "configs" / "signpost_test.yaml").supervision.recover == "auto"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])
+def test_shipped_configs_load(name):
+    from horizonrl.core.offline_config import load_offline_config
+
+    loader = load_offline_config if name.startswith(("sft", "dpo")) else load_config
+    config = loader(REPO / "configs" / name)
+    assert config is not None
+    if name == "demo.yaml":  # the schedule the demo's learning was measured with
+        assert (config.learner.lr, config.learner.lr_schedule, config.learner.min_lr_ratio) == (6e-4, "linear", 0.1)
+
+
+def test_every_shipped_config_is_covered():
+    assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
+        ["demo.yaml", "signpost_test.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])
