@@ -90,9 +90,9 @@ def assert_nothing_lost_nothing_twice(run_dir: Path, total: int = TOTAL_STEPS) -
     ledger = account(run_dir)
     assert ledger["lost"] == [] and ledger["trained_twice"] == [] and ledger["in_two_fates"] == [], ledger
     assert ledger["steps"] == total and ledger["trained_once"] > 0, ledger
-    total = (ledger["trained_once"] + sum(ledger["learner_skipped"].values()) + sum(ledger["dropped"].values())
-             + ledger["held"])
-    assert total == ledger["accepted"], ledger
+    accounted = (ledger["trained_once"] + sum(ledger["learner_skipped"].values()) + sum(ledger["dropped"].values())
+                 + ledger["held"])
+    assert accounted == ledger["accepted"], ledger
     return ledger
 
 
