@@ -152,12 +152,16 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         "buffer.skip_equal_reward_groups=false"), log)
     frozen = None
     try:
+        actor_log = run_dir / "logs" / "actor-0.log"
+        # The learner does not wait for both actors: actor 0's engine must be up and playing before the
+        # freeze, or the freeze only stalls its start-up (no generation in flight to time out).
+        wait_until(lambda: "joined the weight hub" in actor_log.read_text(errors="replace") if actor_log.exists()
+                   else False, 600, "actor 0 to join the weight hub")
         wait_until(lambda: last_step(log) >= 2, 600, "learner step 2")
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
         [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
         frozen.suspend()
-        actor_log = run_dir / "logs" / "actor-0.log"
         # Frozen until a generation has run past its limit (the actor may have been paused, with none in flight).
         wait_until(lambda: "a generation took longer than" in actor_log.read_text(errors="replace"), 300,
                    "a generation to time out on the frozen engine")
