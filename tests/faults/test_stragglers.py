@@ -149,7 +149,11 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
     proc = start_process(horizonrl_cmd(
         "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", "rollout.n=4",
         "learner.groups_per_step=2", UNTIL_STOPPED, f"rollout.turn_timeout_s={turn_limit}",
-        "buffer.skip_equal_reward_groups=false"), log)
+        "buffer.skip_equal_reward_groups=false",
+        # No backpressure pause (staleness drops bound the buffer): a paused actor has no generation in
+        # flight for the freeze to catch. A weight broadcast the frozen engine cannot take gives up on
+        # it after a minute rather than five.
+        "buffer.capacity_groups=1000", "learner.weight_sync_timeout_s=60"), log)
     frozen = None
     try:
         actor_log = run_dir / "logs" / "actor-0.log"
@@ -161,10 +165,19 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
         [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
-        frozen.suspend()
-        # Frozen until a generation has run past its limit (the actor may have been paused, with none in flight).
-        wait_until(lambda: "a generation took longer than" in actor_log.read_text(errors="replace"), 300,
-                   "a generation to time out on the frozen engine")
+        # Frozen until a generation has run past its limit. Should the actor have had none in flight
+        # (between groups, or paused), thaw and freeze again.
+        for attempt in range(5):
+            frozen.suspend()
+            try:
+                wait_until(lambda: "a generation took longer than" in actor_log.read_text(errors="replace"), 60,
+                           "a generation to time out on the frozen engine")
+                break
+            except TimeoutError:
+                frozen.resume()
+                if attempt == 4:
+                    raise
+                time.sleep(5)
         time.sleep(turn_limit)
         frozen.resume()
         rc = go_on_then_stop(proc, log, last_step(log))
