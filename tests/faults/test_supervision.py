@@ -148,7 +148,10 @@ def test_a_killed_learner_rank_restarts_the_learner_from_its_checkpoint(tiny_mod
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
     events = [(f["name"], f["event"]) for f in faults(run_dir)]
-    assert ("learner-1", "died") in events and ("learner", "restarted") in events and ("learner", "recovered") in events
+    # Rank 0 fails on its next collective with the killed rank 1; whichever exit the launcher sees
+    # first is the death it records (both end the learner's incarnation).
+    assert {("learner-0", "died"), ("learner-1", "died")} & set(events), events
+    assert ("learner", "restarted") in events and ("learner", "recovered") in events
     steps = steps_in(log)
     # the restarted learner continues from its newest checkpoint (save_every=2), to the end
     resumed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
