@@ -9,19 +9,26 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 venv: $(STAMP)
 
-# What pip cannot install: Java 17 for SciWorld (Debian's package, as root). Without root a
-# missing package is an error that says what to install; nothing is skipped silently later.
-SYSTEM_PACKAGES := openjdk-17-jre-headless
+# What pip cannot install, as Debian packages (as root): Java 17 for SciWorld, and the headless
+# Chromium that the viewer's browser tests drive with Playwright (which never downloads a browser of
+# its own). Without root a missing package is an error that says what to install; nothing is
+# skipped silently later.
+SYSTEM_PACKAGES := openjdk-17-jre-headless chromium-headless-shell
+SYSTEM_COMMANDS := java chromium-headless-shell
 system-deps:
-	@command -v java >/dev/null 2>&1 || { \
+	@missing=""; for c in $(SYSTEM_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing="$$missing $$c"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing $(SYSTEM_PACKAGES) (apt)"; \
+	    echo "installing $(SYSTEM_PACKAGES) (apt; missing:$$missing)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
 	  else \
-	    echo "error: SciWorld needs Java 17; install $(SYSTEM_PACKAGES) (Debian/Ubuntu, as root) and run make again" >&2; \
+	    echo "error: missing$$missing (SciWorld needs Java 17, the viewer's browser tests a headless Chromium); install $(SYSTEM_PACKAGES) (Debian/Ubuntu, as root) and run make again" >&2; \
 	    exit 1; \
-	  fi; }
-	@command -v java >/dev/null 2>&1 || { echo "error: java is still not on PATH after installing $(SYSTEM_PACKAGES)" >&2; exit 1; }
+	  fi; \
+	fi
+	@for c in $(SYSTEM_COMMANDS); do \
+	  command -v $$c >/dev/null 2>&1 || { echo "error: $$c is still not on PATH after installing $(SYSTEM_PACKAGES)" >&2; exit 1; }; \
+	done
 
 $(STAMP): pyproject.toml | system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -2,7 +2,9 @@
 
 Starts ``horizonrl train CONFIG`` and, at random times (uniform between 0.5 and 1.5 x ``--every``),
 ``kill -9``s one process of the chosen kind — an actor, the buffer, a learner rank, or a managed
-environment server — for ``--duration`` seconds (or until the run ends), then stops the run with
+environment server — for ``--duration`` seconds (or until the run ends), counted from the run's
+first learner step (its start-up — engines loading, the first batch — is not what is under fire;
+``--from-start`` kills from the launch on), then stops the run with
 Ctrl-C (it writes its checkpoint) and prints what happened: the kills, the restarts and the time
 each replacement took to recover (``faults.jsonl``), learner steps, and the accounting of every
 trajectory (trained once, dropped by reason, still held, lost, trained twice). ``--baseline`` first
@@ -25,6 +27,7 @@ from typing import Any
 ROLES = {"actor": ("actor",), "buffer": ("buffer",), "learner": ("learner",), "env-server": ("env", "serve")}
 STEP_PREFIX = "step "
 STOP_GRACE_S = 900.0  # the run's own clean stop is bounded by monitor.stop_timeout_s (600 s)
+FIRST_STEP_TIMEOUT_S = 900.0  # a run that reports no learner step in this long is stopped: something is wrong
 
 
 def victims(launcher_pid: int, role: str) -> list:
@@ -46,8 +49,9 @@ def victims(launcher_pid: int, role: str) -> list:
 
 
 def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, kill: str | None, every_s: float,
-             duration_s: float, seed: int) -> dict[str, Any]:
-    """One run for at most ``duration_s`` (killing ``kill`` processes if given); its summary."""
+             duration_s: float, seed: int, from_start: bool = False) -> dict[str, Any]:
+    """One run for at most ``duration_s`` after its first learner step (after its launch with ``from_start``),
+    killing ``kill`` processes if given; its summary."""
     output_dir.mkdir(parents=True, exist_ok=False)
     log_path = output_dir / "chaos-train.log"
     args = [sys.executable, "-m", "horizonrl", "train", str(config_path), *overrides, f"run.output_dir={output_dir}"]
@@ -56,9 +60,11 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, kill:
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        start = time.monotonic()
-        next_kill = start + rng.uniform(0.5, 1.5) * every_s
         try:
+            if not from_start:
+                _wait_for_first_step(proc, log_path)
+            start = time.monotonic()
+            next_kill = start + rng.uniform(0.5, 1.5) * every_s
             while proc.poll() is None and time.monotonic() - start < duration_s:
                 if kill is not None and time.monotonic() >= next_kill:
                     kills.append(_kill_one(proc.pid, kill, rng, start))
@@ -75,6 +81,24 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, kill:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return summarize(output_dir, log_path, kills, elapsed, rc, finished)
+
+
+def reported_steps(log_path: Path) -> list[int]:
+    """The learner steps the run's console reported (``step N/TOTAL | ...`` lines)."""
+    return [int(line.split()[1].split("/")[0]) for line in log_path.read_text(errors="replace").splitlines()
+            if line.startswith(STEP_PREFIX) and "/" in line.split()[1]]
+
+
+def _wait_for_first_step(proc: subprocess.Popen, log_path: Path, timeout_s: float = FIRST_STEP_TIMEOUT_S) -> None:
+    """Until the run reports a learner step (or ends by itself); a run that reports none in ``timeout_s`` is an
+    error (the caller stops it)."""
+    print("[chaos] waiting for the run's first learner step before the kills begin", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and not reported_steps(log_path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the run reported no learner step within {timeout_s:.0f} s; see {log_path} and the "
+                               f"logs beside it")
+        time.sleep(0.5)
 
 
 def _kill_one(launcher_pid: int, role: str, rng: random.Random, start: float) -> dict[str, Any]:
@@ -99,8 +123,7 @@ def summarize(output_dir: Path, log_path: Path, kills: list[dict], elapsed_s: fl
               finished: bool) -> dict[str, Any]:
     from horizonrl.buffer.accounting import account
 
-    reported = [int(line.split()[1].split("/")[0]) for line in log_path.read_text(errors="replace").splitlines()
-                if line.startswith(STEP_PREFIX) and "/" in line.split()[1]]
+    reported = reported_steps(log_path)
     faults_path = output_dir / "faults.jsonl"
     faults = [json.loads(line) for line in faults_path.read_text().splitlines()] if faults_path.exists() else []
     recovery = [f["recovery_s"] for f in faults if f["event"] == "recovered"]
@@ -152,7 +175,7 @@ def print_report(summary: dict[str, Any], baseline: dict[str, Any] | None) -> No
 
 
 def main(config_path: Path, overrides: list[str], *, kill: str, every_s: float, duration_s: float, seed: int,
-         baseline: bool) -> int:
+         baseline: bool, from_start: bool = False) -> int:
     from horizonrl.core.config import load_config
 
     config = load_config(config_path, overrides)  # a bad config fails here, before anything starts
@@ -169,10 +192,10 @@ def main(config_path: Path, overrides: list[str], *, kill: str, every_s: float, 
     if baseline:
         print(f"[chaos] baseline: the same run for {duration_s:.0f} s without kills", flush=True)
         base = run_once(config_path, overrides, output_dir.with_name(output_dir.name + "-baseline"), kill=None,
-                        every_s=every_s, duration_s=duration_s, seed=seed)
+                        every_s=every_s, duration_s=duration_s, seed=seed, from_start=from_start)
     print(f"[chaos] kill -9 of a process of kind {kill!r} every ~{every_s:.0f} s for {duration_s:.0f} s", flush=True)
     summary = run_once(config_path, overrides, output_dir, kill=kill, every_s=every_s, duration_s=duration_s,
-                       seed=seed)
+                       seed=seed, from_start=from_start)
     print_report(summary, base)
     (output_dir / "chaos_summary.json").write_text(json.dumps({"chaos": summary, "baseline": base}, indent=1) + "\n")
     clean = summary["accounting"]["lost"] == 0 and summary["accounting"]["trained_twice"] == 0

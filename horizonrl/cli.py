@@ -12,6 +12,8 @@ Commands:
   bench [--quick] [--parts ...]  throughput benchmarks, async vs synchronous (docs/benchmarks.md)
   chaos CONFIG --kill ROLE       a run with processes of one kind killed at random times (docs/faults.md)
   accounting RUN_DIR             where every trajectory of a run went (docs/durability.md)
+  import-agentgym-rl SCRIPT.sh   an AgentGym-RL training script as a horizonrl config (docs/agentgym-rl.md)
+  view RUN_DIR                   browse a run's recorded episodes in the browser, live (docs/episodes.md)
   env ...                        list / check / serve environments
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
@@ -36,6 +38,9 @@ def _add_train(sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
     p.add_argument("--tensorboard", action="store_true", help="also start TensorBoard on 127.0.0.1 and print its URL")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line the run's processes write (vLLM's included; they always go to "
+                        "<output_dir>/logs/) and one plain line per step, instead of the status block")
     p.set_defaults(func=_cmd_train)
 
 
@@ -49,7 +54,7 @@ def _cmd_train(args) -> int:
     if args.dry_run:
         print(dump_config(config), end="")
         return 0
-    return launch(config, tensorboard=args.tensorboard)
+    return launch(config, tensorboard=args.tensorboard, verbose=args.verbose)
 
 
 def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
@@ -111,6 +116,9 @@ def _add_eval(sub) -> None:
     p.add_argument("--k", type=int, default=1, help="report pass@1 and pass@K (unbiased, Chen et al. 2021)")
     p.add_argument("--samples", type=int, default=None, help="episodes per task (>= K; default K)")
     p.add_argument("--json", type=Path, default=None, help="also write the JSON result to this file")
+    p.add_argument("--record", type=Path, default=None,
+                   help="also record every episode as text in this directory (docs/episodes.md; e.g. "
+                        "<output_dir>/episodes of a run, so that `horizonrl view` shows them beside its training)")
     p.set_defaults(func=_cmd_eval)
 
 
@@ -128,7 +136,7 @@ def _cmd_eval(args) -> int:
                     max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
                     seed=args.seed, task_ids=_read_ids(args.ids, args.env) if args.ids else None, k=args.k,
                     samples=args.samples)
-    result = evaluate(args.model, spec, make_env)
+    result = evaluate(args.model, spec, make_env, record_dir=args.record)
     print(format_table(result))
     print(json.dumps(result))
     if args.json:
@@ -164,13 +172,16 @@ def _add_demo(sub) -> None:
     p.add_argument("--config", type=Path, default=None, help="default: configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     p.add_argument("--tensorboard", action="store_true")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line the run's processes write (vLLM's included; they always go to "
+                        "<output_dir>/logs/) and one plain line per step, instead of the status block")
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args) -> int:
     from horizonrl.demo import run_demo
 
-    return run_demo(args.config, args.overrides, tensorboard=args.tensorboard)
+    return run_demo(args.config, args.overrides, tensorboard=args.tensorboard, verbose=args.verbose)
 
 
 def _add_tiny(sub) -> None:
@@ -240,14 +251,18 @@ def _add_run_tools(sub) -> None:
     p.set_defaults(func=_cmd_accounting)
     p = sub.add_parser("chaos", help="a training run with processes of one kind killed at random times",
                        description="Start `horizonrl train CONFIG`, kill -9 a process of the chosen kind at random "
-                                   "times (0.5-1.5 x --every) for --duration seconds, stop the run (Ctrl-C), and "
+                                   "times (0.5-1.5 x --every) for --duration seconds from its first learner step, "
+                                   "stop the run (Ctrl-C), and "
                                    "print the kills, restarts, time to recover and the accounting of every "
                                    "trajectory (docs/faults.md).")
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
     p.add_argument("--kill", required=True, choices=["actor", "buffer", "learner", "env-server"])
     p.add_argument("--every", type=float, default=30.0, help="mean seconds between kills")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds before the run is stopped")
+    p.add_argument("--duration", type=float, default=300.0,
+                   help="seconds from the run's first learner step until it is stopped")
+    p.add_argument("--from-start", action="store_true",
+                   help="kill from the launch on (start-up included) and count --duration from it")
     p.add_argument("--seed", type=int, default=0, help="the kills' random times and victims")
     p.add_argument("--baseline", action="store_true",
                    help="first run the same config for the same time without kills (into OUTPUT_DIR-baseline) "
@@ -273,7 +288,7 @@ def _cmd_chaos(args) -> int:
     from horizonrl.chaos import main as chaos_main
 
     return chaos_main(args.config, args.overrides, kill=args.kill, every_s=args.every, duration_s=args.duration,
-                      seed=args.seed, baseline=args.baseline)
+                      seed=args.seed, baseline=args.baseline, from_start=args.from_start)
 
 
 def _cmd_keys(args) -> int:
@@ -281,6 +296,54 @@ def _cmd_keys(args) -> int:
 
     print(f"CurveZMQ keys in {generate_keys(args.dir)}; use network.curve_keys_dir={args.dir}")
     return 0
+
+
+def _add_import_agentgym_rl(sub) -> None:
+    p = sub.add_parser("import-agentgym-rl", help="convert an AgentGym-RL training script into a horizonrl config",
+                       description="Read an AgentGym-RL training script (shell variables, `python3 -m "
+                                   "verl.agent_trainer.main_ppo key=value ...`), print the horizonrl config it maps "
+                                   "to on stdout and every setting not mapped, with why, on stderr "
+                                   "(docs/agentgym-rl.md). Example: horizonrl import-agentgym-rl babyai_train.sh > "
+                                   "config.yaml")
+    p.add_argument("script", type=Path)
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                   help="a shell variable the script uses but does not set (its arguments: 1=...); repeatable")
+    p.add_argument("--data-root", type=Path, default=None,
+                   help="where the script's relative data.train_file is (default: the current directory and the "
+                        "script's, after the script's own cd)")
+    p.add_argument("--train-items", type=int, default=None,
+                   help="ids in data.train_file, when the file is not at hand (sets learner.total_steps)")
+    p.add_argument("--full", action="store_true", help="print every setting, horizonrl's defaults included")
+    p.add_argument("--explain", action="store_true", help="also list every mapping made, on stderr")
+    p.set_defaults(func=_cmd_import_agentgym_rl)
+
+
+def _cmd_import_agentgym_rl(args) -> int:
+    from horizonrl.import_agentgym_rl import main as import_main
+
+    return import_main(args.script, variables=args.var, data_root=args.data_root, train_items=args.train_items,
+                       full=args.full, explain=args.explain)
+
+
+def _add_view(sub) -> None:
+    p = sub.add_parser("view", help="browse a run's recorded episodes in the browser (docs/episodes.md)",
+                       description="Serve a local web page of the episodes recorded under RUN_DIR/episodes (or a "
+                                   "directory `horizonrl eval --record` wrote): filters, search, turn-by-turn "
+                                   "replays with BabyAI's grid, the same task early vs late, the episodes each "
+                                   "learner step trained on. New episodes appear while the run goes on.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8787, help="0 picks a free port; the URL is printed")
+    p.add_argument("--env-settings", action="append", default=[], metavar="NAME=JSON",
+                   help="settings to replay NAME's episodes with (default: the run's config.yaml, then the "
+                        "environment's defaults); repeatable")
+    p.set_defaults(func=_cmd_view)
+
+
+def _cmd_view(args) -> int:
+    from horizonrl.viewer.server import main as view_main
+
+    return view_main(args.run_dir, host=args.host, port=args.port, env_settings=args.env_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tiny(sub)
     _add_offline(sub)
     _add_run_tools(sub)
+    _add_view(sub)
+    _add_import_agentgym_rl(sub)
     from horizonrl.bench.cli import add_bench_command
 
     add_bench_command(sub)

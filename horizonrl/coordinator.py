@@ -7,6 +7,9 @@ gave up on it). Output (PUB): ``Control`` — completed learner steps, the max-t
 episodes started now, the newest weight version, and the stop flag — sent at once on
 every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
 
+After each learner step it writes a status record to stdout (``core/console.py``): the launcher
+turns it into the console's status block or progress line.
+
 Faults are counted under ``faults/`` in TensorBoard and written one JSON line each to
 ``<output_dir>/faults.jsonl``: the launcher's events, and when a replacement has recovered
 (an actor: its engine is up and joined the weight hub, at the current weights; a buffer: its first
@@ -17,6 +20,7 @@ heartbeat, after replaying its log; a learner: its first step; an environment se
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,9 +48,11 @@ from horizonrl.protocol import (
     encode,
 )
 from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.core.console import BUFFER_CAPACITY, BUFFER_GROUPS, status_record_line
 from horizonrl.core.run_dirs import resumed_step
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
+from horizonrl.core.wandb_log import WandbLog, episode_row
 
 log = logging.getLogger("horizonrl.coordinator")
 
@@ -150,6 +156,8 @@ class Coordinator:
                                 security=self.security, server=True)
         self.pull.bind(net.endpoint(net.report_port))
         self.writer = _make_writer(config)
+        self.wandb = _make_wandb(config)
+        self._wandb_rows: list[list] = []  # episode samples since the last step, logged with its scalars
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
                  net.endpoint(net.report_port), self.max_turns)
 
@@ -264,9 +272,10 @@ class Coordinator:
                 (event.role, int(event.name.rsplit("-", 1)[1]) if event.role == "actor" else 0), -1)
             # A process that dies again before it recovered: its time to recover counts from this death.
             self._recovering[name] = (event.role, event.at or time.time(), then)
-        log.warning("%s %s%s", event.name, event.event,
-                    f" (exit code {event.exit_code})" if event.exit_code is not None else
-                    f" after {event.delay_s:.1f} s (restart {event.restarts})" if event.event == EVENT_RESTARTED else "")
+        # INFO: the launcher, which decided it, has already said so on the console.
+        log.info("%s %s%s", event.name, event.event,
+                 f" (exit code {event.exit_code})" if event.exit_code is not None else
+                 f" after {event.delay_s:.1f} s (restart {event.restarts})" if event.event == EVENT_RESTARTED else "")
 
     def _recovered(self, name: str) -> None:
         role, died_at, _ = self._recovering.pop(name)
@@ -293,11 +302,14 @@ class Coordinator:
         self.publish()  # actors learn the new version and budget at once
         if report.startup:
             log.info("learner started at step %d (weight epoch %d)", report.step, report.weight_epoch)
+            self._write_status(report.step, {}, startup=True)
             return
         if report.checkpoint:
             log.info("checkpoint saved: %s", report.checkpoint)
-        if repeated:
-            return  # the learner's closing report repeats its last step; its scalars are written
+        if repeated or report.step == 0:
+            # the learner's closing report repeats its last step (its scalars are written), or it stops before
+            # its first step (there are none)
+            return
         scalars = dict(report.metrics)
         scalars.update(self.window.update(self.health))
         scalars["schedule/max_turns"] = float(self.schedule.max_turns(report.step))
@@ -327,18 +339,34 @@ class Coordinator:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, report.step)
             self.writer.flush()
-        print(progress_line(report.step, self.config.learner.total_steps, scalars), flush=True)
+        if self.wandb is not None:
+            self.wandb.scalars(scalars, report.step)  # the same names as TensorBoard's
+            self.wandb.episodes(self._wandb_rows, report.step)
+            self._wandb_rows = []
+        self._write_status(report.step, scalars)
+
+    def _write_status(self, step: int, scalars: dict[str, float], *, startup: bool = False) -> None:
+        """The step's status record on stdout, for the console of the launcher (core/console.py)."""
+        status = {**scalars, BUFFER_GROUPS: self.health.gauge("buffer", "ready_groups"),
+                  BUFFER_CAPACITY: float(self.config.buffer.capacity_groups)}
+        sys.stdout.write(status_record_line(step, self.config.learner.total_steps, status, startup=startup) + "\n")
+        sys.stdout.flush()
 
     def on_episode_sample(self, sample: EpisodeSample) -> None:
-        """What the agent did, for a person: TensorBoard text (episodes/<env>) and one JSON line in episodes.jsonl."""
+        """What the agent did, for a person: TensorBoard text (episodes/<env>), one JSON line in episodes.jsonl,
+        and a row of the next step's W&B episode table."""
         if self.writer is not None:
             self.writer.add_text(f"episodes/{sample.env}", episode_markdown(sample), self.learner_step)
+        if self.wandb is not None:
+            self._wandb_rows.append(episode_row(sample, self.learner_step))
         with open(self.config.output_dir / "episodes.jsonl", "ab") as out:
             out.write(msgspec.json.encode({"learner_step": self.learner_step, **msgspec.structs.asdict(sample)}) + b"\n")
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
         self.pub.close(linger=0)
         self.pull.close(linger=0)
         if self.security is not None:
@@ -361,23 +389,17 @@ def episode_markdown(sample: EpisodeSample) -> str:
     return "\n".join(lines)
 
 
-def progress_line(step: int, total: int, s: dict[str, float]) -> str:
-    def g(key: str, fmt: str = "{:.2f}") -> str:
-        return fmt.format(s[key]) if key in s else "-"
-
-    return (
-        f"step {step}/{total} | reward {g('batch/reward_mean')} | success {g('rollout/success_rate')}"
-        f" | turns {g('batch/turns_mean', '{:.1f}')} | max_turns {g('schedule/max_turns', '{:.0f}')}"
-        f" | staleness {g('batch/staleness_mean')} | rollout {g('rollout/tokens_per_s', '{:.0f}')} tok/s"
-        f" | learner {g('throughput/learner_tokens_per_s', '{:.0f}')} tok/s | step {g('time/step_s')} s"
-        f" | dropped {g('buffer/dropped_total', '{:.0f}')}"
-    )
-
-
 def _make_writer(config: TrainConfig):
     from torch.utils.tensorboard import SummaryWriter  # torch only here, and lazily
 
     return SummaryWriter(log_dir=str(config.output_dir / "tensorboard"))
+
+
+def _make_wandb(config: TrainConfig) -> WandbLog | None:
+    settings = config.monitor.wandb
+    if settings is None:
+        return None
+    return WandbLog(settings.model_dump(), config.output_dir, config.run.run_id, config.model_dump(mode="json"))
 
 
 def main(config: TrainConfig) -> int:

@@ -5,6 +5,10 @@
 3. a full asynchronous training run (coordinator, buffer, learner, actors);
 4. held-out success of the final checkpoint, loaded in vLLM (the evaluation engine)
    and in transformers (a forward pass), and a summary in ``<output_dir>/demo_summary.json``.
+
+The console shows the demo's own lines and the training run's status block; what the evaluation
+engines write goes to ``<output_dir>/logs/eval-before.log`` and ``eval-after.log`` (``--verbose``:
+to the console too, with every line of the training run).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from horizonrl.core.config import TrainConfig, load_config
+from horizonrl.core.console import output_to_file
 from horizonrl.core.run_dirs import latest_checkpoint
 from horizonrl.core.schedule import TurnBudgetSchedule
 
@@ -55,7 +61,8 @@ def check_transformers_load(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: bool = False) -> int:
+def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: bool = False,
+             verbose: bool = False) -> int:
     from horizonrl.launcher import launch
     from horizonrl.tiny_model import ensure_tiny_model
 
@@ -70,11 +77,12 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
                       env_settings={s.name: dict(s.settings) for s in config.envs}, **TINY_MODEL_RECIPE)
 
     print(f"[demo] held-out success of the starting policy ({config.eval.episodes} episodes per env)...", flush=True)
-    before = held_out_success(str(model_dir), config)
+    with _quiet_unless(verbose, config.output_dir / "logs" / "eval-before.log"):
+        before = held_out_success(str(model_dir), config)
     _print_eval("before", before)
 
     train_start = time.perf_counter()
-    rc = launch(config, tensorboard=tensorboard)
+    rc = launch(config, tensorboard=tensorboard, verbose=verbose)
     train_s = time.perf_counter() - train_start
     if rc != 0:
         print(f"[demo] training failed (exit code {rc}); logs in {config.output_dir / 'logs'}", flush=True)
@@ -83,9 +91,11 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     if checkpoint is None:
         print("[demo] training finished but saved no checkpoint", flush=True)
         return 1
-    params = check_transformers_load(checkpoint)
+    with _quiet_unless(verbose, config.output_dir / "logs" / "eval-after.log"):
+        params = check_transformers_load(checkpoint)
     print(f"[demo] {checkpoint} loads in transformers ({params:,} parameters); evaluating it in vLLM...", flush=True)
-    after = held_out_success(str(checkpoint), config)
+    with _quiet_unless(verbose, config.output_dir / "logs" / "eval-after.log"):
+        after = held_out_success(str(checkpoint), config)
     _print_eval("after", after)
 
     summary = {
@@ -103,6 +113,12 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     print(f"[demo] training took {train_s / 60:.1f} min; TensorBoard: tensorboard --logdir "
           f"{config.output_dir / 'tensorboard'}; summary: {config.output_dir / 'demo_summary.json'}")
     return 0
+
+
+def _quiet_unless(verbose: bool, log_path: Path):
+    """An evaluation's output (its vLLM engine's log lines, transformers' progress bars) into ``log_path``,
+    unless ``verbose``."""
+    return nullcontext() if verbose else output_to_file(log_path)
 
 
 def _print_eval(label: str, results: dict[str, dict]) -> None:

@@ -3,9 +3,10 @@
 It only starts, watches, restarts and stops: each role is a separate program
 (``horizonrl coordinator|buffer|learner|actor --config run/config.yaml``) that can also
 be started by hand for debugging. The launcher resolves free ports, writes the
-resolved config next to the logs, streams progress lines and warnings to the terminal
-(full logs go to ``<output_dir>/logs/``), and on Ctrl-C or SIGTERM stops all of them — each
-in its own process group, so the engine processes vLLM spawns go too.
+resolved config next to the logs, owns the console (``core/console.py``: the run's status from
+the coordinator's records, and one line for each thing that goes wrong; everything every process
+writes goes to ``<output_dir>/logs/``, its own log to ``launcher.log``), and on Ctrl-C or SIGTERM
+stops all of them — each in its own process group, so the engine processes vLLM spawns go too.
 
 Supervision (``supervision.*``, docs/faults.md): a dead actor, buffer or managed environment
 server is restarted after a back-off that doubles, at most ``max_restarts`` times per
@@ -29,11 +30,13 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 from horizonrl.core.config import ConfigError, SupervisionConfig, TrainConfig, dump_config
+from horizonrl.core.console import RunConsole, parse_status_line, shown_line
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, ProcessEvent, encode
 from horizonrl.protocol.transport import free_port, free_ports, is_loopback
@@ -43,8 +46,9 @@ log = logging.getLogger("horizonrl.launcher")
 TERMINATE_GRACE_S = 20.0
 ACTOR_STOP_S = 30.0  # an actor lets its last sends be acknowledged (10 s), then shuts its engine down
 LEARNER_KILL_GRACE_S = 30.0  # the surviving ranks of a learner that lost one: SIGTERM, then SIGKILL
-# Lines of a child's output shown on the terminal; everything goes to its log file.
-_SHOWN = ("step ", "ERROR", "WARNING", "Traceback", "Error", "horizonrl.", "error:")
+# vLLM's level in the children unless --verbose (or VLLM_LOGGING_LEVEL is set): its warnings stay in
+# their logs, its INFO lines (a configuration dump per engine, every shutdown step) do not.
+QUIET_VLLM_LEVEL = "WARNING"
 RESTARTABLE = ("actor", "buffer", "env")
 HEALTH_TIMEOUT_S = 0.5
 
@@ -112,22 +116,25 @@ class Child:
         return self.name.split("-")[0]
 
 
-def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, show_all: bool) -> None:
+def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, on_line: Callable[[str, str], None]) -> None:
+    """Every line of a child's output into its log file, then to ``on_line`` (which decides what the console shows)."""
     for raw in iter(stream.readline, b""):
         log_file.write(raw)
         log_file.flush()
-        line = raw.decode(errors="replace").rstrip()
-        if show_all or any(tag in line for tag in _SHOWN):
-            print(f"[{name}] {line}" if not line.startswith("step ") else line, flush=True)
+        on_line(name, raw.decode(errors="replace").rstrip("\r\n"))
     stream.close()
     log_file.close()
 
 
 class Launcher:
-    def __init__(self, config: TrainConfig, config_path: Path, *, tensorboard: bool = False) -> None:
+    def __init__(self, config: TrainConfig, config_path: Path, *, tensorboard: bool = False, verbose: bool = False,
+                 console: RunConsole | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.tensorboard = tensorboard
+        self.verbose = verbose
+        self.console = console or RunConsole.for_stdout(title=f"run {config.run.name}",
+                                                        total=config.learner.total_steps, verbose=verbose)
         self.children: list[Child] = []
         self.log_dir = config.output_dir / "logs"
         self.restarts = RestartPolicy.for_processes(config.supervision)
@@ -138,25 +145,36 @@ class Launcher:
 
     # ------------------------------------------------------------------ starting
 
-    def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None,
-              show_all: bool = False) -> Child:
+    def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_dir / f"{name}.log", "ab")
+        quiet = {} if self.verbose or "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": QUIET_VLLM_LEVEL}
         proc = subprocess.Popen(
             args,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **quiet, **(env or {})},
             start_new_session=True,  # its own process group: stopping it stops what it spawned
         )
         child = Child(name, proc, args, env, essential)
-        t = threading.Thread(target=_pump, args=(proc.stdout, log_file, name, show_all), daemon=True)
+        t = threading.Thread(target=_pump, args=(proc.stdout, log_file, name, self._child_line), daemon=True)
         t.start()
         child.threads.append(t)
         self.children.append(child)
         log.info("started %s (pid %d)", name, proc.pid)
         return child
+
+    def _child_line(self, name: str, line: str) -> None:
+        """One line a child wrote (on that child's reader thread): the coordinator's status records feed the
+        console's status; of the rest the console shows what says something is wrong (all with --verbose)."""
+        status = parse_status_line(line) if name == "coordinator" else None
+        if status is not None:
+            self.console.status(status)
+            return
+        text = shown_line(name, line, verbose=self.verbose)
+        if text is not None:
+            self.console.line(text)
 
     def role_args(self, role: str, index: int | None = None, *extra: str) -> list[str]:
         args = [sys.executable, "-m", "horizonrl", role, "--config", str(self.config_path), *extra]
@@ -187,7 +205,7 @@ class Launcher:
         tb = [sys.executable, "-m", "tensorboard.main", "--logdir", str(self.config.output_dir / "tensorboard"),
               "--host", "127.0.0.1", "--port", str(port)]
         self.spawn("tensorboard", tb, essential=False)
-        print(f"TensorBoard: http://127.0.0.1:{port}/", flush=True)
+        self.console.line(f"TensorBoard: http://127.0.0.1:{port}/")
 
     # ------------------------------------------------------------------ watching
 
@@ -221,6 +239,7 @@ class Launcher:
             essential = [c for c in self.children if c.essential and not c.expected_exit]
             if not self._due and all(c.proc.poll() == 0 for c in essential):
                 return 0
+            self.console.tick()
             time.sleep(0.2)
 
     def _on_exit(self, child: Child, rc: int) -> int | None:
@@ -366,14 +385,17 @@ class Launcher:
                 # feet and flood its log with EngineDeadError. Leftovers are killed below.
                 _signal_leader(child.proc.pid, signal.SIGTERM)
             start = time.monotonic()
+            killed: set[str] = set()  # a killed process is not reaped at once: say so and kill it once
             while time.monotonic() - start < max(grace.values(), default=0):
                 if stop is not None and stop.count >= 2:
                     log.warning("second stop signal: killing every process now")
                     break
                 for child in members:
-                    if child.proc.poll() is None and time.monotonic() - start > grace[child.role]:
+                    if (child.proc.poll() is None and child.name not in killed
+                            and time.monotonic() - start > grace[child.role]):
                         log.warning("%s did not stop within %.0f s: killing it", child.name, grace[child.role])
                         _signal_group(child.proc.pid, signal.SIGKILL)
+                        killed.add(child.name)
                 if all(c.proc.poll() is not None for c in members):
                     break
                 time.sleep(0.1)
@@ -524,20 +546,63 @@ def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     return config, path
 
 
-def launch(config: TrainConfig, *, tensorboard: bool = False) -> int:
-    """Run training to the end; returns the exit code (0 on success)."""
+def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = False) -> int:
+    """Run training to the end; returns the exit code (0 on success). ``verbose``: the console shows every
+    line every process writes, not only what goes wrong."""
     config, path = prepare_run(config)
-    launcher = Launcher(config, path, tensorboard=tensorboard)
+    launcher = Launcher(config, path, tensorboard=tensorboard, verbose=verbose)
+    console = launcher.console
     stop = StopFlag().install()
     print(f"run {config.run.name}: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner rank(s), "
           f"{config.learner.total_steps} steps; logs in {launcher.log_dir}", flush=True)
     rc = 1
-    try:
-        launcher.start_all()
-        rc = launcher.watch(stop)
-        if rc == 130:
-            print("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again to force)",
-                  flush=True)
-    finally:
-        launcher.stop_all(stop)
+    with logging_to_console(console, launcher.log_dir / "launcher.log", verbose=verbose):
+        try:
+            launcher.start_all()
+            console.set_phase("starting")
+            rc = launcher.watch(stop)
+            if rc == 130:
+                console.line("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again "
+                             "to force)")
+            console.set_phase("stopping")
+        finally:
+            launcher.stop_all(stop)
+            console.close({0: "finished", 130: "stopped"}.get(rc, "failed"))
     return rc
+
+
+class _ConsoleHandler(logging.Handler):
+    def __init__(self, console: RunConsole, level: int) -> None:
+        super().__init__(level)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.line(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} [launcher] "
+                              f"{record.levelname} {record.getMessage()}")
+        except Exception:  # noqa: BLE001 - logging must never raise into the launcher
+            self.handleError(record)
+
+
+@contextmanager
+def logging_to_console(console: RunConsole, path: Path, *, verbose: bool) -> Iterator[None]:
+    """While the run lasts, this process's log records go to ``path`` (from INFO) and to the console (from
+    WARNING; INFO with ``verbose``), through the console so that they never tear its live block."""
+    root, own = logging.getLogger(), logging.getLogger("horizonrl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path)
+    to_file.setLevel(logging.INFO)
+    to_file.setFormatter(logging.Formatter(f"%(asctime)s launcher[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
+    to_console = _ConsoleHandler(console, logging.INFO if verbose else logging.WARNING)
+    saved_level = own.level
+    own.setLevel(logging.INFO)
+    root.addHandler(to_file)
+    root.addHandler(to_console)
+    try:
+        yield
+    finally:
+        root.removeHandler(to_console)
+        root.removeHandler(to_file)
+        own.setLevel(saved_level)
+        to_file.close()

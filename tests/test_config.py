@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from horizonrl.core.config import ConfigError, load_config, parse_overrides
 
@@ -15,8 +16,9 @@ def test_overrides_use_agentgym_names(tmp_path):
                              "rollout.n=4"])
     assert cfg.algorithm.rounds_ctrl.rounds == [10, 20, 30]
     assert cfg.rollout.n == 4
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.rollout.n = 5  # frozen after parsing
+    assert cfg.rollout.n == 4
 
 
 def test_errors_say_what_to_fix(tmp_path):
@@ -36,6 +38,15 @@ def test_synchronous_rollout_needs_every_group_kept():
     with pytest.raises(ConfigError, match="skip_equal_reward_groups=false"):
         load_config(None, base)
     assert load_config(None, [*base, "buffer.skip_equal_reward_groups=false"]).rollout.synchronous
+
+
+def test_a_buffer_smaller_than_one_batch_is_refused():
+    """The buffer stops reading at capacity_groups ready groups: below one learner step's worth nothing
+    would ever train (the run would wait, not fail), so the config says so at once."""
+    base = ["model.path=/m", "envs=[{name: signpost}]", "learner.groups_per_step=12"]
+    with pytest.raises(ConfigError, match=r"capacity_groups \(11\) is below learner.groups_per_step \(12\)"):
+        load_config(None, [*base, "buffer.capacity_groups=11"])
+    assert load_config(None, [*base, "buffer.capacity_groups=12"]).buffer.capacity_groups == 12
 
 
 def test_synchronous_actors_split_one_batch_between_them():

@@ -41,7 +41,8 @@ def test_no_restarts_when_the_limit_is_zero():
 def coordinator(tmp_path):
     config = resolve_ports(TrainConfig.model_validate({
         "run": {"output_dir": str(tmp_path), "run_id": "test-run"}, "model": {"path": "unused"},
-        "envs": [{"name": "signpost"}], "buffer": {"capacity_groups": 4}, "network": {"host": "127.0.0.1"}}))
+        "envs": [{"name": "signpost"}], "buffer": {"capacity_groups": 4}, "learner": {"groups_per_step": 4},
+        "network": {"host": "127.0.0.1"}}))
     c = Coordinator(config, StopFlag())
     yield c
     c.close()
@@ -105,3 +106,11 @@ def test_a_restarted_learner_has_recovered_at_its_first_step(coordinator, tmp_pa
     assert "recovered" not in [f["event"] for f in faults(tmp_path)]  # started, no step yet
     coordinator.on_learner_report(LearnerReport(run_id="test-run", step=5, weight_version=5, weight_epoch=1))
     assert faults(tmp_path)[-1]["event"] == "recovered" and faults(tmp_path)[-1]["name"] == "learner"
+
+
+def test_a_learner_stopped_before_its_first_step_ends_the_run_without_an_error(coordinator):
+    """Its closing report is at step 0 (a stop during start-up): there is no step to chart, and the turn
+    schedule, which counts steps from 1, must not be asked about step 0."""
+    coordinator.on_learner_report(LearnerReport(run_id="test-run", step=0, weight_version=0, startup=True))
+    coordinator.on_learner_report(LearnerReport(run_id="test-run", step=0, weight_version=0, final=True))
+    assert coordinator.finished and coordinator.control().stop

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+import zlib
 from collections import Counter, defaultdict
 
 import zmq
@@ -40,6 +41,7 @@ from horizonrl.protocol import (
     MAX_SAMPLE_TEXT,
     Control,
     EpisodeSample,
+    EpisodeText,
     Heartbeat,
     ProtocolError,
     Trajectory,
@@ -59,7 +61,7 @@ UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance 
 
 
 def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
-                  actor_id: int, max_turns: int, category: str) -> Trajectory:
+                  actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
     return Trajectory(
         run_id=run_id,
         trajectory_id=trajectory_id,
@@ -86,7 +88,24 @@ def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str
         failure_message=ep.failure_message,
         category=category,
         timings={"generate_s": ep.generate_s, "env_s": ep.env_s},
+        text=episode_text(ep) if with_text else None,
     )
+
+
+def episode_text(ep: Episode) -> EpisodeText:
+    """The episode's texts for the buffer's recording, each cut to MAX_SAMPLE_TEXT characters."""
+    def cut(texts: list[str]) -> list[str]:
+        return [t[:MAX_SAMPLE_TEXT] for t in texts]
+
+    return EpisodeText(first_observation=(ep.observations or [""])[0][:MAX_SAMPLE_TEXT], replies=cut(ep.replies),
+                       actions=cut(ep.actions), observations=cut(ep.observations[1:]))
+
+
+def recorded(group_id: str, fraction: float) -> bool:
+    """Whether the actor sends this group's texts to be recorded: a fixed share of groups, picked
+    by a hash of the id (the same on every actor and after a restart), whole groups at a time so
+    that the episodes of one task under one policy can be compared."""
+    return zlib.crc32(group_id.encode()) < fraction * 2**32
 
 
 def episode_sample(ep: Episode, *, run_id: str, env: str, task_id: int, actor_id: int,
@@ -337,10 +356,13 @@ class Actor:
             self.counters["abandoned_episodes"] += n  # stopping: never produced, never sent
             raise
         await self._maybe_send_sample(env, task.task_id, max_turns, episodes)
+        monitor = self.config.monitor
+        sampled = recorded(group_id, monitor.record_fraction)
         for i, ep in enumerate(episodes):
             traj = to_trajectory(ep, run_id=self.run_id, trajectory_id=f"{group_id}-{i}", group_id=group_id,
                                  group_size=n, env=env, task_id=task.task_id, actor_id=self.index,
-                                 max_turns=max_turns, category=self.category[env](task.task_id))
+                                 max_turns=max_turns, category=self.category[env](task.task_id),
+                                 with_text=sampled or (monitor.record_failures and bool(ep.failure)))
             await self.delivery.send(traj)
 
     async def _play(self, env_name: str, task_id: int, max_turns: int) -> Episode:

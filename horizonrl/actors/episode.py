@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from horizonrl.core.environment import Environment, EnvironmentFailure
+from horizonrl.core.environment import Environment, EnvironmentFailure, extract_action
 from horizonrl.protocol import (
     FAILURE_ENGINE,
     FAILURE_ENVIRONMENT,
@@ -71,6 +71,7 @@ class Episode:
     generate_s: float = 0.0
     env_s: float = 0.0
     replies: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)  # the action each reply names ("" when none), for people
     observations: list[str] = field(default_factory=list)  # the first (the task), then one per turn
 
     def transcript(self) -> list[tuple[str, str]]:
@@ -183,6 +184,7 @@ async def run_episode(
             ep.append_generated(gen.token_ids, gen.logprobs, turn_weights)
             reply = chat.decode(gen.token_ids)
             ep.replies.append(reply)
+            ep.actions.append(extract_action(reply, getattr(env, "reply_format", "react")))
             result = await _timed_env(ep, env.step(reply), clock.left())
             if not ep.close_turn(chat, gen.token_ids, result, sampling.max_context_tokens):
                 break

@@ -57,20 +57,22 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_config: EngineConfig | None = None) -> dict:
-    """Start an engine on ``model_path``, play the episodes, return the metrics (needs a __main__ guard)."""
+def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_config: EngineConfig | None = None,
+             record_dir: str | None = None) -> dict:
+    """Start an engine on ``model_path``, play the episodes, return the metrics (needs a __main__ guard).
+    With ``record_dir`` every episode is also recorded there (core/episode_records.py)."""
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
 
     engine = RolloutEngine.start(model_path, dtype="float32", engine=engine_config or EngineConfig(),
                                  max_model_len=spec.max_context_tokens, seed=spec.seed)
     try:
-        return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env))
+        return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env, record_dir))
     finally:
         engine.shutdown()
 
 
-async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory) -> dict:
+async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, record_dir: str | None = None) -> dict:
     probe = make_env(spec.env, spec.env_settings)
     task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
     plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
@@ -89,6 +91,8 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory) -> d
     start = time.perf_counter()
     results = await asyncio.gather(*(play(t) for t in plays))
     wall = time.perf_counter() - start
+    if record_dir is not None:
+        record_episodes(record_dir, spec, probe, results)
     valid = [(t, ep) for t, ep in results if not ep.failure]
     categories: dict[str, list] = defaultdict(list)
     for t, ep in valid:
@@ -109,6 +113,24 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory) -> d
         "by_category": {c: m["success_rate"] for c, m in per_category.items()},
         "categories": per_category,
     }
+
+
+def record_episodes(record_dir: str, spec: EvalSpec, probe, results: list) -> None:
+    """Every evaluation episode as a record line (``evaluation: true``), for ``horizonrl view``."""
+    from horizonrl.actors.actor import to_trajectory
+    from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record
+
+    writer = EpisodeRecordWriter(record_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        for i, (task_id, ep) in enumerate(results):
+            t = to_trajectory(ep, run_id=f"eval-{stamp}", trajectory_id=f"eval-{stamp}-{i}",
+                              group_id=f"eval-{stamp}-t{task_id}", group_size=spec.samples_per_task, env=spec.env,
+                              task_id=task_id, actor_id=0, max_turns=spec.max_turns,
+                              category=probe.task_category(task_id), with_text=True)
+            writer.write(episode_record(t, evaluation=True))
+    finally:
+        writer.close()
 
 
 def summarise(played: list, k: int) -> dict:

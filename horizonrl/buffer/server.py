@@ -46,6 +46,7 @@ from horizonrl.buffer.records import (
 )
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import TrainConfig
+from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (
     ACK_ACCEPTED,
@@ -119,6 +120,9 @@ class BufferServer:
         self._equal_seen_at_request = 0
         self._last_compaction = 0.0
         self._compacted_size = 0
+        # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
+        self.recorder = EpisodeRecordWriter(config.output_dir / "episodes",
+                                            max_bytes=config.monitor.record_max_mb * 1e6)
 
         self.ctx = zmq.Context()
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
@@ -267,6 +271,8 @@ class BufferServer:
             self.wal.append(accepted_parts(message))  # encode_record(Accepted(message)), without copying it
         self.groups.accept(t)  # what applying the record does, without decoding the message again
         self._ack(identity, tid, ACK_ACCEPTED)
+        if t.text is not None:
+            self.recorder.write(episode_record(t))
 
     def _weights_known(self, t: Trajectory) -> bool:
         """Whether every turn's weights were announced. Turns of an epoch older than the newest known
@@ -366,6 +372,7 @@ class BufferServer:
         if group_ids is None:
             return
         groups = self._log(Served(self.groups.next_batch, request.request_id, request.learner_version, group_ids))
+        self.recorder.write(trained_record(request.learner_version + 1, group_ids))
         batch = Batch(run_id=self.run_id, request_id=request.request_id, groups=groups, buffer_stats=self.stats())
         self._reply = (identity, encode(batch))
         self._pending = None
@@ -419,6 +426,7 @@ class BufferServer:
             pass  # the peer is gone or not reading: it resends (actor) or asks again (learner)
 
     def close(self) -> None:
+        self.recorder.close()
         if self.wal is not None:
             self.wal.sync()
             self._release_durable()  # acknowledge what is durable before going

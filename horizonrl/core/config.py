@@ -197,6 +197,16 @@ class NetworkConfig(_Frozen):
         )
 
 
+class WandbConfig(_Frozen):
+    """Weights & Biases logging (core/wandb_log.py); absent: none."""
+
+    project: str = "horizonrl"
+    entity: str | None = None
+    mode: Literal["online", "offline"] = Field("online", description="offline: written under <output_dir>/wandb, "
+                                                                    "uploaded later with `wandb sync`")
+    tags: list[str] = []
+
+
 class MonitorConfig(_Frozen):
     tensorboard: bool = False  # also start TensorBoard on loopback and print its address
     tensorboard_port: int = Field(6006, ge=1, le=65535)
@@ -207,6 +217,13 @@ class MonitorConfig(_Frozen):
         30.0, ge=0, description="each actor sends one finished episode per environment as text this often; the "
                                 "coordinator writes it to TensorBoard (episodes/<env>) and <output_dir>/episodes.jsonl "
                                 "(0: never)")
+    record_fraction: float = Field(
+        0.1, ge=0, le=1, description="share of GRPO groups whose episodes the buffer records as text in "
+                                     "<output_dir>/episodes/ (docs/episodes.md; `horizonrl view RUN_DIR` shows them)")
+    record_failures: bool = Field(True, description="also record every failed episode (environment, engine, timeout)")
+    record_max_mb: float = Field(1024.0, ge=0, description="stop recording once <output_dir>/episodes/ holds this much")
+    wandb: WandbConfig | None = Field(None, description="also log to Weights & Biases, e.g. "
+                                                        "monitor.wandb={project: my-project, mode: offline}")
 
 
 class SupervisionConfig(_Frozen):
@@ -257,6 +274,11 @@ class TrainConfig(_Frozen):
         if self.rollout.synchronous and self.buffer.skip_equal_reward_groups:
             raise ValueError("rollout.synchronous needs buffer.skip_equal_reward_groups=false: the actors make "
                              "exactly one batch per weight version, so a dropped group would leave it short")
+        if self.buffer.capacity_groups < self.learner.groups_per_step:
+            raise ValueError(f"buffer.capacity_groups ({self.buffer.capacity_groups}) is below learner.groups_per_step "
+                             f"({self.learner.groups_per_step}): the buffer stops taking trajectories at capacity, so "
+                             f"the learner would wait forever for a batch; set buffer.capacity_groups to about "
+                             f"{2 * self.learner.groups_per_step} (two steps' worth)")
         return self
 
     @property

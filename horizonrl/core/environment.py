@@ -15,6 +15,7 @@ by the program that starts the actor.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -43,7 +44,12 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    """One episode at a time; reusable after ``reset``."""
+    """One episode at a time; reusable after ``reset``.
+
+    An environment whose replies are not ReAct (``Action: ...``) says so with a class attribute
+    ``reply_format`` (e.g. ``"tags"``); the environment server then passes bare actions through
+    unchanged instead of reading them as ``Action: <text>``.
+    """
 
     name: str
 
@@ -69,6 +75,28 @@ class Environment(Protocol):
         Used to build random-policy episodes (the tiny model's format warm-up) and
         random baselines; it teaches the format, not the skill.
         """
+
+
+def extract_react_action(reply: str) -> str | None:
+    """The text after the last ``Action:`` of a ReAct reply (first line only), or None."""
+    last = reply.lower().rfind("action:")
+    if last < 0:
+        return None
+    text = reply[last + len("action:"):].strip()
+    text = text.splitlines()[0].strip() if text else ""
+    return text.strip().strip("`").strip().rstrip(".").strip() or None
+
+
+TAGGED_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+def extract_action(reply: str, reply_format: str = "react") -> str:
+    """The action a reply names, for people to read ("" when it names none): the ReAct ``Action:``
+    line, or for tagged replies (``reply_format="tags"``) the first ``<search>``/``<answer>`` tag."""
+    if reply_format == "tags":
+        match = TAGGED_ACTION.search(reply)
+        return f"{match.group(1)}: {match.group(2).strip()}" if match else ""
+    return extract_react_action(reply) or ""
 
 
 EnvFactory = Callable[[str, dict[str, Any] | None], Environment]

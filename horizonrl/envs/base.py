@@ -6,21 +6,11 @@ import asyncio
 import functools
 from typing import Any, Callable, TypeVar
 
-from horizonrl.core.environment import SPLITS, Environment, EnvironmentFailure, StepResult
+from horizonrl.core.environment import SPLITS, Environment, EnvironmentFailure, StepResult, extract_react_action
 
 __all__ = ["SPLITS", "Environment", "EnvironmentFailure", "StepResult", "extract_react_action", "run_blocking"]
 
 T = TypeVar("T")
-
-
-def extract_react_action(reply: str) -> str | None:
-    """The text after the last ``Action:`` of a ReAct reply (first line only), or None."""
-    last = reply.lower().rfind("action:")
-    if last < 0:
-        return None
-    text = reply[last + len("action:"):].strip()
-    text = text.splitlines()[0].strip() if text else ""
-    return text.strip().strip("`").strip().rstrip(".").strip() or None
 
 
 async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

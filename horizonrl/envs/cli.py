@@ -51,6 +51,9 @@ def add_env_commands(subparsers: Any) -> None:
     p.add_argument("--reap-interval", type=float, default=10.0)
     p.add_argument("--max-sessions", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--agentgym-errors", action="store_true",
+                   help="answer errors with HTTP 200 and {\"error\": ...} as AgentGym's servers do (for old "
+                        "clients that expect it); off: real status codes")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -81,7 +84,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     serve(args.names, host=args.host, port=args.port, settings=json.loads(args.settings),
           max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout, reap_interval_s=args.reap_interval,
-          max_body_bytes=args.max_body_bytes)
+          max_body_bytes=args.max_body_bytes, agentgym_errors=args.agentgym_errors)
     return 0
 
 

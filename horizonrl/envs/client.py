@@ -11,9 +11,12 @@ server dies mid-way ends as an environment failure (counted, never trained on).
 ``managed: true`` (with ``env`` and ``env_settings``) asks the launcher to start and supervise the
 server itself (``url`` is then optional: it picks a free port); the client ignores those keys.
 
-``protocol="agentgym"`` talks to AgentGym's own servers (``agentenv-*``): they answer errors
-with HTTP 200 and ``{"error": ...}`` (turned into EnvironmentFailure here), expect the bare
-action (extracted here from the reply with the ``Action:`` rule), and have no task metadata.
+``protocol="agentgym"`` talks to AgentGym's own servers (``agentenv-*``), with ``env`` naming
+which one (``babyai``, ``textcraft``, ``sciworld``, ``searchqa``): bodies, keys and answer shapes
+as that server has them (``agentgym_api.DIALECTS``), the bare action cut from the reply as
+AgentGym's own client cuts it, errors answered with HTTP 200 and ``{"error": ...}`` turned into
+EnvironmentFailure; SciWorld's 0-100 reward is scaled to 0-1 as in-process. Those servers
+publish no task metadata: use id files.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from horizonrl.envs.base import EnvironmentFailure, StepResult, extract_react_action
+from horizonrl.envs.agentgym_api import Dialect, agentgym_action, dialect
+from horizonrl.envs.base import EnvironmentFailure, StepResult
 
 log = logging.getLogger("horizonrl.envs.client")
 
@@ -54,12 +58,19 @@ class HTTPEnv:
 
     # -------------------------------------------------------------- episode
     async def reset(self, task_id: int) -> str:
+        speaks = self._dialect()
         if self._id is None:
-            body = {"env": self.env_name} if self.env_name and self.protocol == "horizonrl" else {}
-            self._id = (await self._post("/create", body, retry=True))["id"]
-        payload = await self._post("/reset", {"id": self._id, "data_idx": task_id}, retry=True)
+            if self.protocol == "agentgym":
+                created = await self._post("/create", speaks.create_body, retry=True)
+            else:
+                created = await self._post("/create", {"env": self.env_name} if self.env_name else {}, retry=True)
+            # SearchQA's AgentGym server answers the bare id (parsed into {"value": id})
+            self._id = created["id"] if "id" in created else created.get("value")
+            if not isinstance(self._id, int):
+                raise EnvironmentFailure(f"{self.url}/create answered no session id: {created!r}"[:300])
+        payload = await self._post("/reset", {speaks.session_key: self._id, speaks.task_key: task_id}, retry=True)
         observation = payload.get("observation", "")
-        if self.protocol == "agentgym" and "task_description" in payload:
+        if "task_description" in payload:  # SciWorld's servers send the task apart
             observation = f"{payload['task_description']}\n{observation}"
         return observation
 
@@ -67,20 +78,31 @@ class HTTPEnv:
         if self._id is None:
             return StepResult("The episode is over; no more actions are accepted.", 0.0, True,
                               info={"invalid_action": True})
-        action = action_text[:MAX_ACTION_CHARS]
+        reply = action_text[:MAX_ACTION_CHARS]
+        speaks = self._dialect()
         if self.protocol == "agentgym":
-            action = extract_react_action(action) or action
-        p = await self._post("/step", {"id": self._id, "action": action}, retry=False)
+            body = {speaks.session_key: self._id, "action": agentgym_action(self.env_name, reply)}
+        else:  # the whole reply, its format checked as in-process
+            body = {"id": self._id, "action": reply, "whole_reply": True}
+        p = await self._post("/step", body, retry=False)
         done = bool(p.get("done", p.get("terminated", False)) or p.get("truncated", False))
-        reward, score = float(p.get("reward", 0.0)), float(p.get("score", 0.0))
-        success = bool(p["success"]) if "success" in p else done and (reward >= 1.0 or score >= 100)
-        return StepResult(str(p.get("observation", "")), reward, done, success, score, p.get("info", {}))
+        reward, score = float(p.get("reward", 0.0) or 0.0), float(p.get("score", 0.0) or 0.0)
+        if "success" in p:
+            success = bool(p["success"])
+        elif speaks.score_in_points:
+            reward, success = reward / 100.0, done and score >= 100
+        else:  # AgentGym's BabyAI pays less than 1 for a slow success; a failure pays 0
+            success = done and reward > 0
+        return StepResult(str(p.get("observation", "")), reward, done, success, score, p.get("info") or {})
+
+    def _dialect(self) -> Dialect:
+        return dialect(self.env_name if self.protocol == "agentgym" else None)
 
     async def close(self) -> None:
         session_id, self._id = self._id, None
         try:
             if session_id is not None:
-                await self._post("/close", {"id": session_id}, retry=False, missing_ok=True)
+                await self._post("/close", {self._dialect().session_key: session_id}, retry=False, missing_ok=True)
         except EnvironmentFailure as exc:
             # The server is unreachable: its sessions died with it (a restarted server starts empty).
             log.info("closing session %s on %s: %s", session_id, self.url, exc)
@@ -126,7 +148,8 @@ class HTTPEnv:
                 time.sleep(delay)
 
     # ------------------------------------------------------------ transport
-    async def _post(self, path: str, body: dict[str, Any], retry: bool, missing_ok: bool = False) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any] | None, retry: bool,
+                    missing_ok: bool = False) -> dict[str, Any]:
         import aiohttp
 
         if self._session is None:
@@ -140,7 +163,7 @@ class HTTPEnv:
                     break
                 await asyncio.sleep(delay)
             try:
-                async with self._session.post(self.url + path, json=body) as response:
+                async with self._session.post(self.url + path, **({} if body is None else {"json": body})) as response:
                     text = await response.text()
                     status = response.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:

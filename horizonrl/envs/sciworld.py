@@ -152,6 +152,7 @@ class SciWorldEnv:
         self._done = True
         self._score = 0
         self._gold: list[str] = []
+        self.task_description = ""  # the current task's, also the first line(s) of reset's observation
 
     def task_ids(self, split: str) -> list[int]:
         if split not in ("train", "test"):
@@ -211,6 +212,7 @@ class SciWorldEnv:
             raise EnvironmentFailure(f"ScienceWorld JVM failed during reset: {error}") from error
         self._score = 0
         self._done = False
+        self.task_description = description
         return f"{description}\n{observation}"
 
     def _step(self, action: str) -> StepResult:

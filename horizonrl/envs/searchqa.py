@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from horizonrl.core.environment import TAGGED_ACTION
 from horizonrl.envs.base import StepResult
 from horizonrl.envs.retrieval import BM25Retriever, RemoteRetriever, Retriever, format_information
 
@@ -38,7 +39,6 @@ INSTRUCTION = (
 WRONG_ANSWER = "Sorry, your answer is incorrect. Please try again."
 INVALID = ("Invalid reply: put a search query between <search> and </search>, or the final answer "
            "between <answer> and </answer>.")
-_TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _RETRIEVERS: dict[Any, Retriever] = {}
 _RETRIEVERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 1000
@@ -72,6 +72,7 @@ class SearchQAEnv:
     """One question at a time (see the module docstring for the protocol)."""
 
     name = "searchqa"
+    reply_format = "tags"  # the reply carries <search>/<answer> tags, not a ReAct "Action:" line
 
     def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
                  seed: int = 0) -> None:
@@ -127,7 +128,7 @@ class SearchQAEnv:
         if self._done or self.row is None:
             return StepResult("The episode is over; no more actions are accepted.", 0.0, True, self._success,
                               float(self._success), {"invalid_action": True})
-        match = _TAG.search(action_text or "")
+        match = TAGGED_ACTION.search(action_text or "")
         if match is None:
             return StepResult(INVALID, 0.0, False, info={"invalid_action": True})
         kind, content = match.group(1), match.group(2).strip()

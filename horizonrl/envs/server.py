@@ -3,27 +3,38 @@
 Endpoints (AgentGym's, plus /health and two for the client's metadata):
 
 - ``POST /create {"env"?: name}`` -> ``{"id": int}`` (``env`` may be left out when one is served)
-- ``POST /reset {"id", "data_idx"}`` (``env_idx`` / ``task_id`` accepted) -> ``{"observation",
+- ``POST /reset {"id", "data_idx"}`` (``task_id`` / ``env_idx`` accepted) -> ``{"observation",
   "reward": 0, "score": 0, "done": false}``
-- ``POST /step {"id", "action"}`` -> ``{"observation", "reward", "score", "done", "success", "info"}``
+- ``POST /step {"id", "action", "whole_reply"?}`` -> ``{"observation", "reward", "score", "done",
+  "success", "info"}``. ``action`` is the model's whole reply or, as AgentGym's clients send it,
+  the bare action (``turn left``); ``whole_reply: true`` (horizonrl's client) asks for the reply's
+  format to be checked exactly as in-process, so a reply without ``Action:`` is "invalid format".
 - ``GET /observation?id=`` -> ``{"observation"}`` (the last one)
-- ``POST /close {"id"}`` -> ``{"closed": true}``
+- ``POST /close {"id"}`` -> ``{"closed": true}``; closing a closed session again is not an error
 - ``GET /health`` -> ``{"status": "ok", "envs", "sessions", "reaped", "rss_bytes"}``
 - ``GET /tasks?env=`` -> ``{"train": [...], "test": [...], "categories": {...}}``
 - ``GET /random_action?id=&seed=`` -> ``{"action"}``
 
+``/<env>/create|reset|step|observation|close`` serve AgentGym's clients for ``<env>``, with the
+bodies they send and the answers they read (``agentgym_api.DIALECTS``: TextCraft's create starts
+an episode, SearchQA names the session ``env_idx`` and answers bare values, ...), so one process
+hosts several environments, each at its own base URL ``http://HOST:PORT/<env>``. The root routes
+add the same dictionary fields (TextCraft's create ``observation``, SciWorld's reset
+``task_description``) so that an AgentGym client works there too when one environment is served.
+
 Errors use real status codes with ``{"error": message, "kind": ...}``: 400 malformed request or
 bad task id, 404 unknown session or route, 409 step before reset, 413 body over
-``max_body_bytes``, 503 session limit reached, 500 environment failure. Environment code runs
-off the event loop (every environment's blocking work goes through ``run_blocking``), requests
-on one session are serialised by a per-session lock, and sessions idle longer than
-``idle_timeout_s`` are closed by a reaper task.
+``max_body_bytes``, 503 session limit reached, 500 environment failure. With ``agentgym_errors``
+(``serve --agentgym-errors``) every error is HTTP 200 with the same body instead, as AgentGym's
+servers answer (for old clients that expect it). Environment code runs off the event loop (every
+environment's blocking work goes through ``run_blocking``), requests on one session are
+serialised by a per-session lock, and sessions idle longer than ``idle_timeout_s`` are closed by
+a reaper task.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import random
@@ -35,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from horizonrl.envs.agentgym_api import DEFAULT_DIALECT, as_reply, dialect
 from horizonrl.envs.base import Environment, EnvironmentFailure
 from horizonrl.envs.registry import make_env
 
@@ -62,7 +74,7 @@ class EnvServer:
 
     def __init__(self, env_names: list[str], settings: dict[str, dict[str, Any]] | None = None,
                  max_sessions: int = 4096, idle_timeout_s: float = 600.0, reap_interval_s: float = 10.0,
-                 max_body_bytes: int = 1 << 20) -> None:
+                 max_body_bytes: int = 1 << 20, agentgym_errors: bool = False) -> None:
         if not env_names:
             raise ValueError("serve at least one environment")
         self.env_names = list(env_names)
@@ -71,9 +83,10 @@ class EnvServer:
         self.idle_timeout_s = idle_timeout_s
         self.reap_interval_s = reap_interval_s
         self.max_body_bytes = max_body_bytes
+        self.agentgym_errors = agentgym_errors
         self.sessions: dict[int, Session] = {}
         self.reaped = 0
-        self._ids = itertools.count()
+        self._next_id = 0  # ids are never reused: an id below it that is not open was closed
         self._metadata: dict[str, dict[str, Any]] = {}
         self._reaper: asyncio.Task | None = None
 
@@ -89,6 +102,13 @@ class EnvServer:
         app.router.add_get("/tasks", self.tasks)
         app.router.add_get("/random_action", self.random_action)
         app.router.add_get("/", self.health)
+        # AgentGym clients, one base URL per environment: http://HOST:PORT/<env>
+        app.router.add_post("/{env}/create", self.create)
+        app.router.add_post("/{env}/reset", self.reset)
+        app.router.add_post("/{env}/step", self.step)
+        app.router.add_get("/{env}/observation", self.observation)
+        app.router.add_post("/{env}/close", self.close)
+        app.router.add_get("/{env}/", self.health)
         app.on_startup.append(self._start_reaper)
         app.on_cleanup.append(self._shutdown)
         return app
@@ -98,53 +118,88 @@ class EnvServer:
         try:
             return await handler(request)
         except HTTPError as error:
-            return web.json_response({"error": error.message, "kind": error.kind}, status=error.status)
+            return self._error(error.status, error.message, error.kind)
         except web.HTTPRequestEntityTooLarge:
-            return web.json_response({"error": f"request body over {self.max_body_bytes} bytes",
-                                      "kind": "too_large"}, status=413)
+            return self._error(413, f"request body over {self.max_body_bytes} bytes", "too_large")
         except web.HTTPException as error:
-            return web.json_response({"error": error.reason, "kind": "http"}, status=error.status)
+            return self._error(error.status, error.reason, "http")
         except EnvironmentFailure as error:
-            return web.json_response({"error": str(error), "kind": "environment_failure"}, status=500)
+            return self._error(500, str(error), "environment_failure")
         except Exception as error:  # one handler at the boundary: log it, answer 500, keep serving
             log.exception("unexpected error in %s", request.path)
-            return web.json_response({"error": repr(error), "kind": "server_error"}, status=500)
+            return self._error(500, repr(error), "server_error")
+
+    def _error(self, status: int, message: str, kind: str) -> web.Response:
+        status = 200 if self.agentgym_errors else status
+        return web.json_response({"error": message, "kind": kind}, status=status)
 
     # ------------------------------------------------------------ handlers
     async def create(self, request: web.Request) -> web.Response:
+        route_env = self._route_env(request)
         body = await self._json(request, allow_empty=True)
-        name = body.get("env") or (self.env_names[0] if len(self.env_names) == 1 else None)
+        name = route_env or body.get("env") or (self.env_names[0] if len(self.env_names) == 1 else None)
         if name not in self.env_names:
-            raise HTTPError(400, f"choose env from {self.env_names}")
+            raise HTTPError(400, f"name the environment: {{\"env\": one of {self.env_names}}} in the body, "
+                                 f"or, for AgentGym's clients, use the base URL http://HOST:PORT/<env>")
+        if body.get("commands") is not None or body.get("goal") is not None:
+            raise HTTPError(400, "custom TextCraft commands or goals are not supported: tasks come from data_idx")
         if len(self.sessions) >= self.max_sessions:
             raise HTTPError(503, f"session limit {self.max_sessions} reached", "busy")
         env = make_env(name, self.settings.get(name, {}))
-        session_id = next(self._ids)
-        self.sessions[session_id] = Session(name, env)
-        return web.json_response({"id": session_id})
+        session_id, self._next_id = self._next_id, self._next_id + 1
+        session = self.sessions[session_id] = Session(name, env)
+        speaks = dialect(name)
+        if speaks.create_answers_bare_id and route_env:
+            return web.json_response(session_id)
+        answer: dict[str, Any] = {"id": session_id}
+        if speaks.create_starts_episode:
+            # AgentGym's TextCraft client reads an observation from /create (then resets anyway).
+            first_task = min(env.task_ids("train"))
+            async with session.lock:
+                session.observation = await env.reset(first_task)
+                session.started = True
+            answer.update({"observation": session.observation, "reward": 0.0, "done": False})
+        return web.json_response(answer)
 
     async def reset(self, request: web.Request) -> web.Response:
+        route_env = self._route_env(request)
+        keys = dialect(route_env) if route_env else DEFAULT_DIALECT
         body = await self._json(request)
-        session = self._session(body.get("id"))
-        task_id = next((body[k] for k in ("data_idx", "task_id", "env_idx") if k in body), None)
+        if not route_env and "env_idx" in body and "id" in body and "data_idx" not in body:
+            raise HTTPError(400, "ambiguous reset {id, env_idx}: AgentGym's SearchQA client names the session "
+                                 "env_idx; point it at the base URL http://HOST:PORT/searchqa")
+        session = self._session(body.get(keys.session_key), route_env)
+        task_keys = (keys.task_key,) if route_env else ("data_idx", "task_id", "env_idx")
+        task_id = next((body[k] for k in task_keys if k in body), None)
         if not isinstance(task_id, int) or isinstance(task_id, bool):
-            raise HTTPError(400, "reset needs an integer data_idx")
+            raise HTTPError(400, f"reset needs an integer {task_keys[0]}")
         async with session.lock:
             try:
                 observation = await session.env.reset(task_id)
             except ValueError as error:
                 raise HTTPError(400, str(error), "bad_task_id") from error
             session.started, session.observation, session.last_used = True, observation, time.monotonic()
-        return web.json_response({"observation": observation, "reward": 0.0, "score": 0.0, "done": False})
+        shape = dialect(session.env_name)
+        if shape.reset_answers_bare_text and route_env:
+            return web.json_response(observation)
+        answer: dict[str, Any] = {"observation": observation, "reward": 0.0, "score": 0.0, "done": False}
+        description = getattr(session.env, "task_description", "")
+        if shape.reset_splits_task and description and observation.startswith(description + "\n"):
+            # AgentGym's SciWorld client shows task_description + "\n" + observation.
+            answer.update(task_description=description, observation=observation[len(description) + 1:])
+        return web.json_response(answer)
 
     async def step(self, request: web.Request) -> web.Response:
+        route_env = self._route_env(request)
         body = await self._json(request)
-        session = self._session(body.get("id"))
+        session = self._session(body.get(dialect(route_env).session_key if route_env else "id"), route_env)
         action = body.get("action")
         if not isinstance(action, str):
             raise HTTPError(400, "step needs a string action")
         if not session.started:
             raise HTTPError(409, "reset the session before stepping", "not_started")
+        if body.get("whole_reply") is not True:
+            action = as_reply(action, getattr(session.env, "reply_format", "react"))
         async with session.lock:
             result = await session.env.step(action)
             session.observation, session.last_used = result.observation, time.monotonic()
@@ -153,14 +208,22 @@ class EnvServer:
                                   "info": _jsonable(result.info)})
 
     async def observation(self, request: web.Request) -> web.Response:
-        session = self._session(_int_param(request, "id"))
+        route_env = self._route_env(request)
+        speaks = dialect(route_env) if route_env else DEFAULT_DIALECT
+        session = self._session(_int_param(request, speaks.session_key), route_env)
         session.last_used = time.monotonic()
+        if speaks.reset_answers_bare_text and route_env:
+            return web.json_response(session.observation)
         return web.json_response({"observation": session.observation})
 
     async def close(self, request: web.Request) -> web.Response:
+        route_env = self._route_env(request)
         body = await self._json(request)
-        session_id = body.get("id")
-        self._session(session_id)
+        session_id = body.get(dialect(route_env).session_key if route_env else "id")
+        if isinstance(session_id, int) and not isinstance(session_id, bool) \
+                and 0 <= session_id < self._next_id and session_id not in self.sessions:
+            return web.json_response({"closed": True})  # closed before (or reaped): closing is idempotent
+        self._session(session_id, route_env)
         session = self.sessions.pop(session_id)
         async with session.lock:
             await session.env.close()
@@ -201,12 +264,22 @@ class EnvServer:
             raise HTTPError(400, "the body must be a JSON object")
         return body
 
-    def _session(self, session_id: Any) -> Session:
+    def _route_env(self, request: web.Request) -> str | None:
+        """The environment named in the path (``/<env>/step``), or None on the root routes."""
+        name = request.match_info.get("env")
+        if name is not None and name not in self.env_names:
+            raise HTTPError(404, f"environment {name!r} is not served here; served: {self.env_names}", "not_found")
+        return name
+
+    def _session(self, session_id: Any, route_env: str | None = None) -> Session:
         if not isinstance(session_id, int) or isinstance(session_id, bool):
             raise HTTPError(400, "a request needs an integer session id")
         session = self.sessions.get(session_id)
         if session is None:
             raise HTTPError(404, f"no session {session_id} (closed, reaped or never created)", "unknown_session")
+        if route_env is not None and session.env_name != route_env:
+            raise HTTPError(404, f"session {session_id} is a {session.env_name} session, not {route_env}",
+                            "unknown_session")
         return session
 
     async def _start_reaper(self, app: web.Application) -> None:

@@ -36,6 +36,20 @@ STOP_CONTEXT = "context_limit"  # the next turn would not fit in the context
 STOP_FAILURE = "failure"  # see ``failure``
 
 
+MAX_SAMPLE_TEXT = 4000  # characters of one observation or reply kept for people to read
+
+
+class EpisodeText(msgspec.Struct, kw_only=True):
+    """An episode as a person reads it: the task's first observation, then per turn the model's
+    reply, the action taken from it and the environment's answer (each cut to MAX_SAMPLE_TEXT
+    characters). A failed episode may have fewer observations than replies."""
+
+    first_observation: str
+    replies: list[str]
+    actions: list[str]
+    observations: list[str]
+
+
 class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     """One finished episode, token-in/token-out, exactly as the engine saw it.
 
@@ -77,6 +91,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     failure_message: str = ""
     category: str = ""
     timings: dict[str, float] = {}
+    text: EpisodeText | None = None  # on the episodes the actor samples for recording (monitor.record_*)
 
     @property
     def num_tokens(self) -> int:
@@ -223,8 +238,6 @@ class EpisodeSample(msgspec.Struct, tag="episode_sample", kw_only=True):
     failure: str = FAILURE_NONE
     transcript: list[tuple[str, str]] = []
 
-
-MAX_SAMPLE_TEXT = 4000
 
 # What the buffer says about each trajectory it received (TrajectoryAck.statuses).
 ACK_ACCEPTED = "accepted"  # durable in the buffer's log: the actor may forget it

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
-from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, Trajectory
+from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, MAX_SAMPLE_TEXT, Trajectory
 
 MAX_ID_CHARS = 256
 LOGPROB_SLACK = 1e-3  # a log-probability is <= 0; float32 rounding may give a hair above
@@ -80,4 +80,12 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None) -> tuple[st
         previous_end = end
     if not np.array_equal(in_spans, generated):
         return REJECT_SPANS, "the loss mask is not 1 exactly on the turn spans"
+    if t.text is not None:
+        text = t.text
+        if not len(text.replies) == len(text.actions) == turns or len(text.observations) > turns:
+            return REJECT_FIELDS, (f"text of {len(text.replies)} replies, {len(text.actions)} actions and "
+                                   f"{len(text.observations)} observations for {turns} turns")
+        if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
+                                                   *text.observations)):
+            return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
     return None

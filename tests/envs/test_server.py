@@ -72,7 +72,9 @@ async def test_status_codes_and_bad_input(server):
         async with s.get(u + "/nowhere") as r:
             assert r.status == 404
         assert (await post(s, u + "/close", {"id": sid}))[0] == 200
-        assert (await post(s, u + "/close", {"id": sid}))[0] == 404
+        assert (await post(s, u + "/close", {"id": sid})) == (200, {"closed": True})  # idempotent
+        assert (await post(s, u + "/close", {"id": 10**9}))[0] == 404  # never created
+        assert (await post(s, u + "/step", {"id": sid, "action": "turn left"}))[0] == 404  # closed
         async with s.get(u + "/health") as r:
             assert r.status == 200 and (await r.json())["status"] == "ok"
 

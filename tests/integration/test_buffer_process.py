@@ -1,6 +1,7 @@
 """The buffer as a real process behind real ZMQ sockets: what it acknowledges, rejects and counts, and
 what it still holds after ``kill -9`` and a restart (its write-ahead log)."""
 
+import json
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from horizonrl.protocol import (
     Batch,
     BatchRequest,
     Control,
+    EpisodeText,
     Heartbeat,
     TrajectoryAck,
     decode,
@@ -107,6 +109,8 @@ def test_every_message_is_acknowledged_rejected_or_counted(tmp_path):
     learner = run.socket(zmq.DEALER, net.batch_port)
     try:
         good = [run.trajectory("g1", i, reward=float(i % 2)) for i in range(4)]
+        good[0] = msgspec.structs.replace(good[0], text=EpisodeText(  # sampled for recording (and resent below)
+            first_observation="You see a sign.", replies=["Action: left"], actions=["left"], observations=["Done."]))
         for t in good[:2]:
             actor.send(encode(t))
         actor.send(b"\x00garbage")  # malformed
@@ -137,6 +141,14 @@ def test_every_message_is_acknowledged_rejected_or_counted(tmp_path):
         rc = stop_process(proc)
         run.close()
     assert rc == 0, (tmp_path / "buffer.log").read_text()[-3000:]
+    # The one trajectory that carried its text was recorded once (not again for its resend), and the
+    # batch that held it was recorded as trained at step 1; read with the standard library only.
+    lines = [json.loads(line) for f in sorted((tmp_path / "run" / "episodes").glob("episodes-*.jsonl"))
+             for line in f.read_text().splitlines()]
+    assert [(r["kind"], r.get("trajectory_id")) for r in lines] == [("episode", "g1-0"), ("trained", None)]
+    assert lines[0]["turns"] == [{"reply": "Action: left", "action": "left", "observation": "Done.", "reward": 0.0,
+                                  "version": 0, "epoch": 0}]
+    assert lines[1]["learner_step"] == 1 and lines[1]["group_ids"] == ["g1"]
 
 
 def test_after_kill_9_the_buffer_holds_what_it_acknowledged(tmp_path):

@@ -1,0 +1,50 @@
+"""Weights & Biases, when a run asks for it (``monitor.wandb: {project: ...}``): the coordinator's
+scalars under the same names as in TensorBoard, and recorded episodes as a table.
+
+``wandb`` is imported only when asked for (``pip install wandb``; a missing package is a clear
+error at start). ``mode: offline`` works without network: the run is written under
+``<output_dir>/wandb`` and ``wandb sync`` uploads it later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("horizonrl.wandb")
+
+EPISODE_COLUMNS = ["learner_step", "env", "task_id", "success", "reward", "num_turns", "failure", "transcript"]
+
+
+class WandbLog:
+    def __init__(self, settings: dict[str, Any], output_dir: str | Path, run_id: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise RuntimeError("monitor.wandb is set but the wandb package is not installed: pip install wandb") from error
+        os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break the console's status block
+        self._wandb = wandb
+        self.run = wandb.init(project=settings.get("project", "horizonrl"), entity=settings.get("entity"),
+                              mode=settings.get("mode", "online"), dir=str(output_dir), name=run_id, id=run_id,
+                              resume="allow", config=config, tags=settings.get("tags"))
+        log.info("logging to Weights & Biases: project %s, mode %s", settings.get("project"), settings.get("mode"))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(dict(values), step=step)
+
+    def episodes(self, rows: list[list[Any]], step: int) -> None:
+        """Rows of EPISODE_COLUMNS, as one table at ``step``."""
+        if rows:
+            self.run.log({"episodes/samples": self._wandb.Table(columns=EPISODE_COLUMNS, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def episode_row(sample: Any, learner_step: int) -> list[Any]:
+    """An EpisodeSample as a row of EPISODE_COLUMNS (the transcript as readable text)."""
+    transcript = "\n\n".join(f"[{role}] {text}" for role, text in sample.transcript)
+    return [learner_step, sample.env, sample.task_id, sample.success, sample.reward, sample.num_turns,
+            sample.failure, transcript]

@@ -1,0 +1,99 @@
+"""What AgentGym's environment servers (``agentenv-*``) accept and answer, environment by environment.
+
+AgentGym's own clients (``agentenv.envs.BabyAIEnvClient`` and its siblings) differ in small ways
+that matter on the wire; this module names each difference once, for both directions:
+
+- ``horizonrl env serve`` answers AgentGym clients at ``/<env>/create|reset|step|observation|close``
+  exactly as that environment's AgentGym server would (``server.py`` uses :data:`DIALECTS`);
+- ``HTTPEnv(protocol="agentgym")`` talks to AgentGym's own servers (``client.py`` uses the same
+  table and :func:`agentgym_action`).
+
+What the clients send (read from agentenv's client code):
+
+- BabyAI and SciWorld: ``POST /create`` with no body; ``/reset {"id", "data_idx"}``;
+  ``/step {"id", "action"}`` with the *bare* action: the text after the first ``Action:`` of the
+  reply, stripped (the whole reply when it has none).
+- TextCraft: ``/create {"minecraft_dir", "commands", "goal"}`` and it reads ``observation`` from
+  the answer; the action is the text after ``Action:`` up to the line's end with every character
+  but letters, digits, commas and spaces removed (``""`` when there is no ``Action:``), and
+  ``look`` becomes ``inventory``; ``/close {"id"}``.
+- SearchQA: ``/create {"id": 0}`` answered by the bare session id (an integer); the session is
+  named ``env_idx`` in every later body (``/reset {"env_idx", "id": task}``, ``/step {"env_idx",
+  "action"}`` with the whole reply, ``/close {"env_idx"}``) and ``GET /observation?env_idx=``;
+  ``/reset`` and ``/observation`` answer a bare string.
+
+What they read: ``id`` (create), ``observation``, ``reward``, ``score`` (BabyAI and SciWorld use
+``score`` as the reward), ``done``; SciWorld's reset also ``task_description`` (the client shows
+``task_description + "\\n" + observation``). AgentGym's servers answer every failure with HTTP 200
+and ``{"error": message}``; its clients assert status 200.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from horizonrl.envs.base import extract_react_action
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one AgentGym environment server names things and shapes its answers."""
+
+    session_key: str = "id"                 # the body / query key that names the session
+    task_key: str = "data_idx"              # the reset body key that names the task
+    create_body: dict | None = None         # what the client posts to /create (None: no body)
+    create_answers_bare_id: bool = False    # /create answers the id itself, not {"id": ...}
+    create_starts_episode: bool = False     # /create starts an episode and answers its observation
+    reset_answers_bare_text: bool = False   # /reset and /observation answer the observation string
+    reset_splits_task: bool = False         # /reset answers task_description apart from observation
+    action: str = "first_action"            # how the client cuts the action out of a reply
+    score_in_points: bool = False           # reward and score on a 0-100 scale (ScienceWorld's)
+
+
+DIALECTS: dict[str, Dialect] = {
+    "babyai": Dialect(),
+    "sciworld": Dialect(reset_splits_task=True, score_in_points=True),
+    "textcraft": Dialect(create_body={"minecraft_dir": "agentenv_textcraft/", "commands": None, "goal": None},
+                         create_starts_episode=True, action="textcraft"),
+    "searchqa": Dialect(session_key="env_idx", task_key="id", create_body={"id": 0}, create_answers_bare_id=True,
+                        reset_answers_bare_text=True, action="whole_reply"),
+}
+DEFAULT_DIALECT = Dialect()
+
+
+def dialect(env_name: str | None) -> Dialect:
+    return DIALECTS.get(env_name or "", DEFAULT_DIALECT)
+
+
+_TEXTCRAFT_ACTION = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
+
+
+def agentgym_action(env_name: str | None, reply: str) -> str:
+    """The action AgentGym's client for ``env_name`` would send for the model's ``reply``."""
+    how = dialect(env_name).action
+    if how == "whole_reply":
+        return reply
+    if how == "textcraft":
+        found = _TEXTCRAFT_ACTION.findall(reply)
+        action = re.sub(r"[^A-Za-z0-9, ]+", "", found[-1] if found else "")
+        action = " ".join(action.split())
+        return "inventory" if action.lower() == "look" else action
+    if reply.endswith("</s>"):
+        reply = reply[:-len("</s>")]
+    parts = reply.split("Action:")
+    return (parts[1] if len(parts) > 1 else parts[0]).strip()
+
+
+def as_reply(text: str, reply_format: str = "react") -> str:
+    """A step's action as the whole reply an environment parses.
+
+    AgentGym's clients send the bare action (``turn left``); horizonrl's environments read the
+    action after ``Action:`` in the model's reply. Text with no ``Action:`` is taken as the action
+    itself, so a valid bare action is applied and an invalid one gets the environment's "invalid
+    action" answer (not its "invalid format" one). Environments whose replies are not ReAct
+    (SearchQA's tags) get the text unchanged.
+    """
+    if reply_format != "react" or extract_react_action(text) is not None:
+        return text
+    return f"Action: {text.strip()}"
