@@ -108,6 +108,31 @@ async def test_an_unacknowledged_trajectory_is_resent_and_too_many_hold_the_send
         ctx.term()
 
 
+@pytest.mark.parametrize("backpressure", [False, True])
+async def test_a_resend_under_backpressure_is_not_a_warning(tmp_path, caplog, backpressure):
+    """While the coordinator pauses the rollout the buffer reads nothing, so late acknowledgements are the
+    design at work: the resend is logged at INFO (off the console), otherwise it is a WARNING."""
+    ctx = zmq.asyncio.Context()
+    buffer = Buffer(ctx)
+    delivery, socket = _delivery(ctx, buffer.port, tmp_path, ack_timeout_s=0.3)
+    delivery.backpressure = backpressure
+    runner = asyncio.create_task(delivery.run())
+    try:
+        with caplog.at_level("INFO", logger="horizonrl.actors"):
+            await delivery.send(make_trajectory("g", 0))
+            await buffer.receive(2)  # sent, then sent again after the ack timeout
+            await asyncio.wait_for(_until(lambda: delivery.counters["resent"] >= 1), 10)
+        [record] = [r for r in caplog.records if "unacknowledged" in r.getMessage()]
+        assert record.levelname == ("INFO" if backpressure else "WARNING")
+        assert ("the buffer is full" in record.getMessage()) == backpressure
+    finally:
+        runner.cancel()
+        delivery.close()
+        socket.close(linger=0)
+        buffer.socket.close(linger=0)
+        ctx.term()
+
+
 async def _until(predicate):
     while not predicate():
         await asyncio.sleep(0.02)

@@ -284,6 +284,7 @@ class Actor:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
             self.control = control
+            self.delivery.backpressure = control.pause_rollout
             # The hub sends every member each version once, in order. A newer weight epoch is a
             # restarted learner, hence a new hub: join that one, which answers with its newest weights.
             while (control.weight_epoch, control.weight_version) > self.weights:

@@ -64,6 +64,9 @@ class TrajectoryDelivery:
         self._file = None
         self._room = asyncio.Event()
         self._room.set()
+        # Set by the actor while the coordinator pauses the rollout: the buffer holds a full load and reads
+        # nothing until the learner takes a batch, so sends wait for their acknowledgement as designed.
+        self.backpressure = False
         self._resend_log = RateLimitedLog(log)
         self._reject_log = RateLimitedLog(log)
         self._load_outbox()
@@ -197,8 +200,12 @@ class TrajectoryDelivery:
             if was_sent:
                 self.counters["resent"] += 1
         if overdue:
-            self._resend_log.warning("%d trajectories unacknowledged for over %.0f s (or not yet sent): sending again",
-                                     len(overdue), self.ack_timeout_s)
+            # Under backpressure a late acknowledgement is the design at work, not a fault: INFO, off the console.
+            self._resend_log.log(logging.INFO if self.backpressure else logging.WARNING,
+                                 "%d trajectories unacknowledged for over %.0f s (or not yet sent): sending again%s",
+                                 len(overdue), self.ack_timeout_s,
+                                 " (the buffer is full: it reads again once the learner takes a batch)"
+                                 if self.backpressure else "")
 
     def _update_room(self) -> None:
         if len(self.unacked) < self.max_unacked:

@@ -98,10 +98,13 @@ class RateLimitedLog:
         self._suppressed = 0
 
     def warning(self, msg: str, *args) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+    def log(self, level: int, msg: str, *args) -> None:
         now = time.monotonic()
         if now - self._last >= self._interval:
             extra = f" (+{self._suppressed} similar)" if self._suppressed else ""
-            self._logger.warning(msg + extra, *args)
+            self._logger.log(level, msg + extra, *args)
             self._last, self._suppressed = now, 0
         else:
             self._suppressed += 1
