@@ -66,7 +66,8 @@ def test_supervision_settings_from_the_command_line():
     assert load_config(REPO / "configs" / "signpost_test.yaml").supervision.recover == "auto"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
+                                  "dpo_signpost.yaml"])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -79,4 +80,4 @@ def test_shipped_configs_load(name):
 
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
-        ["demo.yaml", "signpost_test.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])
+        ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])

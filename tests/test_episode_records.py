@@ -118,4 +118,10 @@ def test_extract_action_for_people():
     assert extract_action("Thought: hm.\nAction: go to red ball 1.\n") == "go to red ball 1"
     assert extract_action("no action here") == ""
     assert extract_action("<think>x</think><search> capital of France </search>", "tags") == "search: capital of France"
+    # WebArena's replies name the action between triple backticks (a language tag line is not the action)
+    assert extract_action("Let me open it. In summary, the next action I will perform is ```click [12]```",
+                          "backticks") == "click [12]"
+    assert extract_action("```text\ntype [3] [red shoes] [1]\n```", "backticks") == "type [3] [red shoes] [1]"
+    assert extract_action("```go_back```", "backticks") == "go_back"
+    assert extract_action("click [12]", "backticks") == ""
     assert extract_action("<answer>Paris</answer>", "tags") == "answer: Paris"

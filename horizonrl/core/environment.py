@@ -88,14 +88,22 @@ def extract_react_action(reply: str) -> str | None:
 
 
 TAGGED_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+FENCED_ACTION = re.compile(r"```(.*?)```", re.DOTALL)
 
 
 def extract_action(reply: str, reply_format: str = "react") -> str:
     """The action a reply names, for people to read ("" when it names none): the ReAct ``Action:``
-    line, or for tagged replies (``reply_format="tags"``) the first ``<search>``/``<answer>`` tag."""
+    line, for tagged replies (``reply_format="tags"``) the first ``<search>``/``<answer>`` tag, for
+    fenced ones (``"backticks"``, WebArena's) the text in the first ``` ``` pair (less a language tag)."""
     if reply_format == "tags":
         match = TAGGED_ACTION.search(reply)
         return f"{match.group(1)}: {match.group(2).strip()}" if match else ""
+    if reply_format == "backticks":
+        match = FENCED_ACTION.search(reply)
+        if match is None:
+            return ""
+        first, _, rest = match.group(1).strip().partition("\n")
+        return rest.strip() if rest.strip() and first.strip().isidentifier() else match.group(1).strip()
     return extract_react_action(reply) or ""
 
 

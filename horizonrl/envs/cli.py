@@ -119,7 +119,7 @@ async def run_check(name: str, episodes: int, server: str | None = None, split: 
             observation = await twin.reset(task_id)
             if remote is not None:
                 mismatches += (await remote.reset(task_id)) != observation
-            plan = None if name == "babyai" else list(twin.expert_plan())
+            plan = None if hasattr(twin, "expert_action") else list(twin.expert_plan())  # step-wise: BabyAI, WebArena
             bot, result = None, None
             for turn in range(max_turns):
                 if plan is None:

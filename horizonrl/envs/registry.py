@@ -18,6 +18,7 @@ _FACTORIES: dict[str, str] = {
     "textcraft": "horizonrl.envs.textcraft:TextCraftEnv",
     "sciworld": "horizonrl.envs.sciworld:SciWorldEnv",
     "searchqa": "horizonrl.envs.searchqa:SearchQAEnv",
+    "webarena": "horizonrl.envs.webarena:WebArenaEnv",
     "http": "horizonrl.envs.client:HTTPEnv",
 }
 

@@ -89,7 +89,9 @@ def test_resumed_run_continues_the_step_and_the_turn_budget(tiny_model, tmp_path
     assert any(n > 0 for n in next_group.values())
 
     log_b = train(tiny_model, run_dir, tmp_path / "b.log", f"learner.total_steps={RESUMED_STEPS}", "resume=auto")
-    assert "resumed from" in log_b and "step 3/6" in log_b and "step 6/6" in log_b
+    assert "resuming from" in log_b and "step 3/6" in log_b and "step 6/6" in log_b
+    # the learner itself says it loaded the checkpoint (its log; the console shows only what goes wrong)
+    assert "resumed from" in (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
     assert "step 1/6" not in log_b and "step 2/6" not in log_b
     b = scalars(run_dir, newest_only=True)
     assert sorted(b["batch/turns_mean"]) == [3, 4, 5, 6], "the resumed run must report steps 3 to 6 only"

@@ -25,8 +25,11 @@ from PIL import Image
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-# Five seeds of one level, so the training run meets the same tasks at several policy versions.
+# Five seeds of one level (four train tasks), so the training run meets the same tasks at several policy
+# versions. With no staleness allowed each of the STEPS learner steps trains on groups of its own version:
+# five versions over four tasks, so some task is recorded under two versions however slowly the machine runs.
 SETTINGS = {**BABYAI_SETTINGS, "num_seeds": 5}
+STEPS = 5
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/lib/chromium/chromium-headless-shell")
 TIMEOUT_MS = 30_000
 
@@ -49,7 +52,8 @@ def recorded_run(babyai_tiny_model, tmp_path_factory) -> Path:
     train = start_process(horizonrl_cmd(
         "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={babyai_tiny_model}",
         f"run.output_dir={run_dir}", f"envs={envs}", "algorithm.rounds_ctrl.rounds=[8]",
-        "rollout.max_tokens_per_turn=16", "rollout.max_context_tokens=1024", "learner.total_steps=3",
+        "rollout.max_tokens_per_turn=16", "rollout.max_context_tokens=1024", f"learner.total_steps={STEPS}",
+        "buffer.max_staleness=0",
         "learner.groups_per_step=2", "buffer.capacity_groups=4", "monitor.record_fraction=1.0",
         "buffer.skip_equal_reward_groups=false", "eval.episodes=0"), work / "train.log")
     try:
