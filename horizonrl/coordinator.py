@@ -322,6 +322,11 @@ class Coordinator:
         scalars.update({f"faults/recovery_s/{role}": seconds for role, seconds in self.recovery_s.items()})
         for reason in (STOP_DONE, STOP_MAX_TURNS, STOP_CONTEXT):
             scalars[f"rollout/stop/{reason}"] = self.health.total("actor", f"stop_{reason}")
+        # The agent's own errors: turns whose reply named no valid action (the environment said so and went on).
+        invalid, turns = self.health.total("actor", "invalid_actions"), self.health.total("actor", "completed_turns")
+        scalars["rollout/agent/invalid_actions"] = invalid
+        if turns:
+            scalars["rollout/agent/invalid_action_rate"] = invalid / turns
         scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
         scalars["rollout/weight_transfer_s"] = self.health.total("actor", "weight_transfer_s")
         scalars["rollout/weight_load_s"] = self.health.total("actor", "weight_load_s")

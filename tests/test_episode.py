@@ -83,6 +83,7 @@ async def test_unparseable_action_gets_a_helpful_observation_and_the_episode_goe
     s = signs()
     ep, engine = await play(["I don't know", f"Action: go {s[0]}", f"Action: go {s[1]}"])
     assert ep.success and ep.num_turns == 3
+    assert ep.invalid_actions == 1 and not ep.failure  # the agent's error: counted, not a failure
     second_prompt = CharChat().decode(engine.prompts[1])
     assert "Invalid action" in second_prompt and "go left" in second_prompt
 

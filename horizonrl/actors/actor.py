@@ -390,6 +390,8 @@ class Actor:
             self.counters["successes"] += ep.success
             self.counters["reward_sum"] += ep.reward
             self.counters[f"stop_{ep.stop_reason}"] += 1  # the agent's outcomes: done, max_turns, context_limit
+            self.counters["completed_turns"] += ep.num_turns
+            self.counters["invalid_actions"] += ep.invalid_actions  # the agent's errors (observations, not failures)
         return ep
 
     async def _maybe_send_sample(self, env: str, task_id: int, max_turns: int, episodes: list[Episode]) -> None:

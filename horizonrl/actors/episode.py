@@ -65,6 +65,9 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)
     success: bool = False
     score: float = 0.0
+    # The agent's own errors: replies the environment could not read as an action (an observation said so,
+    # the episode went on). Counted, never an exception; episodes with them are trained on like any other.
+    invalid_actions: int = 0
     stop_reason: str = ""
     failure: str = FAILURE_NONE
     failure_message: str = ""
@@ -110,6 +113,7 @@ class Episode:
         """Record the environment's answer to a turn; append the next observation. False: the episode ended."""
         self.turn_rewards.append(float(result.reward))
         self.score = float(result.score)
+        self.invalid_actions += bool((result.info or {}).get("invalid_action"))
         self.observations.append(result.observation)
         if result.done:
             self.success, self.stop_reason = bool(result.success), STOP_DONE

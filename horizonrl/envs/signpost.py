@@ -55,8 +55,8 @@ class SignpostEnv:
         action = (extract_react_action(action_text) or "").lower()
         if action not in ACTIONS:
             return StepResult(
-                f"Invalid action. Reply with one of: {', '.join(ACTIONS)}.\n{self._sign_text()}", 0.0, False
-            )
+                f"Invalid action. Reply with one of: {', '.join(ACTIONS)}.\n{self._sign_text()}", 0.0, False,
+                info={"invalid_action": True})
         if action == f"go {self._signs[self._progress]}":
             self._progress += 1
             score = self._progress / self.length

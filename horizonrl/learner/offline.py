@@ -61,6 +61,7 @@ from horizonrl.learner.model import gather_full_state_dict, load_model, resolve_
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
 from horizonrl.learner.train_step import lr_multiplier
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
+from horizonrl.core.runtime import PhaseTimer, setup_logging
 
 log = logging.getLogger("horizonrl.offline")
 
@@ -290,9 +291,10 @@ def fit(config: OfflineConfig, paradigm: str, data: SFTData | DPOData, device: t
     is_main = rank == 0
     torch.manual_seed(config.seed)
     plan = epoch_batches(len(data), config.batch_size, config.epochs, config.seed, config.max_steps)
-    start = time.perf_counter()
-    tr = build_trainer(config, device, rank, world_size, len(plan))
-    times = {"load_s": time.perf_counter() - start}
+    timer = PhaseTimer()
+    with timer("load_s"):
+        tr = build_trainer(config, device, rank, world_size, len(plan))
+    times = timer.seconds
     log.info("%s: model %s sharded over %d rank(s) in %.1f s; %d %s, %d steps (%d epoch(s) of %d, batch %d, "
              "micro-batch %d)", paradigm, config.model.path, world_size, times["load_s"], len(data),
              "records" if paradigm == "sft" else "pairs", len(plan), config.epochs,
@@ -301,26 +303,23 @@ def fit(config: OfflineConfig, paradigm: str, data: SFTData | DPOData, device: t
                                "items": len(data), "model": config.model.path}
     reference = None
     if paradigm == "dpo":
-        start = time.perf_counter()
-        tr.model.eval()
-        reference = pair_logprobs_all(tr, data)
-        times["reference_s"] = time.perf_counter() - start
+        with timer("reference_s"):
+            tr.model.eval()
+            reference = pair_logprobs_all(tr, data)
     if config.measure_before_after:
         summary["before"] = _measure(tr, paradigm, data, reference)
         log.info("before training: %s", _fmt(summary["before"]))
 
-    start = time.perf_counter()
-    first, last = train_loop(tr, paradigm, data, plan, reference)
-    times["train_s"] = time.perf_counter() - start
+    with timer("train_s"):
+        first, last = train_loop(tr, paradigm, data, plan, reference)
     summary.update(first_step=first, last_step=last)
 
     if config.measure_before_after:
         tr.model.eval()
         summary["after"] = _measure(tr, paradigm, data, reference)
         log.info("after training: %s", _fmt(summary["after"]))
-    start = time.perf_counter()
-    summary["checkpoint"] = str(save_checkpoint(tr.model, config))
-    times["save_s"] = time.perf_counter() - start
+    with timer("save_s"):
+        summary["checkpoint"] = str(save_checkpoint(tr.model, config))
     summary["times"] = times
     if is_main:
         (config.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
@@ -500,9 +499,8 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 
 def setup_rank_logging(level: str, rank: int) -> None:
-    logging.basicConfig(format=f"%(asctime)s offline[{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
-    logging.getLogger("horizonrl").setLevel(level if rank == 0 else "WARNING")
+    """The run's one log format (core/runtime.py); ranks other than 0 say only what goes wrong."""
+    setup_logging(f"offline-{rank}", level if rank == 0 else "WARNING")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,18 @@ def token_logprobs_and_entropy(
     """
     logp = torch.log_softmax(nucleus_logits(logits.float() / temperature, top_p), dim=-1)
     logprobs = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = torch.special.entr(logp.exp()).sum(-1)  # entr(0) = 0: tokens outside the nucleus add nothing
+    p = logp.exp()
+    # p_v log p_v with 0 · log 0 = 0, written so that its gradient is 0 there too: a token outside the
+    # nucleus (log p = −inf) or one whose probability underflows (logits / T spread over > 104) would
+    # make entr's gradient −(1 + log 0) · ∂p = ∞ · 0 = NaN, and with it every gradient of the step.
+    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
     return logprobs, entropy
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Log-probability of each target token alone (shapes as :func:`token_logprobs_and_entropy`)."""
+    logp = torch.log_softmax(nucleus_logits(logits.float() / temperature, top_p), dim=-1)
+    return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def aggregation_weights(loss_mask: torch.Tensor, mode: str, num_loss_tokens: int, num_sequences: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from horizonrl.learner.policy_loss import (
     aggregation_weights,
     clipped_policy_loss,
     kl_penalty,
+    token_logprobs,
     token_logprobs_and_entropy,
 )
 
@@ -178,8 +179,13 @@ def micro_batch_loss(
     if reference is not None:
         with torch.no_grad():
             ref_logits = reference(input_ids=micro_batch.input_ids, use_cache=False).logits
-            ref_logprobs, _ = token_logprobs_and_entropy(ref_logits[:, :-1][selected], targets, settings.temperature)
-        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_loss_type)
+            ref_logprobs = token_logprobs(ref_logits[:, :-1][selected], targets, settings.temperature)
+        # KL(π_θ ‖ π_ref) between the untruncated distributions, both sides: with top_p < 1 the
+        # nucleus log π_θ is not comparable with the full log π_ref, and is −inf outside the nucleus
+        # (k3 = e^∞ − ∞ = NaN)
+        full_logprobs = logprobs if settings.top_p >= 1.0 else token_logprobs(logits[:, :-1][selected], targets,
+                                                                               settings.temperature)
+        kl = kl_penalty(full_logprobs, ref_logprobs, settings.kl_loss_type)
         loss = loss + settings.kl_loss_coef * (w * kl).sum()
         stats.kl_ref_sum = float(kl.detach().sum())
 
@@ -248,8 +254,8 @@ def fill_proximal_logprobs(model: nn.Module, micro_batches: list[MicroBatch], se
     for mb in micro_batches:
         logits = model(input_ids=mb.input_ids.to(device), use_cache=False).logits
         selected = mb.loss_mask[:, 1:].bool().to(device)
-        logprobs, _ = token_logprobs_and_entropy(logits[:, :-1][selected], mb.input_ids.to(device)[:, 1:][selected],
-                                                 settings.temperature, settings.top_p)
+        logprobs = token_logprobs(logits[:, :-1][selected], mb.input_ids.to(device)[:, 1:][selected],
+                                  settings.temperature, settings.top_p)
         proximal = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=device)
         proximal[:, 1:][selected] = logprobs
         mb.proximal_logprobs = proximal.cpu()

@@ -134,3 +134,57 @@ def test_a_token_outside_the_current_nucleus_gives_no_gradient_and_no_nan():
     assert logprobs.grad[0] == 0 and diag["ratio"][0] == 0
     stats = PolicyLossStats.from_tokens(loss, diag["ratio"], diag["clipped"])
     assert np.isfinite(stats.metrics()["loss/approx_kl"])
+
+
+def _nucleus_problem(top_p, seed=3, b=2, t=9, v=13):
+    """Sharp logits (so the nucleus leaves tokens out) and, in each row, one target outside the nucleus."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3.0, size=(b, t, v))
+    ids = rng.integers(0, v, size=(b, t))
+    reference = _nucleus_reference(logits[:, :-1].reshape(-1, v), top_p).reshape(b, t - 1, v)
+    for row in range(b):  # the token at position 2 was sampled by an older policy and is outside the nucleus now
+        ids[row, 2] = int(np.flatnonzero(~np.isfinite(reference[row, 1]))[0])
+    mask = np.ones((b, t), dtype=np.float32)
+    mask[:, 0] = 0
+    mu = np.full((b, t), -1.0) * mask
+    adv = (np.array([[1.0], [-1.0]]) * mask).astype(np.float32)
+    return logits, ids, mask, mu, adv
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])
+def test_a_step_under_top_p_has_finite_gradients_and_the_untruncated_kl(entropy_coeff):
+    """The loss training runs with rollout.top_p < 1, a reference model and the entropy term: the
+    gradient is finite everywhere (the nucleus puts −inf in the log-probabilities; entropy's
+    0 · log 0 and KL's e^(+∞) must not turn it into NaN), and the KL is between the full distributions."""
+    top_p, temperature = 0.6, 0.9
+    logits, ids, mask, mu, adv = _nucleus_problem(top_p)
+    n = int(mask[:, 1:].sum())
+    settings = LossSettings(temperature=temperature, top_p=top_p, clip=ClipSettings(0.2, 0.2), entropy_coeff=entropy_coeff,
+                            kl_loss_coef=0.1, kl_loss_type="k3")
+    model = FixedLogits(logits)
+    reference_logits = logits + np.random.default_rng(9).normal(0, 0.5, size=logits.shape)
+    loss, stats = micro_batch_loss(model, _micro_batch(ids, mask, mu, adv), settings, n, 2,
+                                   reference=FixedLogits(reference_logits))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(model.logits.grad).all()
+    assert model.logits.grad.abs().sum() > 0
+
+    def full_logp(z):
+        z = z[:, :-1] / temperature
+        z = z - z.max(-1, keepdims=True)
+        return np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), ids[:, 1:, None], -1)[..., 0]
+
+    x = full_logp(reference_logits) - full_logp(logits)  # log π_ref − log π_θ, untruncated
+    assert stats.kl_ref_sum == pytest.approx(float((np.exp(x) - x - 1).sum()), rel=1e-5)
+
+
+def test_entropy_gradient_survives_probabilities_that_underflow():
+    """A low temperature spreads logits / T over more than float32's exp range: p = 0 for some tokens
+    even with top_p = 1. The entropy bonus's gradient must stay finite (entr's is −(1 + log 0) · 0 = NaN)."""
+    logits = torch.tensor([[0.0, -30.0, 1.0, -45.0]], requires_grad=True)
+    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([2]), temperature=0.2)
+    assert torch.exp(torch.log_softmax(logits / 0.2, -1))[0, 3] == 0  # the case: an underflowed probability
+    (logp.sum() - 0.01 * entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    p = torch.softmax(logits.detach() / 0.2, -1)
+    assert entropy.item() == pytest.approx(float(-(p[p > 0] * p[p > 0].log()).sum()), rel=1e-6)
