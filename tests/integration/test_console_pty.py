@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
-TOTAL = 4
+TOTAL = 6  # the buffer holds 2 steps when actor 1 dies after step 1: steps 4-6 report its death
 ROWS, COLUMNS = 50, 160
 RUN_TIMEOUT_S = 600
 # vLLM's log format, with or without its process prefix: "(EngineCore pid=7) INFO 11-25 03:36:35 [core.py:133] ..."
