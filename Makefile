@@ -46,7 +46,7 @@ demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q --timeout=1800 tests
+	$(PY) -m pytest -q --timeout=1800 --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

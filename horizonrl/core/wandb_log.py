@@ -41,6 +41,10 @@ class WandbLog:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service process has written the run's last records (an
+        # offline run's file was still 7 bytes long in 1 of 12 fresh processes); teardown waits for it, so
+        # nothing logged is lost when the coordinator exits right after. Only the coordinator logs here.
+        self._wandb.teardown()
 
 
 def episode_row(sample: Any, learner_step: int) -> list[Any]:

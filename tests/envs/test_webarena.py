@@ -17,6 +17,7 @@ from horizonrl.envs.webarena import WebArenaEnv
 from horizonrl.envs.webarena.browser import close_browser
 
 from env_server_proc import ServerProcess
+from webarena_helpers import run_expert
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,17 +41,6 @@ def server():
 
 def task_with(env: WebArenaEnv, text: str) -> int:
     return next(i for i, t in enumerate(env.tasks) if text in t["intent"])
-
-
-async def run_expert(env: WebArenaEnv, task_id: int):
-    await env.reset(task_id)
-    state, result = None, None
-    for _ in range(20):
-        reply, state = env.expert_action(state)
-        result = await env.step(reply)
-        if result.done:
-            break
-    return result
 
 
 async def test_registered_and_splits(env):

@@ -20,6 +20,8 @@ from horizonrl.envs.webarena import WebArenaEnv
 from horizonrl.envs.webarena.browser import _descendant_browsers, browser_host, close_browser, find_browser
 from horizonrl.protocol.transport import free_port
 
+from webarena_helpers import run_expert
+
 
 def run(scenario, timeout_s: float = 240.0):
     """Run ``scenario()`` in a fresh loop (fresh browser); close that browser; no browser left behind."""
@@ -31,17 +33,6 @@ def run(scenario, timeout_s: float = 240.0):
 
     result = asyncio.run(wrapped())
     assert not _descendant_browsers(find_browser()), "a browser process was left behind"
-    return result
-
-
-async def expert_episode(env: WebArenaEnv, task_id: int):
-    await env.reset(task_id)
-    state, result = None, None
-    for _ in range(20):
-        reply, state = env.expert_action(state)
-        result = await env.step(reply)
-        if result.done:
-            return result
     return result
 
 
@@ -57,7 +48,7 @@ def test_browser_killed_mid_episode_is_an_infrastructure_failure():
             for _ in range(3):  # the first step may still see the old page; none may return a reward
                 result = await env.step("```click [4]```")
                 assert result.reward == 0.0
-        result = await expert_episode(env, 2)  # relaunched: the next episode is fine
+        result = await run_expert(env, 2)  # relaunched: the next episode is fine
         assert result.success and host.launches == 2 and host.pid not in (None, first_pid)
         await env.close()
 
@@ -77,7 +68,7 @@ def test_hung_browser_is_killed_and_replaced():
         finally:
             if hung in _descendant_browsers(find_browser()):
                 os.kill(hung, signal.SIGCONT)
-        assert (await expert_episode(env, 0)).success and host.pid != hung
+        assert (await run_expert(env, 0)).success and host.pid != hung
         await env.close()
 
     run(scenario)
