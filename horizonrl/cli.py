@@ -14,6 +14,7 @@ Commands:
   accounting RUN_DIR             where every trajectory of a run went (docs/durability.md)
   import-agentgym-rl SCRIPT.sh   an AgentGym-RL training script as a horizonrl config (docs/agentgym-rl.md)
   view RUN_DIR                   browse a run's recorded episodes in the browser, live (docs/episodes.md)
+  report RUN_DIR [RUN_DIR ...]   learning curves of runs from their TensorBoard events: PNG + table (docs/learning.md)
   env ...                        list / check / serve environments
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
@@ -37,7 +38,8 @@ def _add_train(sub) -> None:
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
     p.add_argument("--tensorboard", action="store_true", help="also start TensorBoard on 127.0.0.1 and print its URL")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the device placement "
+                                                          "(which GPUs each learner rank and engine gets), and exit")
     p.add_argument("--verbose", action="store_true",
                    help="show every line the run's processes write (vLLM's included; they always go to "
                         "<output_dir>/logs/) and one plain line per step, instead of the status block")
@@ -52,7 +54,14 @@ def _cmd_train(args) -> int:
     overrides = [f"learner.{o}" if o.startswith("resume=") else o for o in args.overrides]
     config = load_config(args.config, overrides)
     if args.dry_run:
+        from horizonrl.launcher import resolve_placement
+
         print(dump_config(config), end="")
+        # The device plan as `train` would use it on this host, as YAML comments (the output stays loadable
+        # YAML); a plan `train` would refuse is shown, then refused the same way.
+        plan = resolve_placement(config)
+        print("\n" + "\n".join(f"# {line}" for line in plan.table().splitlines()))
+        plan.require_runnable()
         return 0
     return launch(config, tensorboard=args.tensorboard, verbose=args.verbose)
 
@@ -346,6 +355,33 @@ def _cmd_view(args) -> int:
     return view_main(args.run_dir, host=args.host, port=args.port, env_settings=args.env_settings)
 
 
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="learning curves of one or several runs: a PNG and a markdown table "
+                                      "(docs/learning.md)",
+                       description="Read each run's TensorBoard events (RUN_DIR/tensorboard/events.*) and draw reward, "
+                                   "held-out success (eval.every), rollout success, turns, the max-turn budget, "
+                                   "entropy and KL against the learner step, one panel per quantity and one line per "
+                                   "run, into OUT/learning.png; print the table (per run: steps, wall time, first -> "
+                                   "last of each quantity, held-out before -> after) and write it to OUT/learning.md "
+                                   "(values in OUT/learning.json).")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", type=Path, default=None, help="directory for the chart and table (default: RUN_DIR/report "
+                                                          "of the first run)")
+    p.add_argument("--smooth", type=int, default=1, metavar="N",
+                   help="trailing mean over N learner steps on the chart; the table's first -> last are then means "
+                        "of the first / last N points (held-out success and the budget as logged)")
+    p.add_argument("--label", action="append", default=None, metavar="NAME",
+                   help="a run's name on the chart and in the table, once per RUN_DIR in order (default: the "
+                        "directory's name)")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args) -> int:
+    from horizonrl.report import main as report_main
+
+    return report_main(args.run_dirs, args.out, smooth=args.smooth, labels=args.label)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_offline(sub)
     _add_run_tools(sub)
     _add_view(sub)
+    _add_report(sub)
     _add_import_agentgym_rl(sub)
     from horizonrl.bench.cli import add_bench_command
 

@@ -7,6 +7,12 @@ gave up on it). Output (PUB): ``Control`` — completed learner steps, the max-t
 episodes started now, the newest weight version, and the stop flag — sent at once on
 every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
 
+Held-out evaluation during training (``eval.every``): at step 0 (or the step a run resumes
+from), every ``eval.every`` steps and at the learner's last step, ``Control.eval_step`` asks actor 0
+for one; its ``HeldOutEval`` is logged as ``eval/success_rate`` and ``eval/<env>/...`` at that step.
+After the last step the run stays open (rollout paused) until that evaluation is in, at most
+``eval.final_wait_s``.
+
 After each learner step it writes a status record to stdout (``core/console.py``): the launcher
 turns it into the console's status block or progress line.
 
@@ -41,6 +47,7 @@ from horizonrl.protocol import (
     Control,
     EpisodeSample,
     Heartbeat,
+    HeldOutEval,
     LearnerReport,
     ProcessEvent,
     ProtocolError,
@@ -158,6 +165,11 @@ class Coordinator:
         self.writer = _make_writer(config)
         self.wandb = _make_wandb(config)
         self._wandb_rows: list[list] = []  # episode samples since the last step, logged with its scalars
+        # Held-out evaluation during training: the newest step asked for, the steps logged, and (after the
+        # learner's last step) until when the run waits for the last one.
+        self.eval_step = start_step if config.eval.every else -1
+        self.evaluated_steps: set[int] = set()
+        self._final_eval_deadline: float | None = None
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
                  net.endpoint(net.report_port), self.max_turns)
 
@@ -176,6 +188,22 @@ class Coordinator:
         return ready >= self.config.buffer.capacity_groups
 
     @property
+    def awaiting_final_eval(self) -> bool:
+        """The learner is done, but the held-out evaluation of its last step is not in yet (nor overdue)."""
+        if not self.finished or self._final_eval_deadline is None or self.eval_step in self.evaluated_steps:
+            return False
+        if time.monotonic() < self._final_eval_deadline:
+            return True
+        log.warning("no held-out evaluation of step %d within eval.final_wait_s=%.0f s; stopping without it",
+                    self.eval_step, self.config.eval.final_wait_s)
+        self._final_eval_deadline = None
+        return False
+
+    @property
+    def done(self) -> bool:
+        return (self.finished and not self.awaiting_final_eval) or bool(self.stop)
+
+    @property
     def max_turns(self) -> int:
         return self.schedule.budget_after(self.learner_step)
 
@@ -186,8 +214,10 @@ class Coordinator:
             max_turns=self.max_turns,
             weight_version=self.weight_version,
             weight_epoch=self.weight_epoch,
-            pause_rollout=self.rollout_paused,
-            stop=self.finished or bool(self.stop),
+            # while the last evaluation runs, no new training groups: they would never be trained on
+            pause_rollout=self.rollout_paused or self.awaiting_final_eval,
+            stop=self.done,
+            eval_step=self.eval_step,
         )
 
     def run(self) -> None:
@@ -204,7 +234,7 @@ class Coordinator:
                 if silent:
                     self._silent_log.warning("no heartbeat for %.0f s from: %s",
                                              self.config.monitor.heartbeat_timeout_s, ", ".join(silent))
-            if (self.finished or self.stop) and finished_at is None:
+            if self.done and finished_at is None:
                 finished_at = now
                 self.publish()
             if finished_at is not None and now - finished_at > STOP_BROADCAST_S:
@@ -234,6 +264,8 @@ class Coordinator:
                 self.on_episode_sample(message)
             elif isinstance(message, ProcessEvent):
                 self.on_process_event(message)
+            elif isinstance(message, HeldOutEval):
+                self.on_held_out_eval(message)
             else:
                 self.bad_messages["UnexpectedMessage"] += 1
                 self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
@@ -266,6 +298,10 @@ class Coordinator:
         self._fault_line({"event": event.event, "name": event.name, "role": event.role, "exit_code": event.exit_code,
                           "restarts": event.restarts, "delay_s": event.delay_s, "at": event.at,
                           "learner_step": self.learner_step})
+        if event.event == EVENT_DIED and event.name == "actor-0" and self.awaiting_final_eval:
+            # after the learner's last step the launcher restarts nothing: that evaluation will not come
+            log.warning("actor-0 died during the held-out evaluation of the last step; stopping without it")
+            self._final_eval_deadline = None
         if event.event == EVENT_DIED:
             name = "learner" if event.role == "learner" else event.name
             then = self.weight_epoch if event.role == "learner" else self.health.current_pid.get(
@@ -299,6 +335,7 @@ class Coordinator:
         self.weight_version = report.weight_version
         self.weight_epoch = report.weight_epoch
         self.finished = report.final
+        self._ask_for_eval(report)
         self.publish()  # actors learn the new version and budget at once
         if report.startup:
             log.info("learner started at step %d (weight epoch %d)", report.step, report.weight_epoch)
@@ -350,6 +387,36 @@ class Coordinator:
             self._wandb_rows = []
         self._write_status(report.step, scalars)
 
+    def _ask_for_eval(self, report: LearnerReport) -> None:
+        """Ask for a held-out evaluation every ``eval.every`` steps and after the last one."""
+        every = self.config.eval.every
+        if not every or report.startup:
+            return
+        if report.step > self.eval_step and (report.step % every == 0 or report.final):
+            self.eval_step = report.step
+        if report.final and self.eval_step not in self.evaluated_steps and self._final_eval_deadline is None:
+            self._final_eval_deadline = time.monotonic() + self.config.eval.final_wait_s
+            log.info("waiting up to %.0f s for the held-out evaluation of step %d", self.config.eval.final_wait_s,
+                     self.eval_step)
+
+    def on_held_out_eval(self, result: HeldOutEval) -> None:
+        """Log one held-out evaluation at the step it was asked for (once: a restarted actor 0 may repeat it)."""
+        if result.learner_step in self.evaluated_steps:
+            return
+        self.evaluated_steps.add(result.learner_step)
+        scalars = held_out_scalars(result)
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, result.learner_step)
+            self.writer.flush()
+        if self.wandb is not None:
+            # W&B's steps only go forward: log at the current step, with the evaluated step beside it
+            self.wandb.scalars({**scalars, "eval/learner_step": float(result.learner_step)}, self.learner_step)
+        log.info("held-out success at step %d: %.3f (%s)", result.learner_step, scalars.get("eval/success_rate", 0.0),
+                 ", ".join(f"{env} {r['success_rate']:.3f}" for env, r in result.results.items()))
+        if self.finished:
+            self.publish()  # the last evaluation is in: stop now
+
     def _write_status(self, step: int, scalars: dict[str, float], *, startup: bool = False) -> None:
         """The step's status record on stdout, for the console of the launcher (core/console.py)."""
         status = {**scalars, BUFFER_GROUPS: self.health.gauge("buffer", "ready_groups"),
@@ -392,6 +459,24 @@ def episode_markdown(sample: EpisodeSample) -> str:
         # TensorBoard renders markdown: a fenced block shows the text verbatim (backticks inside cannot close it)
         lines += [f"*{label}*", "", "~~~~text", text.replace("~~~~", "~ ~ ~ ~"), "~~~~", ""]
     return "\n".join(lines)
+
+
+def held_out_scalars(result: HeldOutEval) -> dict[str, float]:
+    """``eval/<env>/<metric>`` per environment, and ``eval/success_rate`` over all of them (successes over
+    valid episodes: infrastructure failures are not the agent's doing and are left out, as in docs/evaluation.md)."""
+    scalars: dict[str, float] = {}
+    successes = valid = 0.0
+    for env, metrics in sorted(result.results.items()):
+        for key, value in metrics.items():
+            scalars[f"eval/{env}/{key}"] = float(value)
+        valid += metrics.get("episodes_valid", 0.0)
+        successes += metrics.get("success_rate", 0.0) * metrics.get("episodes_valid", 0.0)
+    if valid:
+        scalars["eval/success_rate"] = successes / valid
+    scalars["eval/episodes_valid"] = valid
+    scalars["eval/weight_version_min"], scalars["eval/weight_version_max"] = (float(v) for v in result.weight_versions)
+    scalars["eval/wall_s"] = result.wall_s
+    return scalars
 
 
 def _make_writer(config: TrainConfig):

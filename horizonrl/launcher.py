@@ -37,6 +37,7 @@ from typing import IO, Callable, Iterator
 
 from horizonrl.core.config import ConfigError, SupervisionConfig, TrainConfig, dump_config
 from horizonrl.core.console import RunConsole, parse_status_line, shown_line
+from horizonrl.core.placement import PlacementPlan, plan_placement, visible_gpus
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, ProcessEvent, encode
 from horizonrl.protocol.transport import free_port, free_ports, is_loopback
@@ -128,9 +129,12 @@ def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, on_line: Callable[[
 
 class Launcher:
     def __init__(self, config: TrainConfig, config_path: Path, *, tensorboard: bool = False, verbose: bool = False,
-                 console: RunConsole | None = None) -> None:
+                 console: RunConsole | None = None, plan: PlacementPlan | None = None) -> None:
         self.config = config
         self.config_path = config_path
+        # Which devices each learner rank and engine gets (core/placement.py); each child's
+        # CUDA_VISIBLE_DEVICES comes from it, restarts included (they reuse the child's env).
+        self.plan = plan if plan is not None else resolve_placement(config)
         self.tensorboard = tensorboard
         self.verbose = verbose
         self.console = console or RunConsole.for_stdout(title=f"run {config.run.name}",
@@ -188,17 +192,25 @@ class Launcher:
         for name, args in managed_env_servers(cfg):
             self.spawn(name, args, essential=False)
         for i in range(cfg.rollout.num_actors):
-            self.spawn(f"actor-{i}", self.role_args("actor", i), essential=False)
+            self.spawn(f"actor-{i}", self.role_args("actor", i), essential=False, env=self.actor_env(i))
         if self.tensorboard:
             self.start_tensorboard()
 
     def start_learner(self, *extra: str) -> None:
+        for rank in range(self.config.learner.num_ranks):
+            self.spawn(f"learner-{rank}", self.role_args("learner", None, *extra), essential=True,
+                       env=self.learner_env(rank))
+
+    def learner_env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables, plus the rank's GPU from the plan (on a GPU it sees that one GPU as cuda:0)."""
         cfg = self.config
-        world = cfg.learner.num_ranks
-        for rank in range(world):
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": cfg.network.host, "MASTER_PORT": str(cfg.network.dist_port)}
-            self.spawn(f"learner-{rank}", self.role_args("learner", None, *extra), essential=True, env=env)
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.learner.num_ranks),
+                "MASTER_ADDR": cfg.network.host, "MASTER_PORT": str(cfg.network.dist_port),
+                **self.plan.child_env(self.plan.learner[rank])}
+
+    def actor_env(self, index: int) -> dict[str, str] | None:
+        """The engine's GPUs from the plan (tensor_parallel_size of them); None on the CPU: the environment as is."""
+        return self.plan.child_env(self.plan.actors[index]) or None
 
     def start_tensorboard(self) -> None:
         port = self.config.monitor.tensorboard_port
@@ -546,17 +558,44 @@ def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     return config, path
 
 
+def _nvidia_driver_present() -> bool:
+    """A GPU of the NVIDIA driver is here (/proc/driver/nvidia/gpus/<bus id>, or a /dev/nvidiaN device node)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def cuda_device_count() -> int:
+    """The GPUs torch can use here (CUDA_VISIBLE_DEVICES applied). Without the NVIDIA driver the answer
+    is 0 without importing torch, so CPU runs (tests, the demo) do not pay for it in the launcher."""
+    if not _nvidia_driver_present():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_placement(config: TrainConfig, environ: dict[str, str] | None = None,
+                      count_devices: Callable[[], int] | None = None) -> PlacementPlan:
+    """The run's placement on this host's visible GPUs (ConfigError, naming the fix, if it cannot work)."""
+    return plan_placement(config, visible_gpus(os.environ if environ is None else environ,
+                                               count_devices or cuda_device_count))
+
+
 def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = False) -> int:
     """Run training to the end; returns the exit code (0 on success). ``verbose``: the console shows every
     line every process writes, not only what goes wrong."""
+    # Placement first: a plan that cannot run is refused before anything is written or started.
+    plan = resolve_placement(config)
+    plan.require_runnable()
     config, path = prepare_run(config)
-    launcher = Launcher(config, path, tensorboard=tensorboard, verbose=verbose)
+    launcher = Launcher(config, path, tensorboard=tensorboard, verbose=verbose, plan=plan)
     console = launcher.console
     stop = StopFlag().install()
     print(f"run {config.run.name}: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner rank(s), "
           f"{config.learner.total_steps} steps; logs in {launcher.log_dir}", flush=True)
     rc = 1
     with logging_to_console(console, launcher.log_dir / "launcher.log", verbose=verbose):
+        log.info("%s", plan.table())  # which GPUs each process got, for the record
         try:
             launcher.start_all()
             console.set_phase("starting")

@@ -11,6 +11,11 @@ Coroutines on one event loop:
 - ``delivery.run``: acknowledged, resent-until-acknowledged sends to the buffer, with an
   outbox on disk (``delivery.py``); too many unacknowledged trajectories hold the groups back.
 - ``_heartbeat``: liveness and cumulative counters to the coordinator.
+- ``_evaluate_held_out`` (actor 0, with ``eval.every``): the held-out evaluations the coordinator
+  asks for (``Control.eval_step``), on test-split tasks with the engine's current weights; their
+  episodes never go to the buffer and are not in the rollout counters. While one runs, this actor
+  starts no new groups (those in flight go on), so the evaluation has the engine mostly to itself
+  and ends before many newer weights arrive.
 
 Stopping (SIGINT/SIGTERM, or the coordinator's stop): no new episodes; episodes in progress are
 abandoned (counted, never produced); what was sent gets ``STOP_DRAIN_S`` to be acknowledged,
@@ -32,6 +37,7 @@ import zmq.asyncio
 from horizonrl.actors.delivery import MAX_ACK_BYTES, TrajectoryDelivery
 from horizonrl.actors.engine import RolloutEngine
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
+from horizonrl.actors.evaluate import EvalSpec, evaluate_with
 from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
@@ -43,6 +49,7 @@ from horizonrl.protocol import (
     EpisodeSample,
     EpisodeText,
     Heartbeat,
+    HeldOutEval,
     ProtocolError,
     Trajectory,
     decode_as,
@@ -51,6 +58,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.transport import make_socket, wire_security
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
+from horizonrl.core.schedule import TurnBudgetSchedule
 
 log = logging.getLogger("horizonrl.actors")
 
@@ -58,6 +66,9 @@ CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
 STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
 MAX_CONTROL_BYTES = 64 * 1024
 UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
+EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
+EVAL_SEND_TIMEOUT_S = 30.0
+EVAL_METRICS = ("success_rate", "episodes_valid", "infra_failures", "mean_reward", "mean_score", "mean_turns")
 
 
 def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
@@ -162,6 +173,8 @@ class Actor:
         self.chat = chat
         self.run_id = config.run.run_id
         self.envs = EnvPool(config.envs, make_env)
+        self.make_env = make_env
+        self.evaluating = False  # a held-out evaluation is running: start no new groups
         probe = {s.name: make_env(s.name, s.settings) for s in config.envs}
         self.category = {name: env.task_category for name, env in probe.items()}
         state_dir = config.output_dir / "actors"
@@ -200,6 +213,8 @@ class Actor:
         services = [asyncio.create_task(self._follow_control(), name="control"),
                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
                     asyncio.create_task(self.delivery.run(), name="delivery")]
+        if self.config.eval.every and self.index == EVALUATING_ACTOR:
+            services.append(asyncio.create_task(self._evaluate_held_out(), name="held-out evaluation"))
         if not await self._unless_stopped(self._wait_for_first_control()):
             await self._stop([], services)
             return
@@ -317,6 +332,9 @@ class Actor:
 
     async def _run_groups(self, slot: int) -> None:
         while not self.stop and not self.control.stop:
+            if self.evaluating:
+                await asyncio.sleep(0.05)
+                continue
             if self.control.pause_rollout:
                 start = time.monotonic()
                 while self.control.pause_rollout and not self.control.stop and not self.stop:
@@ -393,6 +411,66 @@ class Actor:
             self.counters["completed_turns"] += ep.num_turns
             self.counters["invalid_actions"] += ep.invalid_actions  # the agent's errors (observations, not failures)
         return ep
+
+    def held_out_specs(self) -> list[EvalSpec]:
+        """One evaluation per environment: its first ``eval.episodes_during_training`` test-split tasks, at
+        ``eval.temperature`` and ``eval.max_turns`` (default: the schedule's last budget), otherwise sampled
+        as in training."""
+        ev, r = self.config.eval, self.config.rollout
+        max_turns = ev.max_turns or TurnBudgetSchedule.from_config(self.config.algorithm.rounds_ctrl).final_max_turns
+        return [EvalSpec(env=spec.name, env_settings=dict(spec.settings), split="test",
+                         episodes=ev.episodes_during_training, max_turns=max_turns, temperature=ev.temperature,
+                         max_tokens_per_turn=r.max_tokens_per_turn, max_context_tokens=r.max_context_tokens,
+                         seed=self.config.run.seed, system_prompt=r.system_prompt, turn_timeout_s=r.turn_timeout_s,
+                         episode_timeout_s=r.episode_timeout_s) for spec in self.config.envs]
+
+    async def _evaluate_held_out(self) -> None:
+        """Evaluate the newest step the coordinator asks for, once the engine holds that step's weights
+        (a request that comes while one runs is served next; older ones are skipped)."""
+        done = -1
+        while True:
+            step = self.control.eval_step if self.control is not None else -1
+            if step <= done:
+                await asyncio.sleep(0.1)
+                continue
+            await self._wait_for_version(step)
+            start = time.monotonic()
+            self.evaluating = True
+            try:
+                results = await asyncio.gather(*(evaluate_with(self.engine, self.chat, spec, self.make_env,
+                                                               weights=lambda: self.weights)
+                                                 for spec in self.held_out_specs()))
+            finally:
+                self.evaluating = False
+            wall_s = time.monotonic() - start
+            versions = [r["weight_versions"] for r in results if r["weight_versions"][0] >= 0]
+            message = HeldOutEval(
+                run_id=self.run_id, learner_step=step, wall_s=wall_s,
+                weight_versions=(min(v[0] for v in versions), max(v[1] for v in versions)) if versions else (-1, -1),
+                results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results})
+            self.counters["eval_runs"] += 1
+            self.counters["eval_episodes"] += sum(r["episodes"] for r in results)
+            self.counters["eval_s"] += wall_s
+            log.info("held-out evaluation of step %d: %s (%.1f s, weights v%d-v%d)", step,
+                     ", ".join(f"{r['env']} {r['success_rate']:.2f}" for r in results), wall_s, *message.weight_versions)
+            try:
+                await asyncio.wait_for(self.reports.send(encode(message)), EVAL_SEND_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("the held-out evaluation of step %d could not be sent to the coordinator within %.0f s",
+                            step, EVAL_SEND_TIMEOUT_S)
+            done = step
+
+    async def _wait_for_version(self, step: int) -> None:
+        """Until the engine holds the weights of learner ``step`` (or newer): they are announced with the step
+        and arrive within the weight-sync timeout. Past it, the evaluation goes on with what the engine has
+        (its message names the versions that played)."""
+        deadline = time.monotonic() + self.config.learner.weight_sync_timeout_s
+        while self.weights[1] < step:
+            if time.monotonic() > deadline:
+                log.warning("held-out evaluation of step %d: the engine still holds weights %s after %.0f s; "
+                            "evaluating those", step, self.weights, self.config.learner.weight_sync_timeout_s)
+                return
+            await asyncio.sleep(0.05)
 
     async def _maybe_send_sample(self, env: str, task_id: int, max_turns: int, episodes: list[Episode]) -> None:
         """At most one episode per environment every ``monitor.episode_sample_every_s``, as text."""

@@ -39,6 +39,31 @@ class Generation:
     finish_reason: str  # "stop" (end of turn), "length" (max tokens) or "abort"
 
 
+class WeightUpdateMismatch(RuntimeError):
+    """The workers of one engine did not all load the same weight version: the engine is inconsistent."""
+
+
+def agreed_update(results: list) -> WeightUpdate:
+    """One :class:`WeightUpdate` from every worker's ``(version, epoch, receive_s, load_s, rank, error)``
+    (``vllm_worker.py``): every worker must have succeeded and loaded the same (epoch, version) — a
+    tensor-parallel engine whose shards come from two versions computes garbage — and the engine
+    waited for the slowest (the max of the times)."""
+    from horizonrl.protocol.weights import WeightSyncError
+
+    if not results:
+        raise WeightUpdateMismatch("the weight update RPC returned no worker results")
+    errors = {int(r[4]): r[5] for r in results if len(r) > 5 and r[5]}
+    if errors:
+        raise WeightSyncError(f"weight update failed in {len(errors)} of the engine's {len(results)} workers: "
+                              + "; ".join(f"worker {rank}: {error}" for rank, error in sorted(errors.items())))
+    keys = {(int(r[1]), int(r[0])) for r in results}
+    if len(keys) != 1:
+        by_worker = {int(r[4]) if len(r) > 4 else i: (int(r[1]), int(r[0])) for i, r in enumerate(results)}
+        raise WeightUpdateMismatch(f"the engine's workers loaded different weights (epoch, version): {by_worker}")
+    (epoch, version), = keys
+    return WeightUpdate(version, epoch, max(float(r[2]) for r in results), max(float(r[3]) for r in results), 0.0)
+
+
 class RolloutEngine:
     def __init__(self, llm, on_gpu: bool) -> None:
         self._llm = llm
@@ -47,16 +72,44 @@ class RolloutEngine:
         self.clock = BusyClock()
 
     @classmethod
-    def start(cls, model_path: str, *, dtype: str, engine: EngineConfig, max_model_len: int, seed: int) -> "RolloutEngine":
-        """Start an AsyncLLM (an EngineCore and a Worker process). The caller needs a
-        ``if __name__ == "__main__"`` guard: vLLM spawns its processes."""
+    def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
+              seed: int) -> "RolloutEngine":
+        """Start an AsyncLLM (an EngineCore and one Worker process per tensor-parallel rank). The caller
+        needs a ``if __name__ == "__main__"`` guard: vLLM spawns its processes.
+
+        The device follows the launcher's placement (core/placement.py): it put this engine's
+        ``tensor_parallel_size`` GPUs in CUDA_VISIBLE_DEVICES, or hid every GPU for a CPU plan, so the
+        engine runs on what this process sees; the weight group's backend follows from that device
+        the same way the learner's does (NCCL on GPUs, gloo on the CPU)."""
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        on_gpu = torch.cuda.is_available()
+        from horizonrl.actors.engine_api import check_engine_api
+        from horizonrl.core.config import ConfigError
+        from horizonrl.core.placement import local_device_type, visible_gpus
+        from horizonrl.core.precision import resolve_engine_dtype
+
+        check_engine_api()  # before a minute of start-up, not in the first weight update
+        gpus = visible_gpus(os.environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        on_gpu = local_device_type("auto", gpus) == "cuda"
+        # rollout.engine.dtype, else the deprecated model.dtype (``dtype``), else bf16 on GPUs and fp32 on the
+        # CPU; never vLLM's own "auto", which would turn the fp32 tiny model into bf16.
+        try:
+            dtype = resolve_engine_dtype(engine.dtype, dtype, engine_on_gpu=on_gpu)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        tp = engine.tensor_parallel_size
+        if on_gpu and len(gpus) < tp:
+            raise ConfigError(f"rollout.engine.tensor_parallel_size={tp} but this engine sees {len(gpus)} GPU(s) "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); start it "
+                              "with `horizonrl train`, which gives each engine its GPUs (docs/gpu.md)")
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(engine.kv_cache_gib)))))
+            if tp > 1:
+                # vLLM-CPU binds each tensor-parallel worker's threads to a NUMA node of its own and refuses
+                # to start on a host with fewer nodes than workers; unbound threads start and load shards.
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,
@@ -68,6 +121,9 @@ class RolloutEngine:
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            tensor_parallel_size=tp,
+            # One worker process per shard; with one shard vLLM's default (a single worker) stays.
+            distributed_executor_backend="mp" if tp > 1 else None,
             disable_log_stats=True,
         )
         return cls(AsyncLLM.from_engine_args(args), on_gpu)
@@ -113,16 +169,18 @@ class RolloutEngine:
 
     async def _weight_rpc(self, method: str, timeout_s: float, args: tuple) -> "WeightUpdate":
         """The receive runs inside the engine's busy loop, so generation pauses meanwhile; requests in
-        flight continue afterwards under the new weights. A failure inside the worker (the learner gone,
-        a timeout) is raised here; the worker itself carries on."""
+        flight continue afterwards under the new weights. ``collective_rpc`` runs it in every worker of
+        the engine (one per tensor-parallel rank), each receiving from its own membership of the weight
+        hub; all of them must report the same version (:func:`agreed_update`). A failure inside a worker
+        (the learner gone, a timeout) is raised here; the worker itself carries on."""
         start = time.perf_counter()
         results = await self._llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
-        version, epoch, receive_s, load_s = results[0]
+        update = agreed_update(results)
         # Cached prefixes hold keys/values computed with the old weights. Running requests
         # are preempted and recompute theirs, so every token after this point is sampled
         # from the new weights alone.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
-        return WeightUpdate(int(version), int(epoch), float(receive_s), float(load_s), time.perf_counter() - start)
+        return WeightUpdate(update.version, update.epoch, update.receive_s, update.load_s, time.perf_counter() - start)
 
     @property
     def dead(self) -> bool:

@@ -17,6 +17,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from horizonrl.actors.episode import SamplingSettings, run_episode
 from horizonrl.core.config import EngineConfig
@@ -39,6 +40,9 @@ class EvalSpec:
     task_ids: tuple[int, ...] | None = None  # overrides split/episodes
     k: int = 1  # pass@k is reported for k = 1 and this k
     samples: int | None = None  # episodes per task (n >= k); default k
+    system_prompt: str | None = None  # as in training (rollout.system_prompt)
+    turn_timeout_s: float | None = None  # a generation taking longer ends the episode as a timeout failure
+    episode_timeout_s: float | None = None
 
     @property
     def samples_per_task(self) -> int:
@@ -72,11 +76,16 @@ def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_confi
         engine.shutdown()
 
 
-async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, record_dir: str | None = None) -> dict:
+async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, record_dir: str | None = None,
+                        weights: Callable[[], tuple[int, int]] | None = None) -> dict:
+    """Play the spec's episodes on a running engine. ``weights`` (the actor's, during training) says which
+    (epoch, version) generates each turn; the result then names the oldest and newest version in
+    ``weight_versions``."""
     probe = make_env(spec.env, spec.env_settings)
     task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
     plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
-    sampling = SamplingSettings(spec.temperature, 1.0, spec.max_tokens_per_turn, spec.max_context_tokens)
+    sampling = SamplingSettings(spec.temperature, 1.0, spec.max_tokens_per_turn, spec.max_context_tokens,
+                                spec.system_prompt, spec.turn_timeout_s, spec.episode_timeout_s)
     semaphore = asyncio.Semaphore(MAX_CONCURRENT_EPISODES)
 
     async def play(task_id: int):
@@ -84,7 +93,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
             env = make_env(spec.env, spec.env_settings)
             try:
                 return task_id, await run_episode(engine, env, chat, task_id, max_turns=spec.max_turns,
-                                                  sampling=sampling)
+                                                  sampling=sampling, weights=weights or (lambda: (0, 0)))
             finally:
                 await env.close()
 
@@ -98,6 +107,8 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
     for t, ep in valid:
         categories[probe.task_category(t)].append((t, ep))
     per_category = {c: summarise(v, spec.k) for c, v in sorted(categories.items())}
+    versions = [v for _, ep in results for v in ep.turn_versions]
+    extra = {"weight_versions": [min(versions), max(versions)] if versions else [-1, -1]} if weights else {}
     return {
         "env": spec.env,
         "split": spec.split if spec.task_ids is None else "ids",
@@ -112,6 +123,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
         "wall_s": wall,
         "by_category": {c: m["success_rate"] for c, m in per_category.items()},
         "categories": per_category,
+        **extra,
     }
 
 

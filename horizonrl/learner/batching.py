@@ -23,7 +23,6 @@ Each exclusion is counted (:class:`BatchAccounting`).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -197,14 +196,35 @@ def split_across_ranks(samples: list[Sample], world_size: int) -> list[list[Samp
     return shares
 
 
+def pack_micro_batches(share: list[Sample], max_sequences: int, max_tokens: int | None = None) -> list[list[Sample]]:
+    """One rank's share cut into micro-batches, in order: at most ``max_sequences`` trajectories and,
+    with ``max_tokens``, at most that many padded tokens (rows × the longest row: what the forward pass
+    allocates). A trajectory longer than ``max_tokens`` on its own is a micro-batch of its own."""
+    chunks: list[list[Sample]] = []
+    current: list[Sample] = []
+    longest = 0
+    for sample in share:
+        grown = max(longest, sample.num_tokens)
+        fits = len(current) < max_sequences and (max_tokens is None or (len(current) + 1) * grown <= max_tokens)
+        if current and not fits:
+            chunks.append(current)
+            current, grown = [], sample.num_tokens
+        current.append(sample)
+        longest = grown
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def micro_batches_for_rank(
-    samples: list[Sample], rank: int, world_size: int, micro_batch_size: int
+    samples: list[Sample], rank: int, world_size: int, micro_batch_size: int, max_tokens: int | None = None
 ) -> list[MicroBatch]:
-    """This rank's micro-batches, padded with empty ones to the count of the busiest rank."""
-    shares = split_across_ranks(samples, world_size)
-    count = max(1, max(math.ceil(len(share) / micro_batch_size) for share in shares))
-    share = shares[rank]
-    chunks = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    """This rank's micro-batches, padded with empty ones to the count of the busiest rank.
+
+    Every rank packs every rank's share (cheap, and identical everywhere), so all agree on the count."""
+    packed = [pack_micro_batches(share, micro_batch_size, max_tokens) for share in split_across_ranks(samples, world_size)]
+    count = max(1, max(len(chunks) for chunks in packed))
+    chunks = packed[rank]
     return [collate(chunk) for chunk in chunks] + [empty_micro_batch() for _ in range(count - len(chunks))]
 
 

@@ -6,11 +6,12 @@ One loop, with named, timed phases:
     batch_wait   rank 0 asks the buffer for ``groups_per_step`` groups; all ranks get its bytes
     step         advantages (algorithm.adv_estimator) → ppo_epochs × mini-batches of optimizer updates
                  (micro-batches → loss, backward, grad clip, AdamW), then the LR schedule
-    gather       the full state dict on rank 0 (a collective: every rank takes part)
-    save         every ``save_every`` steps and at the end: a Hugging Face checkpoint plus the full
-                 training state (DCP, see checkpoint.py), so that ``resume=`` continues exactly
+    save         every ``save_every`` steps and at the end: the full state dict on rank 0 (a collective),
+                 a Hugging Face checkpoint plus the full training state (DCP, see checkpoint.py), so
+                 that ``resume=`` continues exactly
     report       rank 0 pushes LearnerReport(step, weight_version = step) to the coordinator
-    weight_sync  rank 0 sends weight version ``step`` to every engine in its weight hub
+    weight_sync  every rank gathers the weights bucket by bucket on its device, in the engine's dtype
+                 (a collective); rank 0 sends each bucket to every engine in its weight hub as it fills
 
 Rank 0 hosts the weight hub (weight_broadcast.py): engines join it whenever they start (or
 restart) and get the newest version at once — at start-up that is version ``step`` (0, or the
@@ -36,23 +37,23 @@ import torch
 import torch.distributed as dist
 
 from horizonrl.core.config import TrainConfig
+from horizonrl.core.placement import choose_backends, learner_device_index, local_device_type, visible_gpus
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
 from horizonrl.learner.model import (
     gather_full_state_dict,
-    load_critic,
-    load_model,
-    load_reference,
-    resolve_backend,
+    build_sharded_model,
+    learner_precision,
+    torch_dtype,
     save_hf_checkpoint,
-    shard_model,
     weights_to_send,
 )
 from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, lr_multiplier, train_on_batch
 from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import Batch, LearnerReport, decode_as
 from horizonrl.protocol.transport import wire_security
+from horizonrl.protocol.weights import ALIGN_BYTES
 
 log = logging.getLogger("horizonrl.learner")
 
@@ -107,13 +108,21 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_multiplier(s, lc.lr_warmup_steps, lc.total_steps, lc.lr_schedule, lc.min_lr_ratio))
 
-    model = shard_model(load_model(config.model.path, config.model.dtype, device), device.type)
+    # Meta-device init, sharded, rank 0 alone reads the weights (model.py); fp32 master weights,
+    # compute in learner.compute_dtype (core/precision.py).
+    precision = learner_precision(config, device)
+
+    def build(kind):
+        return build_sharded_model(config.model.path, kind=kind, policy=precision, device=device,
+                                   activation_checkpointing=lc.activation_checkpointing)
+
+    model = build("policy")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
     out = Trainables(model, optimizer, schedule(optimizer))
     if lc.use_kl_loss and lc.kl_loss_coef > 0:
-        out.reference = shard_model(load_reference(config.model.path, config.model.dtype, device), device.type)
+        out.reference = build("reference")
     if config.algorithm.adv_estimator == "gae":
-        out.critic = shard_model(load_critic(config.model.path, config.model.dtype, device), device.type)
+        out.critic = build("critic")
         out.critic_optimizer = torch.optim.AdamW(out.critic.parameters(), lr=config.algorithm.critic_lr or lc.lr,
                                                  weight_decay=lc.weight_decay)
         out.critic_scheduler = schedule(out.critic_optimizer)
@@ -172,20 +181,22 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
 
     lc, net = config.learner, config.network
     is_main = ranks.rank == 0
-    backend = resolve_backend(lc.backend)
-    device = _device(backend, ranks.local_rank)
+    backend, device = _backend_and_device(config, ranks.local_rank)
     if device.type == "cpu":
         # The learner ranks and the actors' engines share this host's cores; oversubscribed
         # torch threads run several times slower than one thread each.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks.world_size + config.rollout.num_actors)))
     torch.manual_seed(config.run.seed)
+    # Every wait on the learner's own ranks is bounded by this: a rank may wait for rank 0 through a
+    # whole batch wait and a weight update.
+    control_timeout_s = lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S
     dist.init_process_group(
         # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
         backend="cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
         init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
         rank=ranks.rank,
         world_size=ranks.world_size,
-        timeout=timedelta(seconds=lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S),
+        timeout=timedelta(seconds=control_timeout_s),
     )
     counters: dict[str, float] = defaultdict(float)
     run_id = config.run.run_id
@@ -214,14 +225,18 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
         log.info("resumed from %s at step %d", resume_from, step)
     # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
-    epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0)
+    epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0, control_timeout_s)
     lineage.append((epoch, step))
-    state_dict = gather_full_state_dict(model)  # collective: every joining engine gets these weights first
+    engine_dtype = torch_dtype(learner_precision(config, device).engine_dtype)  # weights go in the engine's dtype
     if is_main:
         # The hub before the announcement: actors that see this epoch in Control join it at once.
         res.weight_hub = WeightHub(net.host, net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
-                                   timeout_s=lc.weight_sync_timeout_s, run_id=run_id)
-        res.weight_hub.pack(step, weights_to_send(model.config, state_dict), epoch=epoch)
+                                   timeout_s=lc.weight_sync_timeout_s, run_id=run_id,
+                                   bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
+    # Collective: every joining engine gets these weights first (no members yet: only gathers).
+    publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb, dtype=engine_dtype,
+                    stop=stop)
+    if is_main:
         res.weight_hub.start()
         log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", net.weight_port,
                  (epoch, step))
@@ -229,9 +244,9 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
 
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
     update_settings = UpdateSettings.from_config(config)
-    saved_step, weight_sync_s, checkpoint = step, 0.0, ""
+    saved_step, weight_sync_s, gather_s, checkpoint = step, 0.0, 0.0, ""
     consumed: list[dict] = []  # what each step since the last checkpoint trained on (saved with the next one)
-    while step < lc.total_steps and not _all_agree_to_stop(stop):
+    while step < lc.total_steps and not _all_agree_to_stop(stop, control_timeout_s):
         timer = PhaseTimer()
         times = timer.seconds
         with timer("batch_wait"):
@@ -258,8 +273,6 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                 tr.critic_scheduler.step()
         step += 1
         consumed.append({"step": step, "request_id": batch.request_id, "trajectories": accounting.ids})
-        with timer("gather"):
-            state_dict = gather_full_state_dict(model)
 
         num_tokens = sum(s.num_tokens for s in samples)
         counters.update(step=step, weight_version=step)
@@ -268,44 +281,50 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         counters["failed_skipped"] += sum(accounting.failed.values())
         if lc.save_every and step % lc.save_every == 0 and step < lc.total_steps:
             with timer("save"):
-                checkpoint = str(_save(config, tr, state_dict, step, res, ranks, lineage, consumed, saved_step))
+                checkpoint = str(_save(config, tr, gather_full_state_dict(model), step, res, ranks, lineage, consumed,
+                                       saved_step))
                 saved_step, consumed = step, []
+        if is_main:
+            metrics = {
+                **loss_metrics,
+                **batch_metrics(batch, learner_version=step - 1),
+                **accounting.metrics(),
+                "batch/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
+                "batch/tokens": float(num_tokens),
+                **{f"time/{name}_s": seconds for name, seconds in times.items()},
+                "time/gather_s": gather_s,  # of the previous update (gathering is part of sending now)
+                "time/weight_sync_s": weight_sync_s,  # of the previous update
+                "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
+            }
+            metrics.update({f"weights/{k}": float(v) for k, v in res.weight_hub.counters.items()})
+            metrics["weights/members"] = float(len(res.weight_hub.members))
+            # The report announces the version: the engines enter their receive and wait for the buckets.
+            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
+                                           metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
+        # Collective: every rank gathers, bucket by bucket; rank 0 sends each bucket as it fills.
+        sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
+                               dtype=engine_dtype, stop=stop)
         if not is_main:
             continue
-        metrics = {
-            **loss_metrics,
-            **batch_metrics(batch, learner_version=step - 1),
-            **accounting.metrics(),
-            "batch/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
-            "batch/tokens": float(num_tokens),
-            **{f"time/{name}_s": seconds for name, seconds in times.items()},
-            "time/weight_sync_s": weight_sync_s,  # of the previous broadcast
-            "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
-        }
-        metrics.update({f"weights/{k}": float(v) for k, v in res.weight_hub.counters.items()})
-        metrics["weights/members"] = float(len(res.weight_hub.members))
-        # Pack first: the engines stop generating once they enter the receive the report announces.
-        packed = res.weight_hub.pack(step, weights_to_send(model.config, state_dict), epoch=epoch)
-        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
-                                       metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
-        sync = send_interruptibly(lambda: res.weight_hub.send(packed), stop)
         if sync is None:
             log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
                         "checkpoint comes next", step)
             res.weight_hub_abandoned = True
             continue
-        weight_sync_s = sync["total_s"]
+        weight_sync_s, gather_s = sync["total_s"], sync["gather_s"]
         log.info(
             "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs "
-            "(%.1f MB to %d engines%s)",
+            "(%.1f MB in %d buckets to %d engine workers%s)",
             step, metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
-            metrics["batch/staleness_mean"], times["batch_wait"], times["step"], times["gather"], weight_sync_s,
-            sync["bytes"] / 1e6, sync["members"], f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
+            metrics["batch/staleness_mean"], times["batch_wait"], times["step"], gather_s, weight_sync_s,
+            sync["bytes"] / 1e6, sync["buckets"], sync["members"],
+            f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
         )
 
     if step > saved_step and step > 0:
         start = time.perf_counter()
-        checkpoint = str(_save(config, tr, state_dict, step, res, ranks, lineage, consumed, saved_step))
+        checkpoint = str(_save(config, tr, gather_full_state_dict(model), step, res, ranks, lineage, consumed,
+                               saved_step))
         log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
     if is_main:
         stopped_early = step < lc.total_steps
@@ -376,43 +395,72 @@ def next_weight_epoch(output_dir: Path) -> int:
     return epoch
 
 
-def send_interruptibly(send, stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S):
-    """Run ``send()`` (a weight broadcast, bounded by its own timeout) in a thread; its result, or None
-    when a stop was requested and it has not finished ``grace_s`` later (the receivers may have
-    exited already; the checkpoint matters more than this version). Errors propagate."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = send()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="weight-send", daemon=True)
-    thread.start()
-    stop_seen_at = None
-    while thread.is_alive():
-        thread.join(0.1)
-        if stop.is_set():
-            stop_seen_at = stop_seen_at or time.monotonic()
-            if time.monotonic() - stop_seen_at > grace_s:
-                return None
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+def weight_bucket_bytes(bucket_mb: float) -> int:
+    return max(ALIGN_BYTES, int(bucket_mb * (1 << 20)))
 
 
-def _from_rank_zero(value: int) -> int:
+def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
+                    stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S) -> dict[str, float] | None:
+    """Collective (every rank calls it; ``hub`` is rank 0's, None elsewhere): the model's weights go to
+    every engine bucket by bucket, gathered from the FSDP shards on the learner's device in ``dtype``
+    (weight_broadcast.py). Rank 0 returns the hub's statistics, or None when a stop was requested and
+    the engines still had not taken the version ``grace_s`` later (they may have exited already; the
+    checkpoint matters more than this version). Other ranks return None."""
+    from horizonrl.learner.weight_broadcast import publish_from_other_rank
+
+    named = weights_to_send(model.config, model.state_dict())  # sharded DTensors: nothing gathered yet
+    if hub is None:
+        publish_from_other_rank(named, bucket_bytes=weight_bucket_bytes(bucket_mb), dtype=dtype)
+        return None
+    return hub.publish(version, epoch, named, dtype=dtype, should_abandon=_abandon_after(stop, grace_s))
+
+
+def _abandon_after(stop: threading.Event, grace_s: float):
+    """True once ``stop`` has been set for longer than ``grace_s``."""
+    seen_at: list[float] = []
+
+    def should_abandon() -> bool:
+        if not stop.is_set():
+            return False
+        if not seen_at:
+            seen_at.append(time.monotonic())
+        return time.monotonic() - seen_at[0] > grace_s
+
+    return should_abandon
+
+
+class LearnerRanksError(RuntimeError):
+    """A collective among the learner's own ranks did not complete in time: another rank died or hangs."""
+
+
+def _wait_for_ranks(work, timeout_s: float, what: str) -> None:
+    """Wait for ``work`` (an ``async_op`` collective of the learner's group) at most ``timeout_s``.
+
+    These control collectives move CPU tensors, which go over gloo even when the group is NCCL for
+    CUDA tensors (``cpu:gloo,cuda:nccl``), so the wait is a real bound and the ``.item()`` after it
+    reads a finished result; a dead peer ends it with this error instead of a hang."""
+    failure = f"learner rank {dist.get_rank()}: {what} did not complete within {timeout_s:.0f} s " \
+              "(another learner rank died or hangs)"
+    try:
+        completed = work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise LearnerRanksError(f"{failure}: {exc}") from exc
+    if completed is False:
+        raise LearnerRanksError(failure)
+
+
+def _from_rank_zero(value: int, timeout_s: float) -> int:
     """Rank 0's ``value`` on every rank (a collective)."""
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(tensor, src=0)
+    _wait_for_ranks(dist.broadcast(tensor, src=0, async_op=True), timeout_s, "sharing rank 0's weight epoch")
     return int(tensor.item())
 
 
-def _all_agree_to_stop(stop: threading.Event) -> bool:
+def _all_agree_to_stop(stop: threading.Event, timeout_s: float) -> bool:
     """A stop signal seen by any rank stops all of them at the same phase boundary."""
     flag = torch.tensor([int(stop.is_set())], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _wait_for_ranks(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+                    "agreeing whether to stop")
     return bool(flag.item())
 
 
@@ -421,11 +469,19 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
 
-def _device(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def _backend_and_device(config: TrainConfig, local_rank: int) -> tuple[str, torch.device]:
+    """The process group's backend and this rank's device, decided by the rules the launcher's plan
+    used (core/placement.py): the launcher gave this rank one GPU (seen as cuda:0) or hid the GPUs of a
+    CPU plan, so the rank agrees with the plan; started by hand (torchrun) it takes ``cuda:LOCAL_RANK``.
+    ``learner.backend`` that contradicts the device (gloo with GPUs) is a ConfigError, not a hang."""
+    gpus = visible_gpus(os.environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device_type = local_device_type(config.resources.device, gpus)
+    backend, _weight_backend = choose_backends(device_type, config.learner.backend)
+    if device_type == "cpu":
+        return backend, torch.device("cpu")
+    index = learner_device_index(gpus, local_rank)
+    torch.cuda.set_device(index)
+    return backend, torch.device("cuda", index)
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:

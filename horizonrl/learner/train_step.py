@@ -81,11 +81,13 @@ class UpdateSettings:
     ppo_mini_batch_size: int | None = None  # groups per update; None: the whole batch
     micro_batch_size: int = 16  # trajectories per forward/backward on one rank
     grad_clip: float = 1.0
+    max_tokens_per_micro_batch: int | None = None  # padded tokens per forward/backward; None: no token cap
 
     @classmethod
     def from_config(cls, config) -> "UpdateSettings":
         lc = config.learner
-        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip)
+        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip,
+                   lc.max_tokens_per_micro_batch)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -221,7 +223,8 @@ def train_on_batch(
     rank passes the same ``samples`` and trains its share. Returns metrics over all updates,
     reduced over all ranks; no samples: no update (``learner/updates`` = 0)."""
     cuts = mini_batches(samples, update.ppo_mini_batch_size)
-    plan = [(cut, micro_batches_for_rank(cut, rank, world_size, update.micro_batch_size)) for cut in cuts]
+    plan = [(cut, micro_batches_for_rank(cut, rank, world_size, update.micro_batch_size,
+                                         update.max_tokens_per_micro_batch)) for cut in cuts]
     # Advantages and proximal log-probs are functions of the policy *before* the first update.
     prepare_advantages([mb for _, micro in plan for mb in micro], advantage, critic, device)
     if settings.clip.decoupled and update.ppo_epochs * len(plan) > 1:

@@ -1,14 +1,26 @@
 """Rank 0's side of the weight transfer: host the weight store, admit engines at any time, send versions.
 
-The wire format and the join steps are defined in ``protocol/weights.py``; the receiving end is
-``actors/weight_receiver.py``. Nothing here touches the default process group (the learner's FSDP
-group): every member's group is built directly on the ``TCPStore`` this process hosts.
+The wire format and the join steps are defined in ``protocol/weights.py``, the bucket plan in
+``protocol/weight_buckets.py``; the receiving end is ``actors/weight_receiver.py``. Nothing here
+touches the default process group (the learner's FSDP group) except :func:`gather_buckets`, which
+every learner rank calls together: each member's group is built directly on the ``TCPStore`` this
+process hosts.
+
+A version travels in buckets of at most ``bucket_bytes`` (``learner.weight_bucket_mb``).
+:func:`gather_buckets` gathers the sharded parameters one at a time (``DTensor.full_tensor()`` on
+the learner's device), in the engine's dtype, straight into a bucket on that device, and hands
+each bucket over as it fills; :meth:`WeightHub.publish` broadcasts it to every member before the
+next one is gathered. Peak extra device memory is one bucket plus one full parameter, whatever
+the model's size; a model smaller than one bucket is one payload collective per update.
 
 Membership is elastic. A background thread admits each engine that joins: it forms the member's
-two-rank group and sends it the newest packed version at once, so a late or restarted engine
-plays with the current weights from its first token. :meth:`WeightHub.send` then gives each new
-version to every member, each in its own thread; a member that fails or misses the timeout is
-dropped (it rejoins by itself) and never holds the others back longer than that timeout.
+two-rank group and sends it the newest version at once, so a late or restarted engine plays with
+the current weights from its first token. A joiner can come while the other learner ranks are
+busy in a training step, when nothing can be gathered, so rank 0 keeps the newest version in
+host memory (the *admission copy*, filled from each bucket as it is sent: host RAM of one model
+in the engine's dtype, no GPU memory). :meth:`WeightHub.publish` gives each new version to every
+member, each in its own thread; a member that fails or misses the timeout is dropped (it rejoins
+by itself) and never holds the others back longer than that timeout.
 
 Why one group per member rather than one group of 1 + K re-formed on every change: a fixed group
 cannot admit anyone, and re-forming it needs every member at a barrier — one stuck engine stalls
@@ -16,39 +28,54 @@ all. Per-member groups cost a send per member instead of one collective; on gloo
 K ranks is K sends anyway, and ``horizonrl bench --parts weight_sync`` measures the two side by
 side (docs/benchmarks.md). On NCCL a ring broadcast would send the bytes once; with the few
 engines per learner of this system the difference is K transfers of the weights per version.
+A tensor-parallel engine is one member per worker (``WeightJoin.worker``): each worker receives
+the full tensors and its loader keeps its own shard.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
-from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, layout_offsets, member_prefix
+from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
+from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
-__all__ = ["Member", "PackedWeights", "WeightHub", "WeightSyncError"]
+__all__ = ["Member", "PackedWeights", "WeightHub", "WeightSyncError", "gather_buckets", "layout_of",
+           "publish_from_other_rank", "use_blocking_nccl_waits"]
 
 log = logging.getLogger("horizonrl.learner.weights")
 
 ADMIT_POLL_S = 0.2
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def use_blocking_nccl_waits() -> None:
+    """Make ``Work.wait(timeout)`` on NCCL groups created from now on block the host and raise at the
+    timeout. Without it, NCCL's wait only orders streams, the ``.item()`` that follows blocks with no
+    bound, and a dead peer hangs the process until the watchdog kills it without a word."""
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
 
 
 @dataclass
 class PackedWeights:
-    """One version packed into the hub's flat buffer, ready for :meth:`WeightHub.send`."""
+    """The newest version as the hub holds it for joiners: its layout and its buckets in host memory."""
 
     version: int
     epoch: int
     layout_bytes: bytes
-    flat: torch.Tensor
+    bucket_bytes: int
+    plan: list[Bucket]
+    buckets: list[torch.Tensor]  # uint8, one per bucket of ``plan``: the admission copy
     tensors: int
     pack_s: float
 
@@ -56,16 +83,25 @@ class PackedWeights:
     def key(self) -> tuple[int, int]:
         return (self.epoch, self.version)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(bucket.nbytes for bucket in self.plan)
+
 
 @dataclass
 class Member:
-    """One engine in the hub: its join, its two-rank group, and the newest version it acknowledged."""
+    """One engine worker in the hub: its join, its two-rank group, the newest version it acknowledged."""
 
     number: int
     actor: int
+    worker: int
     pid: int
     group: dist.ProcessGroup
     has: tuple[int, int] = (-1, -1)  # (epoch, version)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.actor, self.worker)
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)
@@ -76,138 +112,291 @@ class Member:
                 pass
 
 
+def layout_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
+    """Names, dtype names and shapes of ``named`` as sent: floating tensors in ``dtype`` (the engine's),
+    others as they are. A sharded ``DTensor`` counts with its full shape (no communication)."""
+    names, dtypes, shapes = [], [], []
+    for name, tensor in named:
+        names.append(name)
+        sent = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        dtypes.append(str(sent).removeprefix("torch."))
+        shapes.append([int(d) for d in tensor.shape])
+    return names, dtypes, shapes
+
+
+def gather_buckets(named: list[tuple[str, torch.Tensor]], plan: list[Bucket], *, device: torch.device,
+                   fill: bool, into: list[torch.Tensor] | None = None) -> Iterator[torch.Tensor | None]:
+    """Collective (every learner rank iterates it to the end, in step): yields each bucket of ``plan``
+    filled with the full tensors of ``named`` (FSDP-sharded ``DTensor``s are gathered one at a time).
+
+    ``fill``: this rank keeps the bytes (rank 0); the others only take part in the gathers and get
+    None. The bucket is a reused buffer on ``device`` (valid until the next one is asked for), or
+    ``into[i]`` when given (rank 0 on the CPU fills the admission copy directly, saving a copy).
+    Floating tensors are cast to the plan's dtype *before* the gather, so a bf16 engine costs half
+    the gathered bytes of fp32 master weights.
+    """
+    tensors = dict(named)
+    staging = None
+    if fill and into is None and plan:
+        staging = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device)
+    for bucket in plan:
+        target = None
+        if fill:
+            target = into[bucket.index] if into is not None else staging[: bucket.nbytes]
+        for entry in bucket.entries:
+            tensor = tensors[entry.name].detach()
+            dtype = getattr(torch, entry.dtype)
+            if tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if target is not None:
+                raw = target[entry.offset: entry.offset + entry.nbytes]
+                raw.view(dtype).view(entry.shape).copy_(full, non_blocking=False)
+            del full, tensor
+        yield target
+
+
+def _never_abandon() -> bool:
+    return False
+
+
+_never_abandon.watch = False  # a lone member runs in the calling thread: nothing to watch
+
+
 class WeightHub:
     """Hosts the weight store at ``host:port``; admits members; sends each version to every member.
 
-    Thread safety: one lock guards the members, the flat buffer and the newest packed version;
-    packing, a send to all members and the first send to a newcomer each hold it, so the buffer
-    is never rewritten while it is being sent. Forming a newcomer's group (which waits for the
-    engine) happens outside the lock, each in its own thread.
+    Thread safety: one lock guards the members and the newest version (its admission copy); a
+    publish, a send and the first send to a newcomer each hold it, so the admission copy is never
+    rewritten while it is being sent. Forming a newcomer's group (which waits for the engine)
+    happens outside the lock, each in its own thread.
     """
 
-    def __init__(self, host: str, port: int, *, backend: str, timeout_s: float, run_id: str) -> None:
+    def __init__(self, host: str, port: int, *, backend: str, timeout_s: float, run_id: str,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
         self.backend = backend
         self.timeout_s = timeout_s
         self.run_id = run_id
+        self.bucket_bytes = int(bucket_bytes)
         self.address = f"{host}:{port}"
         # NCCL moves device memory only (this process's current device); gloo moves host memory.
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            use_blocking_nccl_waits()
         try:
             self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         except RuntimeError as exc:
             raise WeightSyncError(f"weight hub: cannot host the weight store at {self.address}: {exc}") from exc
         self._joins = dist.PrefixStore(STORE_PREFIX, self.store)
-        self.members: dict[int, Member] = {}  # by actor index
+        self.members: dict[tuple[int, int], Member] = {}  # by (actor index, engine worker)
         self.latest: PackedWeights | None = None
         self.counters: Counter[str] = Counter()  # admitted, replaced, dropped, failed_joins, bad_joins
         self._lock = threading.Lock()
-        self._flat: torch.Tensor | None = None
         self._seen = 0  # join numbers up to this one are handled
         self._waiting: dict[int, float] = {}  # join numbers whose record has not appeared yet -> since
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._admit_forever, name="weight-hub", daemon=True)
 
     def start(self) -> "WeightHub":
-        """Admit joiners from now on (pack the first version before, so every joiner gets one)."""
+        """Admit joiners from now on (give it a version before, so every joiner gets one)."""
         if self.latest is None:
-            raise RuntimeError("pack a version before starting the hub: a joiner must receive one at once")
+            raise RuntimeError("pack or publish a version before starting the hub: a joiner must receive one at once")
         self._poller.start()
         return self
 
     # ------------------------------------------------------------------ versions
 
-    def pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], *, epoch: int = 0) -> PackedWeights:
-        """Copy ``named_tensors`` into the flat buffer as the newest version (no communication).
+    def _admission_copy(self, plan: list[Bucket]) -> list[torch.Tensor]:
+        """Host buffers for ``plan``'s buckets, reused while the plan's sizes stay the same (a fresh
+        buffer each version costs its page faults inside the timed send: 2-3x slower on 100 MB)."""
+        old = self.latest
+        if old is not None and [b.nbytes for b in old.plan] == [b.nbytes for b in plan]:
+            return old.buckets
+        self.latest = None  # drop the old copy before allocating the new one
+        pin = self.device.type == "cuda"
+        return [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=pin) for b in plan]
 
-        Split from :meth:`send` so the learner can pack *before* it announces the version: the
-        engines stop generating from the moment they enter the receive, so nothing the sender
-        can do beforehand should happen while they wait. From here on a joiner gets this version.
-        """
+    def _layout(self, version: int, epoch: int, names, dtypes, shapes, plan) -> bytes:
+        return encode(WeightLayout(run_id=self.run_id, version=version, epoch=epoch, names=names, dtypes=dtypes,
+                                   shapes=shapes, total_bytes=sum(b.nbytes for b in plan)))
+
+    def pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], *, epoch: int = 0) -> PackedWeights:
+        """Copy full (unsharded, host or device) ``named_tensors`` into the admission copy as the newest
+        version, for :meth:`send` (no communication). The learner uses :meth:`publish`; this path serves
+        tests, benchmarks and single-process callers."""
         start = time.perf_counter()
-        names, tensors = [], []
-        for name, tensor in named_tensors:
-            names.append(name)
-            tensors.append(tensor.detach())
-        offsets, total_bytes = layout_offsets([t.numel() * t.element_size() for t in tensors])
-        layout = WeightLayout(run_id=self.run_id, version=version, epoch=epoch, names=names,
-                              dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
-                              shapes=[list(t.shape) for t in tensors], total_bytes=total_bytes)
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        names, dtypes, shapes = layout_of(named)
+        plan = plan_buckets(names, dtypes, shapes, self.bucket_bytes)
         with self._lock:
-            if self._flat is None or self._flat.numel() != total_bytes:
-                # Reused by every version of the same size: a fresh buffer each time costs its page
-                # faults inside the timed send (2-3x slower on 100 MB).
-                self._flat = None
-                self._flat = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)
-            for tensor, offset in zip(tensors, offsets):
-                raw = tensor.contiguous().reshape(-1)
-                raw = raw.view(torch.uint8) if raw.dtype != torch.uint8 else raw
-                self._flat[offset: offset + raw.numel()].copy_(raw)
-            self.latest = PackedWeights(version, epoch, encode(layout), self._flat, len(tensors),
-                                        time.perf_counter() - start)
+            buckets = self._admission_copy(plan)
+            for _ in gather_buckets(named, plan, device=torch.device("cpu"), fill=True, into=buckets):
+                pass
+            self.latest = PackedWeights(version, epoch, self._layout(version, epoch, names, dtypes, shapes, plan),
+                                        self.bucket_bytes, plan, buckets, len(named), time.perf_counter() - start)
             return self.latest
 
-    def send(self, packed: PackedWeights) -> dict[str, float]:
-        """Give ``packed`` to every member that does not have it, all at once; drop those that fail.
-
-        Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors", "members", "dropped"}``."""
+    def send(self, packed: PackedWeights,
+             should_abandon: Callable[[], bool] = _never_abandon) -> dict[str, float] | None:
+        """Give ``packed`` (the newest version) to every member that does not have it, all at once; drop
+        those that fail. Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors", "buckets", "members",
+        "dropped"}``, or None when ``should_abandon()`` turned true while members were still receiving."""
         start = time.perf_counter()
         with self._lock:
             if packed is not self.latest:
                 raise ValueError(f"version {packed.key} is not the newest packed one; pack it again")
             targets = [m for m in self.members.values() if m.has < packed.key]
-            failures = self._send_to_all(targets, packed)
-            for member, error in failures:
-                self._drop(member, error)
+            outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes, iter(packed.buckets),
+                                   should_abandon)
+            if outcome is None:
+                return None
+            dropped = self._settle(targets, packed.key, outcome)
             members = len(self.members)
         send_s = time.perf_counter() - start
         return {"pack_s": packed.pack_s, "send_s": send_s, "total_s": packed.pack_s + send_s,
-                "bytes": float(packed.flat.numel()), "tensors": float(packed.tensors), "members": float(members),
-                "dropped": float(len(failures))}
+                "bytes": float(packed.nbytes), "tensors": float(packed.tensors), "buckets": float(len(packed.plan)),
+                "members": float(members), "dropped": float(dropped)}
 
-    def _send_to_all(self, targets: list[Member], packed: PackedWeights) -> list[tuple[Member, Exception]]:
-        """One thread per member (the collectives release the GIL); returns the members that failed."""
+    def publish(self, version: int, epoch: int, named: list[tuple[str, torch.Tensor]], *,
+                dtype: torch.dtype | None = None,
+                should_abandon: Callable[[], bool] = _never_abandon) -> dict[str, float] | None:
+        """Rank 0's half of a collective update (the other ranks call :func:`publish_from_other_rank`):
+        gather ``named`` (FSDP-sharded parameters) bucket by bucket on the learner's device, in ``dtype``,
+        and broadcast each bucket to every member as it fills; the admission copy is filled on the way.
+
+        Returns :meth:`send`'s statistics with ``gather_s`` (time in the gathers) in place of ``pack_s``,
+        or None when ``should_abandon()`` turned true while members were still receiving (the gathers
+        still run to the end: the other ranks are in them)."""
+        start = time.perf_counter()
+        names, dtypes, shapes = layout_of(named, dtype)
+        plan = plan_buckets(names, dtypes, shapes, self.bucket_bytes)
+        with self._lock:
+            buckets = self._admission_copy(plan)
+            self.latest = None  # the admission copy is being rewritten: no joiner may read it until the end
+            on_device = self.device.type != "cpu"
+            gathered = gather_buckets(named, plan, device=self.device, fill=True, into=None if on_device else buckets)
+            gather_s = [0.0]
+
+            def timed_buckets() -> Iterator[torch.Tensor]:
+                for bucket in plan:
+                    began = time.perf_counter()
+                    tensor = next(gathered)
+                    if on_device:
+                        buckets[bucket.index].copy_(tensor)  # the admission copy; also orders the gather first
+                    gather_s[0] += time.perf_counter() - began
+                    yield tensor
+
+            key = (epoch, version)
+            targets = [m for m in self.members.values() if m.has < key]
+            layout_bytes = self._layout(version, epoch, names, dtypes, shapes, plan)
+            outcome = self._stream(targets, key, layout_bytes, self.bucket_bytes, timed_buckets(), should_abandon)
+            for _ in gathered:  # after an abandon: the gathers still left (every rank is in them)
+                pass
+            self.latest = PackedWeights(version, epoch, layout_bytes, self.bucket_bytes, plan, buckets, len(names),
+                                        gather_s[0])
+            if outcome is None:
+                return None
+            dropped = self._settle(targets, key, outcome)
+            members = len(self.members)
+        total_s = time.perf_counter() - start
+        return {"gather_s": gather_s[0], "send_s": total_s - gather_s[0], "total_s": total_s,
+                "bytes": float(self.latest.nbytes), "tensors": float(len(names)), "buckets": float(len(plan)),
+                "members": float(members), "dropped": float(dropped)}
+
+    def _settle(self, targets: list[Member], key: tuple[int, int], failures: list[tuple[Member, Exception]]) -> int:
+        failed = {id(member) for member, _ in failures}
+        for member in targets:
+            if id(member) not in failed:
+                member.has = key
+        for member, error in failures:
+            self._drop(member, error)
+        return len(failures)
+
+    def _stream(self, targets: list[Member], key: tuple[int, int], layout_bytes: bytes, bucket_bytes: int,
+                buckets: Iterator[torch.Tensor], should_abandon: Callable[[], bool]):
+        """Header, layout, each bucket as ``buckets`` yields it, acknowledgement: to every member in
+        ``targets`` at once. Returns the members that failed, with why, or None when abandoned. A member
+        that fails stops receiving; ``buckets`` is consumed to the end all the same (it drives gathers)."""
+        alive = list(targets)
         failures: list[tuple[Member, Exception]] = []
+        abandoned = False
 
-        def send_one(member: Member) -> None:
-            try:
-                self._send_to(member, packed)
-            except WeightSyncError as exc:
-                failures.append((member, exc))
+        def to_all(action: Callable[[Member], None]) -> None:
+            nonlocal alive, abandoned
+            if abandoned or not alive:
+                return
+            failed = self._run_for_each(alive, action, should_abandon)
+            if failed is None:
+                abandoned = True
+                return
+            failures.extend(failed)
+            gone = {id(member) for member, _ in failed}
+            alive = [member for member in alive if id(member) not in gone]
 
-        if len(targets) == 1:
-            send_one(targets[0])
-            return failures
-        threads = [threading.Thread(target=send_one, args=(m,), name=f"weights-to-actor-{m.actor}") for m in targets]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()  # each send is bounded by the group's timeout
-        return failures
+        header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64)
+        layout = torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8)
+        if self.device.type != "cpu":
+            header, layout = header.to(self.device), layout.to(self.device)
 
-    def _send_to(self, member: Member, packed: PackedWeights) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # threads start on device 0
-        what = f"version {packed.key} (epoch, version) to actor {member.actor} (join {member.number})"
-        header = torch.tensor([len(packed.layout_bytes)], dtype=torch.int64, device=self.device)
-        _broadcast(member.group, header, self.timeout_s, f"header of {what}")
-        layout = torch.frombuffer(bytearray(packed.layout_bytes), dtype=torch.uint8).to(self.device)
-        _broadcast(member.group, layout, self.timeout_s, f"layout of {what}")
-        _broadcast(member.group, packed.flat, self.timeout_s, f"payload of {what}")
+        def what(m: Member) -> str:
+            return f"version {key} (epoch, version) to actor {m.actor} worker {m.worker} (join {m.number})"
+
+        to_all(lambda m: _broadcast(m.group, header, self.timeout_s, f"header of {what(m)}"))
+        to_all(lambda m: _broadcast(m.group, layout, self.timeout_s, f"layout of {what(m)}"))
+        for index, bucket in enumerate(buckets):
+            to_all(lambda m: _broadcast(m.group, bucket, self.timeout_s, f"bucket {index} of {what(m)}"))
+        to_all(lambda m: self._acknowledged(m, what(m)))
+        return None if abandoned else failures
+
+    def _acknowledged(self, member: Member, what: str) -> None:
         ack = torch.zeros(1, dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         _wait(lambda: member.group.allreduce([ack], options), self.timeout_s, f"acknowledgement of {what}")
-        if int(ack.item()) != 1:
+        if int(ack.item()) != 1:  # bounded: the wait above completed (blocking waits on NCCL)
             raise WeightSyncError(f"weight hub: {what} acknowledged {int(ack.item())} times, not once")
-        member.has = packed.key
+
+    def _run_for_each(self, members: list[Member], action: Callable[[Member], None],
+                      should_abandon: Callable[[], bool]) -> list[tuple[Member, Exception]] | None:
+        """``action(member)`` for every member at once, one thread each (the collectives release the
+        GIL; each is bounded by the group's timeout); the members whose action failed, or None when
+        ``should_abandon()`` turned true before all finished."""
+        failures: list[tuple[Member, Exception]] = []
+
+        def run(member: Member) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # threads start on device 0
+            try:
+                action(member)
+            except WeightSyncError as exc:
+                failures.append((member, exc))
+
+        if len(members) == 1 and not self._needs_watch(should_abandon):
+            run(members[0])
+            return failures
+        threads = [threading.Thread(target=run, args=(m,), name=f"weights-to-actor-{m.actor}-{m.worker}", daemon=True)
+                   for m in members]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.1)
+                if thread.is_alive() and should_abandon():
+                    return None
+        return failures
+
+    @staticmethod
+    def _needs_watch(should_abandon: Callable[[], bool]) -> bool:
+        return getattr(should_abandon, "watch", True)
 
     def _drop(self, member: Member, error: Exception) -> None:
-        log.warning("dropped actor %d's engine from the weight hub (it rejoins by itself): %s", member.actor, error)
+        log.warning("dropped actor %d worker %d from the weight hub (it rejoins by itself): %s", member.actor,
+                    member.worker, error)
         self.counters["dropped"] += 1
-        if self.members.get(member.actor) is member:
-            del self.members[member.actor]
+        if self.members.get(member.key) is member:
+            del self.members[member.key]
         member.close()
 
     # ------------------------------------------------------------------ admission
@@ -240,33 +429,39 @@ class WeightHub:
             self.counters["bad_joins"] += 1
             log.warning("weight hub: refused join %d: %s", number, exc)
             return
+        worker = int(getattr(join, "worker", 0))
         try:
             group = self._form_group(number)
         except WeightSyncError as exc:
             self.counters["failed_joins"] += 1
-            log.warning("weight hub: actor %d (pid %d) did not complete its join %d: %s", join.actor, join.pid,
-                        number, exc)
+            log.warning("weight hub: actor %d worker %d (pid %d) did not complete its join %d: %s", join.actor, worker,
+                        join.pid, number, exc)
             return
-        member = Member(number, join.actor, join.pid, group)
+        member = Member(number, join.actor, worker, join.pid, group)
         with self._lock:
-            if self._closed.is_set():
+            if self._closed.is_set() or self.latest is None:
+                # latest is None only after a publish failed half-way (the learner is failing): refuse.
+                self.counters["failed_joins"] += int(not self._closed.is_set())
                 member.close()
                 return
-            try:
-                self._send_to(member, self.latest)
-            except WeightSyncError as exc:
+            latest = self.latest
+            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes, iter(latest.buckets),
+                                   _never_abandon)
+            if outcome:
                 self.counters["failed_joins"] += 1
-                log.warning("weight hub: actor %d's first version failed: %s", join.actor, exc)
+                log.warning("weight hub: actor %d worker %d's first version failed: %s", join.actor, worker,
+                            outcome[0][1])
                 member.close()
                 return
-            previous = self.members.get(join.actor)
+            member.has = latest.key
+            previous = self.members.get(member.key)
             if previous is not None:
                 self.counters["replaced"] += 1
                 previous.close()
-            self.members[join.actor] = member
+            self.members[member.key] = member
             self.counters["admitted"] += 1
-        log.info("admitted actor %d's engine (pid %d, join %d) at weights %s (epoch, version)%s", join.actor, join.pid,
-                 number, member.has, "; it replaces an earlier one" if previous is not None else "")
+        log.info("admitted actor %d's engine worker %d (pid %d, join %d) at weights %s (epoch, version)%s", join.actor,
+                 worker, join.pid, number, member.has, "; it replaces an earlier one" if previous is not None else "")
 
     def _form_group(self, number: int) -> dist.ProcessGroup:
         timeout = timedelta(seconds=self.timeout_s)
@@ -290,6 +485,16 @@ class WeightHub:
             self.members.clear()
 
 
+def publish_from_other_rank(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+                            dtype: torch.dtype | None = None) -> None:
+    """A learner rank other than 0 during :meth:`WeightHub.publish`: the same gathers, in the same order,
+    nothing kept (the plan is computed from the same names, dtypes and shapes as rank 0's)."""
+    names, dtypes, shapes = layout_of(named, dtype)
+    plan = plan_buckets(names, dtypes, shapes, bucket_bytes)
+    for _ in gather_buckets(named, plan, device=torch.device("cpu"), fill=False):
+        pass
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
@@ -299,6 +504,8 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float,
 
 def _wait(start_work, timeout_s: float, what: str) -> None:
     try:
-        start_work().wait(timedelta(seconds=timeout_s))
+        completed = start_work().wait(timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise WeightSyncError(f"weight hub: {what} did not complete within {timeout_s:.0f} s: {exc}") from exc
+    if completed is False:
+        raise WeightSyncError(f"weight hub: {what} did not complete within {timeout_s:.0f} s")

@@ -113,6 +113,7 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     weight_epoch: int = 0  # the learner incarnation those weights belong to
     pause_rollout: bool = False  # the buffer is full: finish episodes in flight, start no new groups
     stop: bool = False
+    eval_step: int = -1  # the newest learner step whose held-out evaluation actor 0 should run (-1: none; eval.every)
 
 
 class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
@@ -139,6 +140,7 @@ class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
     run_id: str
     actor: int  # the actor index whose engine this is (a newer join of the same actor replaces the older)
     pid: int
+    worker: int = 0  # the engine worker (tensor-parallel rank): each worker of an engine is its own member
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
@@ -239,6 +241,22 @@ class EpisodeSample(msgspec.Struct, tag="episode_sample", kw_only=True):
     transcript: list[tuple[str, str]] = []
 
 
+class HeldOutEval(msgspec.Struct, tag="held_out_eval", kw_only=True):
+    """Actor 0 -> coordinator: a held-out evaluation during training (``eval.every``), per environment.
+
+    Played on test-split tasks with the actor's weights at the time; those episodes never go to the
+    buffer. ``weight_versions`` is the (oldest, newest) version that generated a turn of them: the
+    engine may take newer weights while the evaluation runs, as it does during any episode.
+    """
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    learner_step: int  # the step the evaluation was asked for (Control.eval_step)
+    weight_versions: tuple[int, int]
+    results: dict[str, dict[str, float]]  # env -> success_rate, episodes_valid, infra_failures, mean_reward, ...
+    wall_s: float
+
+
 # What the buffer says about each trajectory it received (TrajectoryAck.statuses).
 ACK_ACCEPTED = "accepted"  # durable in the buffer's log: the actor may forget it
 ACK_DUPLICATE = "duplicate"  # already accepted earlier (a resend): the actor may forget it
@@ -256,4 +274,4 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
 
 
 Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
-           | TrajectoryAck | ProcessEvent)
+           | TrajectoryAck | ProcessEvent | HeldOutEval)

@@ -20,17 +20,27 @@ receive then fails, joins again with a new number. A join of an actor that is al
 replaces the older member. A restarted learner is a new store (and a new weight epoch): an
 engine that sees the epoch change in ``Control`` joins it.
 
-One version is sent to one member as four collectives, in order, all rooted at rank 0:
+One version is sent to one member as 3 + B collectives (B buckets), in order, all rooted at rank 0:
 
-1. header   int64[1]  = number of bytes of the msgpack-encoded :class:`WeightLayout`
-2. layout   uint8[n]  = the layout: version, epoch, names, dtypes, shapes, total bytes
-3. payload  uint8[total_bytes] = every tensor's bytes in layout order, each tensor starting at an
-            offset aligned to ``ALIGN_BYTES`` (:func:`layout_offsets`), so a receiver can view it in place
-4. ack      int64[1]  all-reduce (sum): the engine adds 1, so the learner knows it got this version.
+1. header   int64[2]  = [number of bytes of the msgpack-encoded :class:`WeightLayout`, bucket_bytes]
+2. layout   uint8[n]  = the layout: version, epoch, names, dtypes (as sent: the engine's), shapes,
+            total bytes (the sum of the buckets' sizes)
+3. bucket i uint8[size_i], for each bucket of ``plan_buckets(names, dtypes, shapes, bucket_bytes)``
+            (``protocol/weight_buckets.py``; both ends compute the plan, so it never travels): the
+            bytes of its tensors in layout order, each at an offset aligned to ``ALIGN_BYTES``, so a
+            receiver can view it in place. A model smaller than one bucket is one payload collective.
+4. ack      int64[1]  all-reduce (sum): the engine adds 1 once it has the version (loaded, in the
+            engine's case), so the learner knows it got this version.
 
-One flat payload rather than tensor by tensor (~0.3 ms per tensor per collective). Every wait is
+Buckets rather than tensor by tensor (~0.3 ms per tensor per collective), and rather than one flat
+payload (which needs a full-size buffer on both ends: 15 GB for a 7B model in bf16). Every wait is
 bounded by the group's timeout and fails with :class:`WeightSyncError` saying who, which version
-and what timed out: an unbounded hang is the classic NCCL weight-sync failure.
+and what timed out: an unbounded hang is the classic NCCL weight-sync failure (on NCCL the groups
+are created with ``TORCH_NCCL_BLOCKING_WAIT=1``, without which ``Work.wait(timeout)`` does not block
+the host and the ``.item()`` after it could hang).
+
+A tensor-parallel engine joins once per worker (``WeightJoin.worker`` = its rank; the member is
+(actor, worker)): each worker receives the full tensors and vLLM's loader keeps its own shard.
 """
 
 from __future__ import annotations

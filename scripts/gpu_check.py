@@ -1,0 +1,667 @@
+"""Check the learner's GPU path on one machine: no network, no vLLM, no downloaded model.
+
+    python scripts/gpu_check.py [--out gpu_check.json] [--tokens 512] [--no-large]
+    python scripts/gpu_check.py --cpu [--out ...]      the parts that need no CUDA, on the CPU
+    python scripts/gpu_check.py --sizing               print docs/gpu.md's sizing table and exit
+
+Models: the tiny Qwen2 of ``horizonrl.tiny_model`` and a randomly initialised model in the shape of
+Qwen2.5-0.5B (transformers' Qwen2Config, written to a temporary directory, loaded the way the learner
+loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
+
+    dtype_policy           the resolved precision policy on this device (core/precision.py)
+    mixed_precision_step   FSDP2 AdamW steps at lr 1e-6 in bf16 compute: the forward ran in bf16, master
+                           weights and AdamW moments are fp32, and the norm weights (exactly 1.0) moved by
+                           less than bf16 can represent there yet still moved (tiny; + 0.5B on CUDA)
+    activation_formula     bytes autograd saves per token, measured with saved-tensor hooks, against
+                           learner/sizing.py's formula (bf16; with and without activation checkpointing)
+    loss_parity            the tiny model's loss on CUDA (fp32, bf16) against the CPU's fp32      [CUDA]
+    peak_memory            0.5B: measured memory after load, after a step (states) and at the peak of
+                           a step, and the weight gather's extra, against learner/sizing.py   [CUDA]
+    bucket_broadcast       2 processes: bucketed gather + broadcast (learner/weight_broadcast.py's
+                           gather_buckets and protocol/weight_buckets.py's plan) against one raw
+                           broadcast of the same bytes, GB/s; the receiver checks every byte.
+                           NCCL needs 2 GPUs (it refuses two ranks on one device); --cpu: gloo
+    cuda_ipc               a CUDA tensor handed to a second process through torch.multiprocessing's
+                           CUDA-IPC reductions: the receiver reads the sender's bytes, and a write by
+                           the receiver is seen by the sender (shared memory, not a copy)   [CUDA]
+
+Prints a table; ``--out`` writes the JSON. Exit status 1 if any check FAILED (SKIPPED is not a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from horizonrl.learner.sizing import GB, QWEN25, broadcast_bytes, learner_memory, sizing_table  # noqa: E402
+
+TINY_LR = 1e-6
+MEMORY_TOLERANCE = 0.15  # the issue's bar for the sizing table against the measured peak
+JOIN_TIMEOUT_S = 300.0
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # PASS, FAIL, SKIPPED
+    figures: dict = field(default_factory=dict)
+    note: str = ""
+
+
+class Skip(Exception):
+    """The check cannot run here (say why)."""
+
+
+@dataclass
+class Context:
+    device: str  # "cuda" or "cpu"
+    tokens: int
+    large: bool
+    workdir: Path
+    gpus: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_rank(cuda: bool) -> None:
+    """A one-rank default group: FSDP2 and the learner's collectives need one. CPU tensors (metrics)
+    go over gloo, CUDA tensors over NCCL, as in the learner."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=120))
+
+
+def tiny_model_dir(workdir: Path) -> Path:
+    from horizonrl.tiny_model import build_model
+
+    path = workdir / "tiny"
+    if not (path / "model.safetensors").is_file():
+        build_model(vocab_size=320, seed=0).save_pretrained(path)
+    return path
+
+
+def qwen_config(key: str):
+    from transformers import Qwen2Config
+
+    s = QWEN25[key]
+    return Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                       num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                       head_dim=s.head_dim, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=s.tied, use_sliding_window=False, dtype="float32")
+
+
+def large_model_dir(workdir: Path) -> Path:
+    """A random Qwen2.5-0.5B-shaped model on disk (float32, ~2 GB), built once per run."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    path = workdir / "qwen0.5b-random"
+    if not (path / "model.safetensors").is_file():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(qwen_config("0.5B")).save_pretrained(path)
+    return path
+
+
+def precision(cuda: bool):
+    from horizonrl.core.precision import resolve_precision
+    from horizonrl.learner.model import flash_attn_installed
+
+    return resolve_precision("float32", "bfloat16", "auto", None, learner_on_cuda=cuda, engine_on_gpu=cuda,
+                             flash_attn_installed=flash_attn_installed())
+
+
+def synthetic_samples(vocab: int, rows: int, length: int, seed: int = 0, mixed_signs: bool = True):
+    """Trajectories whose every token after the first is a loss token (the sizing's upper bound).
+    ``mixed_signs``: advantages +1, -1, +1, ... (a real batch); else all +1 (a loss far from 0, for
+    comparing losses by their relative error)."""
+    import torch
+
+    from horizonrl.learner.batching import Sample
+
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for row in range(rows):
+        mask = torch.ones(length)
+        mask[0] = 0
+        samples.append(Sample(token_ids=torch.randint(0, vocab, (length,), generator=generator), loss_mask=mask,
+                              behaviour_logprobs=torch.full((length,), -5.0) * mask,
+                              advantage=1.0 if (row % 2 == 0 or not mixed_signs) else -1.0, group=0))
+    return samples
+
+
+def train_steps(model, optimizer, samples, device, steps: int = 1, micro_batch_size: int | None = None) -> None:
+    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+
+    for _ in range(steps):
+        train_on_batch(model, optimizer, samples, rank=0, world_size=1, settings=LossSettings(),
+                       update=UpdateSettings(micro_batch_size=micro_batch_size or len(samples)), device=device)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def check_dtype_policy(ctx: Context) -> CheckResult:
+    policy = precision(ctx.cuda)
+    figures = asdict(policy)
+    ok = policy.param_dtype == "float32" and policy.reduce_dtype == "float32" and policy.compute_dtype == "bfloat16"
+    if policy.attention == "flash_attention_2":
+        ok = ok and policy.compute_dtype in ("bfloat16", "float16")
+    return CheckResult("dtype_policy", "PASS" if ok else "FAIL", figures)
+
+
+def _mixed_step(model_dir: Path, device, vocab: int, tokens: int) -> dict:
+    import torch
+
+    from horizonrl.learner.model import build_sharded_model, gather_full_state_dict
+
+    model = build_sharded_model(str(model_dir), kind="policy", policy=precision(device.type == "cuda"), device=device)
+    seen = {}
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda module, args: seen.update(weight=str(module.weight.dtype), input=str(args[0].dtype)))
+    before = {k: v.clone() for k, v in gather_full_state_dict(model).items() if k.endswith("norm.weight")}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_LR, weight_decay=0.0)
+    train_steps(model, optimizer, synthetic_samples(vocab, 2, max(8, tokens // 2)), device)
+    after = gather_full_state_dict(model)
+    moved, below_bf16 = [], []
+    for name, old in before.items():
+        delta = after[name] - old
+        moved.append(float((delta != 0).float().mean()))
+        as_bf16 = (old.to(torch.bfloat16) + delta.to(torch.bfloat16)).float()
+        below_bf16.append(bool(torch.equal(as_bf16, old.to(torch.bfloat16).float())))
+    moments = {str(v.dtype) for state in optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+    figures = {
+        "compute_weight_dtype": seen.get("weight"), "compute_input_dtype": seen.get("input"),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}), "moment_dtypes": sorted(moments),
+        "norm_weights_moved_fraction_min": min(moved), "update_below_bf16_resolution": all(below_bf16),
+        "max_abs_update": max(float((after[n] - o).abs().max()) for n, o in before.items()),
+    }
+    del model, optimizer
+    return figures
+
+
+def check_mixed_precision_step(ctx: Context) -> CheckResult:
+    import torch
+
+    init_single_rank(ctx.cuda)
+    device = torch.device(ctx.device)
+    runs = {"tiny": _mixed_step(tiny_model_dir(ctx.workdir), device, 320, 64)}
+    if ctx.cuda and ctx.large:
+        runs["0.5B"] = _mixed_step(large_model_dir(ctx.workdir), device, QWEN25["0.5B"].vocab, ctx.tokens)
+    ok = all(f["compute_weight_dtype"] == "torch.bfloat16" and f["compute_input_dtype"] == "torch.bfloat16"
+             and f["param_dtypes"] == ["torch.float32"] and f["moment_dtypes"] == ["torch.float32"]
+             and f["norm_weights_moved_fraction_min"] > 0.9 and f["update_below_bf16_resolution"]
+             for f in runs.values())
+    note = "" if (ctx.cuda and ctx.large) else "tiny model only" + ("" if ctx.cuda else " (gloo on the CPU)")
+    return CheckResult("mixed_precision_step", "PASS" if ok else "FAIL", runs, note)
+
+
+def saved_bytes_per_token(config, tokens: int, checkpointing: bool, device) -> float:
+    """Bytes autograd keeps from forward to backward (distinct storages, parameters excluded) per
+    token, for the model's trunk in bf16: what sizing's ``stored_activation_bytes`` predicts (the
+    layer recomputed under checkpointing exists only inside backward and is not counted here)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    model.train()
+    if checkpointing:
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    input_ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    del model, hidden
+    return sum(storages.values()) / tokens
+
+
+def check_activation_formula(ctx: Context) -> CheckResult:
+    import torch
+    from transformers import Qwen2Config
+
+    from horizonrl.learner.sizing import ModelShape
+
+    shapes = {"tiny": ModelShape("tiny", 320, 128, 256, 2, 2, 1, 64, True),
+              "mid": ModelShape("mid", 1000, 512, 1408, 4, 8, 2, 64, True)}
+    if ctx.cuda and ctx.large:
+        shapes["0.5B"] = QWEN25["0.5B"]
+    device = torch.device(ctx.device)
+    figures, ok = {}, True
+    for key, shape in shapes.items():
+        config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                             num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                             num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
+                             attn_implementation="sdpa")
+        for checkpointing in (False, True):
+            measured = saved_bytes_per_token(config, 256, checkpointing, device)
+            predicted = shape.stored_activation_bytes(checkpointing)
+            error = abs(measured - predicted) / predicted
+            ok = ok and error <= MEMORY_TOLERANCE
+            figures[f"{key}{'/ac' if checkpointing else ''}"] = {
+                "measured_bytes_per_token": round(measured), "formula_bytes_per_token": predicted,
+                "relative_error": round(error, 4)}
+    return CheckResult("activation_formula", "PASS" if ok else "FAIL", figures,
+                       "saved tensors of the trunk; the logits term is not measured here")
+
+
+def check_loss_parity(ctx: Context) -> CheckResult:
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    import torch
+
+    from horizonrl.learner.batching import collate
+    from horizonrl.learner.model import load_model
+    from horizonrl.learner.train_step import LossSettings, micro_batch_loss
+
+    micro = collate(synthetic_samples(320, 4, 48, seed=1, mixed_signs=False))
+    losses = {}
+    for label, device, dtype in (("cpu_fp32", "cpu", torch.float32), ("cuda_fp32", "cuda", torch.float32),
+                                 ("cuda_bf16", "cuda", torch.bfloat16)):
+        model = load_model(str(tiny_model_dir(ctx.workdir)), "float32", torch.device(device)).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            loss, _ = micro_batch_loss(model, micro.to(torch.device(device)), LossSettings(),
+                                       int(micro.loss_mask.sum()), micro.num_sequences)
+        losses[label] = float(loss)
+    reference = losses["cpu_fp32"]
+    fp32_error = abs(losses["cuda_fp32"] - reference) / abs(reference)
+    bf16_error = abs(losses["cuda_bf16"] - reference) / abs(reference)
+    ok = fp32_error < 1e-4 and bf16_error < 2e-2
+    return CheckResult("loss_parity", "PASS" if ok else "FAIL",
+                       {**losses, "fp32_relative_error": fp32_error, "bf16_relative_error": bf16_error},
+                       "bounds: fp32 1e-4, bf16 2e-2 (relative)")
+
+
+def check_peak_memory(ctx: Context) -> CheckResult:
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    if not ctx.large:
+        raise Skip("--no-large")
+    import torch
+
+    from horizonrl.learner.model import build_sharded_model, weights_to_send
+    from horizonrl.protocol.weight_buckets import plan_buckets
+    from horizonrl.learner.weight_broadcast import gather_buckets, layout_of
+
+    init_single_rank(True)
+    device = torch.device("cuda")
+    shape = QWEN25["0.5B"]
+    path = large_model_dir(ctx.workdir)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = build_sharded_model(str(path), kind="policy", policy=precision(True), device=device)
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated() - base
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_LR, weight_decay=0.0)
+    # Two micro-batches of ``tokens`` each: the second runs with the first one's gradients allocated,
+    # as every micro-batch after the first of an update does (the sizing's forward/backward term).
+    samples = synthetic_samples(shape.vocab, 2, ctx.tokens)
+    train_steps(model, optimizer, samples, device, micro_batch_size=1)  # creates gradients and AdamW state
+    torch.cuda.synchronize()
+    states = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    train_steps(model, optimizer, samples, device, micro_batch_size=1)
+    torch.cuda.synchronize()
+    step_peak = torch.cuda.max_memory_allocated() - base
+
+    bucket_bytes = 256 << 20
+    named = weights_to_send(model.config, dict(model.state_dict()))
+    names, dtypes, shapes = layout_of(named, torch.bfloat16)
+    plan = plan_buckets(names, dtypes, shapes, bucket_bytes)
+    before_gather = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in gather_buckets(named, plan, device=device, fill=True):
+        pass
+    torch.cuda.synchronize()
+    gather_extra = torch.cuda.max_memory_allocated() - before_gather
+
+    predicted = learner_memory(shape, world_size=1, tokens=ctx.tokens, checkpointing=False)
+    predicted_gather = broadcast_bytes(shape, 1, bucket_bytes)
+    rows = {
+        "after_load": (loaded, predicted.params),
+        "states_after_step": (states, predicted.states),
+        "step_peak": (step_peak, predicted.peak),
+        "weight_gather_extra": (gather_extra, predicted_gather),
+    }
+    figures, ok = {"tokens_per_micro_batch": ctx.tokens}, True
+    for name, (measured, formula) in rows.items():
+        error = abs(measured - formula) / formula
+        figures[name] = {"measured_gb": round(measured / GB, 3), "formula_gb": round(formula / GB, 3),
+                         "relative_error": round(error, 4)}
+        ok = ok and error <= MEMORY_TOLERANCE
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return CheckResult("peak_memory", "PASS" if ok else "FAIL", figures,
+                       f"0.5B random, W=1, bf16 compute, AdamW (foreach); bound {MEMORY_TOLERANCE:.0%}")
+
+
+def _broadcast_layout(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of 0.5B-shaped decoder layers (bf16) adding up to about ``total_bytes``."""
+    s = QWEN25["0.5B"]
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = [("self_attn.q_proj.weight", (q, s.hidden)), ("self_attn.k_proj.weight", (kv, s.hidden)),
+             ("self_attn.v_proj.weight", (kv, s.hidden)), ("self_attn.o_proj.weight", (s.hidden, q)),
+             ("mlp.gate_proj.weight", (s.intermediate, s.hidden)), ("mlp.up_proj.weight", (s.intermediate, s.hidden)),
+             ("mlp.down_proj.weight", (s.hidden, s.intermediate)), ("input_layernorm.weight", (s.hidden,))]
+    out, size, index = [], 0, 0
+    while size < total_bytes:
+        for name, shape in layer:
+            out.append((f"model.layers.{index}.{name}", shape))
+            numel = 1
+            for d in shape:
+                numel *= d
+            size += 2 * numel
+        index += 1
+    return out
+
+
+def _tensor_for(name: str, shape, device):
+    """Deterministic content from the name alone, so the receiver can check every byte it got."""
+    import torch
+    import zlib
+
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+
+
+def _broadcast_rank(rank: int, port: int, backend: str, total_bytes: int, bucket_bytes: int, repeats: int,
+                    out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    result = {}
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            # Two ranks share the host's cores: with several threads each, torch's CPU copies were 25x
+            # slower here (spinning threads), which would time the contention, not the transfer.
+            torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=120))
+        layout = _broadcast_layout(total_bytes)
+        try:
+            from horizonrl.learner.weight_broadcast import gather_buckets
+            from horizonrl.protocol.weight_buckets import plan_buckets
+            api = "horizonrl.learner.weight_broadcast.gather_buckets + protocol.weight_buckets.plan_buckets"
+        except ImportError:  # an older tree: a local equivalent (one buffer, tensors packed in order)
+            gather_buckets = plan_buckets = None
+            api = "local equivalent"
+        names = [n for n, _ in layout]
+        shapes = [list(s) for _, s in layout]
+        dtypes = ["bfloat16"] * len(layout)
+        named = [(n, _tensor_for(n, s, device)) for n, s in layout] if rank == 0 else []
+        plan = plan_buckets(names, dtypes, shapes, bucket_bytes) if plan_buckets else None
+        nbytes = sum(b.nbytes for b in plan) if plan else sum(2 * t.numel() for _, t in named)
+
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        # The receiver keeps its buffers across versions, as an engine's receiver would; allocating them
+        # per version would time the allocator (on the CPU: page faults of fresh memory), not the transfer.
+        receive_buffers = [torch.zeros(b.nbytes, dtype=torch.uint8, device=device) for b in plan] if rank else []
+
+        def bucketed() -> list[torch.Tensor]:
+            if rank == 0:
+                for bucket in gather_buckets(named, plan, device=device, fill=True):
+                    dist.broadcast(bucket, src=0)
+            else:
+                for buffer in receive_buffers:
+                    dist.broadcast(buffer, src=0)
+            return receive_buffers
+
+        flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        timings = {"bucketed_s": [], "raw_s": []}
+        received = []
+        for _ in range(repeats):
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            received = bucketed()
+            sync()
+            timings["bucketed_s"].append(time.perf_counter() - start)
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            dist.broadcast(flat, src=0)
+            sync()
+            timings["raw_s"].append(time.perf_counter() - start)
+        if rank == 1:  # every byte as the sender made it
+            mismatched = []
+            for bucket, buffer in zip(plan, received):
+                for entry in bucket.entries:
+                    got = buffer[entry.offset: entry.offset + entry.nbytes].view(torch.bfloat16).view(entry.shape)
+                    if not torch.equal(got, _tensor_for(entry.name, entry.shape, device)):
+                        mismatched.append(entry.name)
+            result["mismatched"] = mismatched
+        best_bucketed, best_raw = min(timings["bucketed_s"]), min(timings["raw_s"])
+        result.update(api=api, backend=backend, bytes=nbytes, buckets=len(plan), bucket_bytes=bucket_bytes,
+                      bucketed_gb_s=nbytes / best_bucketed / GB, raw_gb_s=nbytes / best_raw / GB,
+                      bucketed_s=best_bucketed, raw_s=best_raw)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter finalization (gloo threads can abort it after the work is done)
+
+
+def check_bucket_broadcast(ctx: Context) -> CheckResult:
+    if ctx.cuda and ctx.gpus < 2:
+        raise Skip("NCCL needs 2 GPUs for a sender and a receiver (it rejects two ranks on one device); "
+                   "see peak_memory's weight_gather_extra for the gather on one GPU")
+    backend = "nccl" if ctx.cuda else "gloo"
+    total = (1 << 30) if ctx.cuda else (48 << 20)
+    bucket = (256 << 20) if ctx.cuda else (16 << 20)
+    port = free_port()
+    outputs = [ctx.workdir / f"broadcast_{rank}.json" for rank in range(2)]
+    spawn = mp.get_context("spawn")
+    processes = [spawn.Process(target=_broadcast_rank, args=(rank, port, backend, total, bucket, 3, str(outputs[rank])))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for process in processes:
+        process.join(max(1.0, deadline - time.monotonic()))
+    hung = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    if hung:
+        return CheckResult("bucket_broadcast", "FAIL", {}, f"processes {hung} did not finish in {JOIN_TIMEOUT_S:.0f} s")
+    results = [json.loads(path.read_text()) if path.is_file() else {"error": "no result file"} for path in outputs]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return CheckResult("bucket_broadcast", "FAIL", {}, errors[0][-2000:])
+    sender, receiver = results
+    figures = {k: sender[k] for k in ("api", "backend", "bytes", "buckets", "bucket_bytes")}
+    figures.update(sender_bucketed_gb_s=round(sender["bucketed_gb_s"], 3), sender_raw_gb_s=round(sender["raw_gb_s"], 3),
+                   receiver_bucketed_gb_s=round(receiver["bucketed_gb_s"], 3),
+                   receiver_raw_gb_s=round(receiver["raw_gb_s"], 3),
+                   bucketed_over_raw=round(receiver["bucketed_s"] / receiver["raw_s"], 3),
+                   mismatched_tensors=len(receiver["mismatched"]))
+    ok = not receiver["mismatched"]
+    return CheckResult("bucket_broadcast", "PASS" if ok else "FAIL", figures,
+                       "bf16 tensors in 0.5B layer shapes; best of 3; the receiver compared every tensor")
+
+
+def _ipc_receiver(queue, answers) -> None:
+    import torch
+
+    try:
+        tensor = queue.get(timeout=60)  # rebuilt from the sender's CUDA-IPC handle: the same device memory
+        expected = torch.arange(tensor.numel(), device=tensor.device, dtype=torch.int64).remainder(251).to(torch.uint8)
+        same = bool(torch.equal(tensor, expected))
+        tensor[:16].fill_(7)  # the sender must see this if the memory is shared
+        torch.cuda.synchronize()
+        answers.put({"same_bytes": same, "nbytes": tensor.numel()})
+        queue.get(timeout=60)  # keep the handle open until the sender has looked
+    except Exception:  # noqa: BLE001 - reported to the parent
+        answers.put({"error": traceback.format_exc()})
+
+
+def check_cuda_ipc(ctx: Context) -> CheckResult:
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    import torch
+    import torch.multiprocessing as tmp
+
+    spawn = tmp.get_context("spawn")
+    queue, answers = spawn.Queue(), spawn.Queue()
+    receiver = spawn.Process(target=_ipc_receiver, args=(queue, answers))
+    receiver.start()
+    try:
+        nbytes = 256 << 20
+        tensor = torch.arange(nbytes, device="cuda", dtype=torch.int64).remainder(251).to(torch.uint8)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        queue.put(tensor)
+        answer = answers.get(timeout=120)
+        handoff_s = time.perf_counter() - start
+        if "error" in answer:
+            return CheckResult("cuda_ipc", "FAIL", {}, answer["error"][-2000:])
+        torch.cuda.synchronize()
+        shared = bool((tensor[:16] == 7).all())
+        queue.put("done")
+        receiver.join(60)
+        figures = {"nbytes": nbytes, "receiver_saw_sender_bytes": answer["same_bytes"],
+                   "sender_saw_receiver_write": shared, "handoff_and_check_s": round(handoff_s, 4)}
+        ok = answer["same_bytes"] and shared
+        return CheckResult("cuda_ipc", "PASS" if ok else "FAIL", figures, "torch.multiprocessing CUDA-IPC, one GPU")
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
+            receiver.join(10)
+
+
+CHECKS: list[Callable[[Context], CheckResult]] = [
+    check_dtype_policy, check_mixed_precision_step, check_activation_formula, check_loss_parity, check_peak_memory,
+    check_bucket_broadcast, check_cuda_ipc,
+]
+
+
+def run_checks(ctx: Context, checks: list[Callable[[Context], CheckResult]]) -> list[CheckResult]:
+    results = []
+    for check in checks:
+        name = check.__name__.removeprefix("check_")
+        start = time.perf_counter()
+        try:
+            result = check(ctx)
+        except Skip as reason:
+            result = CheckResult(name, "SKIPPED", note=str(reason))
+        except Exception:  # noqa: BLE001 - one failing check must not hide the others
+            result = CheckResult(name, "FAIL", note=traceback.format_exc()[-3000:])
+        result.figures["seconds"] = round(time.perf_counter() - start, 2)
+        print(f"{result.name:22s} {result.status:8s} {result.note.splitlines()[-1] if result.note else ''}", flush=True)
+        results.append(result)
+    return results
+
+
+def print_table(results: list[CheckResult]) -> None:
+    print("\n| check | status | figures |\n|---|---|---|")
+    for result in results:
+        figures = json.dumps(result.figures, default=str)
+        print(f"| {result.name} | {result.status} | {figures if len(figures) < 400 else figures[:400] + '…'} |")
+
+
+def describe_device(cuda: bool) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    if cuda:
+        out.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                   gpu_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / GB, 1),
+                   cuda=torch.version.cuda)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU; checks that need CUDA are SKIPPED")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tokens", type=int, default=512, help="padded tokens per micro-batch of the 0.5B steps")
+    parser.add_argument("--no-large", action="store_true", help="leave out the 0.5B model")
+    parser.add_argument("--only", nargs="*", help="run only these checks (names as printed)")
+    parser.add_argument("--sizing", action="store_true", help="print the sizing table (docs/gpu.md) and exit")
+    parser.add_argument("--workdir", type=Path, help="where the models are written (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.sizing:
+        print(sizing_table())
+        return 0
+
+    import torch
+
+    cuda = not args.cpu
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device here: run with --cpu for the CPU checks", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        workdir = args.workdir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        ctx = Context(device="cuda" if cuda else "cpu", tokens=args.tokens, large=not args.no_large, workdir=workdir,
+                      gpus=torch.cuda.device_count() if cuda else 0)
+        checks = [c for c in CHECKS if not args.only or c.__name__.removeprefix("check_") in args.only]
+        results = run_checks(ctx, checks)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print_table(results)
+    failed = [r.name for r in results if r.status == "FAIL"]
+    report = {"device": describe_device(cuda), "mode": "cuda" if cuda else "cpu", "checks": [asdict(r) for r in results],
+              "failed": failed}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+    counts = {status: sum(r.status == status for r in results) for status in ("PASS", "SKIPPED", "FAIL")}
+    print(f"\n{counts['PASS']} passed, {counts['SKIPPED']} skipped, {counts['FAIL']} failed"
+          + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # without finalization: gloo's threads can abort a process that finished its work

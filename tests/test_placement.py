@@ -1,0 +1,322 @@
+"""The placement plan (core/placement.py): devices and backends of every process, without a GPU.
+
+The plan is a pure function of the config and the visible GPU ids, so every GPU layout is
+tested here on the CPU: 0, 1, 2, 4 and 8 GPUs, tensor parallelism, explicit ``resources``, and
+every configuration it must refuse (with the setting to change in the message)."""
+
+import pytest
+
+from horizonrl.core.config import ConfigError, load_config
+from horizonrl.core.placement import (
+    choose_backends,
+    learner_device_index,
+    local_device_type,
+    plan_placement,
+    visible_gpus,
+)
+
+BASE = ["model.path=/m", "envs=[{name: signpost}]"]
+
+
+def config(*overrides: str):
+    return load_config(None, BASE + list(overrides))
+
+
+def gpus(n: int) -> tuple[str, ...]:
+    return tuple(str(i) for i in range(n))
+
+
+def devices(plan, role: str) -> list[tuple[str, ...]]:
+    return [p.gpus for p in (plan.learner if role == "learner" else plan.actors)]
+
+
+# ------------------------------------------------------------------ no GPU: today's behaviour
+
+
+def test_no_gpu_is_a_cpu_plan_that_leaves_the_environment_alone():
+    plan = plan_placement(config("learner.num_ranks=2", "rollout.num_actors=3"), ())
+    assert plan.device_type == "cpu"
+    assert (plan.learner_backend, plan.weight_backend) == ("gloo", "gloo")
+    assert [p.name for p in plan.learner] == ["learner-0", "learner-1"]
+    assert [p.name for p in plan.actors] == ["actor-0", "actor-1", "actor-2"]
+    assert all(p.device == "cpu" and p.gpus == () for p in (*plan.learner, *plan.actors))
+    assert all(plan.child_env(p) == {} for p in (*plan.learner, *plan.actors))
+    plan.require_runnable()
+
+
+def test_cpu_on_a_gpu_host_hides_the_gpus():
+    plan = plan_placement(config("resources.device=cpu"), gpus(4))
+    assert plan.device_type == "cpu" and plan.learner_backend == "gloo"
+    assert all(plan.child_env(p) == {"CUDA_VISIBLE_DEVICES": ""} for p in (*plan.learner, *plan.actors))
+
+
+# ------------------------------------------------------------------ the default split
+
+
+def test_two_gpus_one_rank_one_actor():
+    plan = plan_placement(config("rollout.num_actors=1"), gpus(2))
+    assert plan.device_type == "cuda" and not plan.colocated
+    assert (plan.learner_backend, plan.weight_backend) == ("nccl", "nccl")
+    assert devices(plan, "learner") == [("0",)] and devices(plan, "actor") == [("1",)]
+    assert plan.learner[0].device == "cuda:0" and plan.actors[0].device == "cuda:0"
+    assert plan.engine_executor == "uni" and plan.unused_gpus == ()
+    plan.require_runnable()
+
+
+def test_four_gpus_default_config_leaves_one_unused():
+    plan = plan_placement(config(), gpus(4))  # 1 learner rank, 2 actors
+    assert devices(plan, "learner") == [("0",)]
+    assert devices(plan, "actor") == [("1",), ("2",)]
+    assert plan.unused_gpus == ("3",)
+    assert "unused GPUs: 3" in plan.table()
+
+
+def test_eight_gpus_two_ranks_three_tp2_engines():
+    plan = plan_placement(config("learner.num_ranks=2", "rollout.num_actors=3",
+                                 "rollout.engine.tensor_parallel_size=2"), gpus(8))
+    assert devices(plan, "learner") == [("0",), ("1",)]
+    assert devices(plan, "actor") == [("2", "3"), ("4", "5"), ("6", "7")]
+    assert plan.engine_executor == "mp" and plan.tensor_parallel_size == 2
+    assert plan.child_env(plan.actors[1]) == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert plan.child_env(plan.learner[1]) == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_ids_are_passed_on_as_the_launcher_sees_them():
+    # CUDA_VISIBLE_DEVICES=4,5,6 on the launcher: position 0 is GPU 4.
+    plan = plan_placement(config("rollout.num_actors=2"), ("4", "5", "6"))
+    assert plan.child_env(plan.learner[0]) == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert [plan.child_env(a)["CUDA_VISIBLE_DEVICES"] for a in plan.actors] == ["5", "6"]
+    assert plan.learner[0].positions == (0,) and plan.actors[1].positions == (2,)
+
+
+def test_one_gpu_one_actor_is_colocated_and_refused():
+    plan = plan_placement(config("rollout.num_actors=1"), gpus(1))
+    assert plan.colocated
+    assert devices(plan, "learner") == [("0",)] and devices(plan, "actor") == [("0",)]
+    assert "colocated" in plan.table()
+    with pytest.raises(ConfigError, match="colocated mode .* not implemented"):
+        plan.require_runnable()
+
+
+def test_one_gpu_two_actors_is_too_few():
+    with pytest.raises(ConfigError, match=r"1 GPU\(s\) visible, but the run needs 3.*colocated mode"):
+        plan_placement(config(), gpus(1))
+
+
+def test_two_gpus_default_two_actors_names_the_fix():
+    with pytest.raises(ConfigError, match=r"needs 3.*set rollout.num_actors=1"):
+        plan_placement(config(), gpus(2))
+
+
+def test_tp_that_does_not_fit_names_the_fix():
+    with pytest.raises(ConfigError, match=r"needs 5: .*tensor_parallel_size=2.*set rollout.num_actors=1"):
+        plan_placement(config("rollout.engine.tensor_parallel_size=2"), gpus(4))
+
+
+# ------------------------------------------------------------------ explicit resources
+
+
+def test_explicit_resources():
+    plan = plan_placement(config("learner.num_ranks=2", "rollout.num_actors=2",
+                                 "rollout.engine.tensor_parallel_size=2",
+                                 "resources.learner_gpus=[6,7]", "resources.actor_gpus=[[0,1],[2,3]]"), gpus(8))
+    assert devices(plan, "learner") == [("6",), ("7",)]
+    assert devices(plan, "actor") == [("0", "1"), ("2", "3")]
+    assert plan.unused_gpus == ("4", "5")
+    assert "resources.learner_gpus and resources.actor_gpus" in plan.source
+
+
+def test_explicit_learner_only_takes_the_rest_in_order():
+    plan = plan_placement(config("resources.learner_gpus=[2]"), gpus(3))
+    assert devices(plan, "learner") == [("2",)] and devices(plan, "actor") == [("0",), ("1",)]
+
+
+def test_explicit_actors_only_gives_the_learner_the_first_free():
+    plan = plan_placement(config("resources.actor_gpus=[[0],[1]]"), gpus(3))
+    assert devices(plan, "learner") == [("2",)] and devices(plan, "actor") == [("0",), ("1",)]
+
+
+def test_explicit_sharing_of_one_gpu_by_learner_and_engine_is_colocated():
+    plan = plan_placement(config("rollout.num_actors=1", "resources.learner_gpus=[0]", "resources.actor_gpus=[[0]]"),
+                          gpus(2))
+    assert plan.colocated
+    with pytest.raises(ConfigError, match="share GPU 0"):
+        plan.require_runnable()
+
+
+@pytest.mark.parametrize("overrides, n, message", [
+    (["learner.num_ranks=2", "resources.learner_gpus=[0]"], 4, r"learner_gpus has 1 GPU\(s\) for learner.num_ranks=2"),
+    (["resources.actor_gpus=[[1]]"], 4, r"actor_gpus has 1 list\(s\) for rollout.num_actors=2"),
+    (["rollout.engine.tensor_parallel_size=2", "resources.actor_gpus=[[1,2],[3]]"], 8,
+     r"actor_gpus\[1\] has 1 GPU\(s\) but rollout.engine.tensor_parallel_size=2"),
+    (["resources.actor_gpus=[[1],[9]]"], 4, r"actor_gpus\[1\] names GPU 9, but only 4 GPU\(s\) are visible"),
+    (["resources.learner_gpus=[5]"], 4, r"learner_gpus names GPU 5"),
+    (["learner.num_ranks=2", "resources.learner_gpus=[1,1]"], 4, "one GPU to two learner ranks"),
+    (["resources.actor_gpus=[[1],[1]]"], 4, "GPU 1 is given to the engines of actor 0 and actor 1"),
+    (["rollout.engine.tensor_parallel_size=2", "resources.actor_gpus=[[1,1],[2,3]]"], 4, "names a GPU twice"),
+    (["learner.num_ranks=2", "resources.learner_gpus=[0,1]", "resources.actor_gpus=[[1],[2]]"], 4,
+     "overlap the engines' GPUs"),
+    (["resources.device=cuda"], 0, "resources.device=cuda but no GPU is visible"),
+    (["resources.learner_gpus=[0]"], 0, "set but the run is on the CPU"),
+    (["resources.device=cpu", "resources.actor_gpus=[[0],[1]]"], 4, "resources.device=cpu"),
+    (["learner.backend=gloo"], 4, "learner.backend=gloo with GPUs"),
+    (["learner.backend=nccl"], 0, "learner.backend=nccl without a GPU"),
+])
+def test_refused(overrides, n, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_placement(config(*overrides), gpus(n))
+
+
+def test_negative_gpu_positions_are_a_config_error():
+    with pytest.raises(ConfigError, match="resources.learner_gpus"):
+        config("resources.learner_gpus=[-1]")
+
+
+# ------------------------------------------------------------------ what the processes decide themselves
+
+
+def test_backends_are_chosen_in_one_place():
+    assert choose_backends("cuda", "auto") == ("nccl", "nccl")
+    assert choose_backends("cuda", "nccl") == ("nccl", "nccl")
+    assert choose_backends("cpu", "auto") == ("gloo", "gloo")
+    assert choose_backends("cpu", "gloo") == ("gloo", "gloo")
+    with pytest.raises(ConfigError, match="resources.device=cpu"):
+        choose_backends("cuda", "gloo")
+
+
+def test_visible_gpus():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1"}, lambda: 2) == ("3", "1")
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, lambda: 0) == ()
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, lambda: 0) == ()
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, lambda: 1) == ("0",)  # CUDA stops at the first invalid id
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-ab12, GPU-cd34"}, lambda: 2) == ("GPU-ab12", "GPU-cd34")
+    assert visible_gpus({}, lambda: 2) == ("0", "1")
+    assert visible_gpus({}, lambda: 0) == ()
+    # Set, but no GPU behind it (a CPU-only torch, a CI box): the CPU, as before.
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0"}, lambda: 0) == ()
+    # Ids that do not exist are not counted (CUDA ignores them too).
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,7"}, lambda: 2) == ("0", "1")
+
+
+def test_a_started_process_agrees_with_the_plan():
+    assert local_device_type("auto", ()) == "cpu"
+    assert local_device_type("auto", ("3",)) == "cuda"
+    assert local_device_type("cpu", ("3",)) == "cpu"
+    with pytest.raises(ConfigError):
+        local_device_type("cuda", ())
+    assert learner_device_index(("5",), local_rank=1) == 0  # placed by the launcher: its own GPU is cuda:0
+    assert learner_device_index(("0", "1", "2", "3"), local_rank=2) == 2  # torchrun by hand: all GPUs visible
+    with pytest.raises(ConfigError, match="LOCAL_RANK=2"):
+        learner_device_index(("0", "1"), local_rank=2)
+
+
+def test_table_lists_every_process_and_the_backends():
+    plan = plan_placement(config("learner.num_ranks=2", "rollout.num_actors=2",
+                                 "rollout.engine.tensor_parallel_size=2"), gpus(6))
+    text = plan.table()
+    lines = text.splitlines()
+    assert lines[0].startswith("placement: 6 visible GPU(s)")
+    row = next(line for line in lines if line.strip().startswith("actor-1"))
+    assert row.split() == ["actor-1", "GPU", "4,", "5", "4,5", "cuda:0,", "cuda:1"]
+    assert "learner process group nccl, weight broadcast nccl" in text
+    assert "tensor_parallel_size 2 (vLLM executor mp)" in text
+    cpu = plan_placement(config(), ()).table()
+    assert cpu.splitlines()[0] == "placement: CPU (no GPU visible)"
+    assert "(unchanged)" in cpu and "gloo" in cpu
+
+
+# ------------------------------------------------------------------ the launcher hands the plan to its children
+
+
+def spawned_envs(cfg, plan, tmp_path, monkeypatch) -> dict[str, dict[str, str] | None]:
+    """What ``Launcher.start_all`` would start, by child name -> the env it adds; nothing is started."""
+    import io
+
+    from horizonrl.core.console import RunConsole
+    from horizonrl.launcher import Launcher
+
+    launcher = Launcher(cfg, tmp_path / "config.yaml", plan=plan,
+                        console=RunConsole(io.StringIO(), title="t", total=1, live=False))
+    started: dict[str, dict[str, str] | None] = {}
+    monkeypatch.setattr(launcher, "spawn", lambda name, args, *, essential, env=None: started.setdefault(name, env))
+    launcher.start_all()
+    return started
+
+
+def test_launcher_gives_each_child_its_gpus(tmp_path, monkeypatch):
+    cfg = config("learner.num_ranks=2", "rollout.num_actors=2", "rollout.engine.tensor_parallel_size=2",
+                 f"run.output_dir={tmp_path}")
+    envs = spawned_envs(cfg, plan_placement(cfg, ("7", "6", "5", "4", "3", "2")), tmp_path, monkeypatch)
+    assert envs["learner-0"]["CUDA_VISIBLE_DEVICES"] == "7" and envs["learner-1"]["CUDA_VISIBLE_DEVICES"] == "6"
+    assert envs["learner-1"]["RANK"] == "1" and envs["learner-1"]["WORLD_SIZE"] == "2"
+    assert envs["actor-0"] == {"CUDA_VISIBLE_DEVICES": "5,4"}
+    assert envs["actor-1"] == {"CUDA_VISIBLE_DEVICES": "3,2"}
+    assert envs["coordinator"] is None and envs["buffer"] is None  # no GPU work: the environment as is
+
+
+def test_launcher_on_the_cpu_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    cfg = config("learner.num_ranks=2", f"run.output_dir={tmp_path}")
+    envs = spawned_envs(cfg, plan_placement(cfg, ()), tmp_path, monkeypatch)
+    assert "CUDA_VISIBLE_DEVICES" not in envs["learner-0"] and "CUDA_VISIBLE_DEVICES" not in envs["learner-1"]
+    assert envs["actor-0"] is None and envs["actor-1"] is None
+    hidden = spawned_envs(cfg, plan_placement(config("learner.num_ranks=2", "resources.device=cpu"), ("0", "1")),
+                          tmp_path, monkeypatch)
+    assert hidden["learner-0"]["CUDA_VISIBLE_DEVICES"] == "" and hidden["actor-1"] == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_launcher_resolves_the_plan_from_the_environment():
+    from horizonrl.launcher import resolve_placement
+
+    plan = resolve_placement(config("rollout.num_actors=1"), {"CUDA_VISIBLE_DEVICES": "2,3"}, lambda: 2)
+    assert [p.gpus for p in (*plan.learner, *plan.actors)] == [("2",), ("3",)]
+    assert resolve_placement(config(), {}, lambda: 0).device_type == "cpu"
+
+
+# ------------------------------------------------------------------ train --dry-run
+
+
+def dry_run(tmp_path, capsys, monkeypatch, visible: str | None, *overrides: str) -> tuple[int, str, str]:
+    import yaml
+
+    from horizonrl.cli import main
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    # This machine has no GPU: the launcher is told the ids it sees exist.
+    monkeypatch.setattr("horizonrl.launcher.cuda_device_count", lambda: len([g for g in (visible or "").split(",") if g]))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "/m"}, "envs": [{"name": "signpost"}]}))
+    rc = main(["train", str(path), *overrides, "--dry-run"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_prints_the_plan_after_the_config(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    rc, out, _ = dry_run(tmp_path, capsys, monkeypatch, "0,1,2,3", "rollout.num_actors=1",
+                         "rollout.engine.tensor_parallel_size=2")
+    assert rc == 0
+    assert yaml.safe_load(out)["rollout"]["engine"]["tensor_parallel_size"] == 2  # still loadable YAML
+    plan = out[out.index("# placement:"):].splitlines()
+    assert plan[0] == "# placement: 4 visible GPU(s) [0, 1, 2, 3], default split: the learner's GPUs first, then " \
+                      "each engine's"
+    assert [line.split()[1:4] for line in plan[2:4]] == [["learner-0", "GPU", "0"], ["actor-0", "GPU", "1,"]]
+    assert plan[3].split()[5:] == ["1,2", "cuda:0,", "cuda:1"]
+    assert "# unused GPUs: 3" in out.replace("#   ", "# ")
+
+
+def test_dry_run_on_the_cpu(tmp_path, capsys, monkeypatch):
+    rc, out, _ = dry_run(tmp_path, capsys, monkeypatch, "")
+    assert rc == 0 and "# placement: CPU (no GPU visible)" in out and "weight broadcast gloo" in out
+
+
+def test_dry_run_refuses_what_train_refuses(tmp_path, capsys, monkeypatch):
+    rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0", "rollout.num_actors=1")
+    assert rc == 2
+    assert "colocated" in out  # the plan is shown...
+    assert err.startswith("error: the learner and an actor's engine would share GPU 0")  # ...and refused
+    rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0,1", "learner.backend=gloo")
+    assert rc == 2 and "learner.backend=gloo with GPUs" in err and "# placement" not in out
