@@ -557,6 +557,15 @@ def _adv_estimator(value: Any) -> Any:
     return value
 
 
+def _engine_dtype(value: Any) -> str:
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+             "float32": "float32", "fp32": "float32", "float": "float32", "auto": "auto"}
+    if str(value) not in names:
+        raise ConfigError(f"actor_rollout_ref.rollout.dtype={value}: not a dtype horizonrl's engine takes "
+                          "(bfloat16, float16, float32)")
+    return names[str(value)]
+
+
 def _rounds(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
@@ -580,6 +589,9 @@ RULES: dict[str, _Direct | _Unmapped | str] = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": _Direct("rollout.engine.gpu_memory_utilization"),
     "actor_rollout_ref.rollout.enforce_eager": _Direct("rollout.engine.enforce_eager"),
     "actor_rollout_ref.rollout.max_num_seqs": _Direct("rollout.engine.max_num_seqs"),
+    # AgentGym-RL, too, keeps fp32 weights in training and generates in this dtype
+    "actor_rollout_ref.rollout.dtype": _Direct("rollout.engine.dtype", _engine_dtype),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": _Direct("rollout.engine.tensor_parallel_size"),
     "algorithm.adv_estimator": _Direct("algorithm.adv_estimator", _adv_estimator),
     "algorithm.gamma": _Direct("algorithm.gamma"),
     "algorithm.lam": _Direct("algorithm.lam"),
@@ -649,14 +661,9 @@ RULES: dict[str, _Direct | _Unmapped | str] = {
                                                        "is eval.max_turns)"),
     "actor_rollout_ref.rollout.name": _Unmapped("ignored", "horizonrl's engine is vLLM", ("vllm",)),
     "actor_rollout_ref.rollout.top_k": _Unmapped("no equivalent", "horizonrl samples without a top-k cut", (-1, 0)),
-    "actor_rollout_ref.rollout.dtype": _Unmapped("no equivalent", "AgentGym-RL keeps fp32 weights in training and "
-                                                 "generates in this dtype; horizonrl uses model.dtype for both (left "
-                                                 "at float32: in bfloat16, updates of lr 1e-6 are rounded away)"),
     "actor_rollout_ref.rollout.ignore_eos": _Unmapped("no equivalent", "horizonrl's engine stops at EOS", (False,)),
     "actor_rollout_ref.rollout.free_cache_engine": _Unmapped("ignored", _ENGINE),
     "actor_rollout_ref.rollout.load_format": _Unmapped("ignored", _ENGINE),
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": _Unmapped("ignored", _PLACEMENT + "; one engine per "
-                                                                      "actor"),
     "actor_rollout_ref.rollout.max_num_batched_tokens": _Unmapped("ignored", "vLLM scheduling setting"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": _Unmapped("ignored", _RECOMPUTE),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": _Unmapped("ignored", _RECOMPUTE),

@@ -136,6 +136,9 @@ def value(config, dotted: str):
     (["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"], {"rollout.engine.gpu_memory_utilization": 0.6}),
     (["actor_rollout_ref.rollout.enforce_eager=False"], {"rollout.engine.enforce_eager": False}),
     (["actor_rollout_ref.rollout.max_num_seqs=64"], {"rollout.engine.max_num_seqs": 64}),
+    (["actor_rollout_ref.rollout.dtype=bfloat16"], {"rollout.engine.dtype": "bfloat16"}),
+    (["actor_rollout_ref.rollout.dtype=fp16"], {"rollout.engine.dtype": "float16"}),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], {"rollout.engine.tensor_parallel_size": 2}),
     (["data.max_prompt_length=512", "data.max_response_length=8192"], {"rollout.max_context_tokens": 8704}),
     (["actor_rollout_ref.rollout.max_model_len=3000", "data.max_prompt_length=1024"],
      {"rollout.max_context_tokens": 3000}),
@@ -225,14 +228,12 @@ def test_run_length_from_epochs_and_the_id_file(tmp_path):
 
 
 def test_unmapped_settings_are_listed_with_the_reason():
-    messages = run("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.top_k=50",
+    messages = run("actor_rollout_ref.rollout.top_k=50",
                    "actor_rollout_ref.rollout.top_k=-1", "trainer.nnodes=2", "data.val_files=val.json",
                    "actor_rollout_ref.agentgym.env_addr=http://127.0.0.1:36005", "foo.bar=1", "+trainer.extra=2",
                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
                    "actor_rollout_ref.actor.fsdp_config.param_offload=True", "trainer.model=$1").messages
     expected = [
-        "ignored: actor_rollout_ref.rollout.tensor_model_parallel_size=2: GPU placement is set by learner.num_ranks "
-        "and rollout.num_actors",
         "ignored: actor_rollout_ref.rollout.top_k=-1: as horizonrl does anyway",  # the last one wins, as in Hydra
         "no equivalent: data.val_files=val.json: held-out evaluation uses the environment's test split",
         "ignored: actor_rollout_ref.agentgym.env_addr=http://127.0.0.1:36005: horizonrl runs the environment itself",
@@ -263,6 +264,7 @@ def test_kl_in_the_reward_has_no_equivalent():
 @pytest.mark.parametrize("overrides, error", [
     (["actor_rollout_ref.agentgym.task_name=webarena"], "horizonrl has no 'webarena' environment"),
     (["algorithm.adv_estimator=remax"], "no ReMax estimator"),
+    (["actor_rollout_ref.rollout.dtype=int8"], "not a dtype horizonrl's engine takes"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=abs"], "no 'abs' KL"),
     (["actor_rollout_ref.rollout.n=1"], r"rollout.n must be >= 2.*\(from actor_rollout_ref.rollout.n=1\)"),
     (["actor_rollout_ref.actor.optim.lr=-1"], r"learner.lr: .*\(from actor_rollout_ref.actor.optim.lr=-1\)"),
