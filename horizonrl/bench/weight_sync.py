@@ -15,8 +15,9 @@ fresh pages inside the socket receive cost 2-3x (kept to show what the reuse buy
 Each repeat measures both back to back (order alternating), every broadcast starting from a
 barrier so all receivers wait from the same moment. Per broadcast:
 
-- sender: ``total_s`` = ``pack_s`` (copy every tensor into the flat buffer) + ``send_s``
-  (header, layout, payload, acknowledgement, to every engine), as ``WeightHub.send`` reports them;
+- sender: ``total_s`` = ``pack_s`` (copy every tensor into the hub's buckets, ``learner.weight_bucket_mb``
+  each) + ``send_s`` (header, layout, the buckets, acknowledgement, to every engine), as ``WeightHub.send``
+  reports them;
 - receivers: seconds inside ``receive_weights``; the slowest receiver counts (that is when
   every engine has the new weights), and bytes/s = payload bytes / that time.
 
@@ -280,7 +281,7 @@ def _receiver_main(rank: int, port: int, world_size: int, specs: list[dict], rep
                     seconds = []
                     for _ in range(spec.broadcasts_per_repeat):
                         if kind == "horizonrl":
-                            named = []  # free the previous flat buffer first, as an engine does once loaded
+                            named = []  # free the previous version's tensors first, as an engine does once loaded
                         _barrier(raw_group, timeout_s)
                         begin = time.perf_counter()
                         if kind == "horizonrl":

@@ -215,7 +215,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
              backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
              " + critic" if tr.critic is not None else "")
-    step, state_dict, lineage = 0, {}, []
+    step, lineage = 0, []
     resume_from = resolve_resume(lc.resume, config.output_dir)
     if resume_from is not None:
         state = load_train_state(resume_from, **tr.checkpoint_parts())

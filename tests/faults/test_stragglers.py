@@ -158,9 +158,12 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
     try:
         actor_log = run_dir / "logs" / "actor-0.log"
         # The learner does not wait for both actors: actor 0's engine must be up and playing before the
-        # freeze, or the freeze only stalls its start-up (no generation in flight to time out).
-        wait_until(lambda: "joined the weight hub" in actor_log.read_text(errors="replace") if actor_log.exists()
-                   else False, 600, "actor 0 to join the weight hub")
+        # freeze, or the freeze only stalls its start-up (no generation in flight to time out). Joining the
+        # weight hub is not enough: it then waits for the version the learner announces, whose RPC answer
+        # a freeze right after the join holds back until the actor gives up (seen once on a loaded machine,
+        # with actor 1 alone having taken the learner to step 191). "started:" comes after that.
+        wait_until(lambda: "started: learner step" in actor_log.read_text(errors="replace") if actor_log.exists()
+                   else False, 600, "actor 0 to start playing")
         wait_until(lambda: last_step(log) >= 2, 600, "learner step 2")
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
