@@ -1,7 +1,9 @@
-"""A tiny random Qwen2 model with a word-level tokenizer, and hand-made trajectories (test helpers)."""
+"""A tiny random Qwen2 model with a word-level tokenizer, hand-made trajectories, and learner ranks as
+processes (test helpers)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +87,21 @@ def groups(seed: int = 0) -> list[list[Trajectory]]:
     second = [trajectory(rng, "g1", i, r, n) for i, (r, n) in enumerate([(0.5, 11), (0.0, 25), (1.0, 8)])]
     second.append(trajectory(rng, "g1", 3, 0.0, 15, failure="environment"))
     return [first, second]
+
+
+def run_ranks(target, *args, world: int = 2, timeout_s: float = 180) -> None:
+    """``target(rank, world, *args)`` in ``world`` spawned processes; every one must exit 0 within
+    ``timeout_s`` (those still alive then are killed, by pid, before the assertion fails)."""
+    ctx = mp.get_context("spawn")
+    processes = [ctx.Process(target=target, args=(rank, world, *args)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join(timeout_s)
+        assert [process.exitcode for process in processes] == [0] * world
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)

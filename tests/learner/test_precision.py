@@ -10,7 +10,6 @@ fails the first check; building the model in bfloat16 fails the second and third
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from horizonrl.core.precision import learner_attention, resolve_engine_dtype, resolve_precision
 from horizonrl.protocol.transport import free_port
 
-from learner_fixtures import build_tiny_model, groups
+from learner_fixtures import build_tiny_model, groups, run_ranks
 
 TINY_LR = 1e-6
 
@@ -130,20 +129,7 @@ def test_fsdp2_bf16_compute_keeps_fp32_masters_and_tiny_updates(tmp_path):
     from safetensors.torch import load_file
 
     model_dir = build_tiny_model(tmp_path / "model")
-    ctx, port = mp.get_context("spawn"), free_port()
-    processes = [ctx.Process(target=_mixed_step, args=(rank, 2, port, str(model_dir), str(tmp_path)))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        for process in processes:
-            process.join(180)
-        assert [process.exitcode for process in processes] == [0, 0]
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
+    run_ranks(_mixed_step, free_port(), str(model_dir), str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["compute"] == {"weight": "torch.bfloat16", "input": "torch.bfloat16"}  # the policy was applied
     assert report["param_dtypes"] == ["torch.float32"]

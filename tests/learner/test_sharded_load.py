@@ -10,7 +10,6 @@ checkpoint must load into float32 master weights.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from horizonrl.protocol.transport import free_port
 
-from learner_fixtures import build_tiny_model
+from learner_fixtures import build_tiny_model, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -95,20 +94,7 @@ def test_rank0_reads_the_sharded_model_equals_the_whole_one(tmp_path):
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(full_dir / "model.safetensors")).items()},
               str(bf16 / "model.safetensors"))
 
-    ctx, port = mp.get_context("spawn"), free_port()
-    processes = [ctx.Process(target=_load, args=(rank, 2, port, str(full_dir), str(config_only), str(broken),
-                                                 str(bf16), str(tmp_path))) for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        for process in processes:
-            process.join(180)
-        assert [process.exitcode for process in processes] == [0, 0]
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
+    run_ranks(_load, free_port(), str(full_dir), str(config_only), str(broken), str(bf16), str(tmp_path))
 
     whole = load_model(str(full_dir), "float32", torch.device("cpu"))
     sharded = load_file(str(tmp_path / "sharded.safetensors"))
