@@ -9,9 +9,12 @@ every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catc
 
 Held-out evaluation during training (``eval.every``): at step 0 (or the step a run resumes
 from), every ``eval.every`` steps and at the learner's last step, ``Control.eval_step`` asks actor 0
-for one; its ``HeldOutEval`` is logged as ``eval/success_rate`` and ``eval/<env>/...`` at that step.
+for one; its ``HeldOutEval`` is logged as ``eval/success_rate`` and ``eval/<env>/...`` at that step (or
+at the step of the oldest weights that played it, when the engine had moved past the step asked for).
 After the last step the run stays open (rollout paused) until that evaluation is in, at most
-``eval.final_wait_s``.
+``eval.final_wait_s``. With ``eval.stop_after_plateau: K`` the coordinator ends training early once K
+evaluations in a row have not beaten the best held-out success by more than ``eval.plateau_min_delta``
+(``Control.end_training``: the learner saves and stops at its next step, which is then the last one).
 
 After each learner step it writes a status record to stdout (``core/console.py``): the launcher
 turns it into the console's status block or progress line.
@@ -170,6 +173,7 @@ class Coordinator:
         self.eval_step = start_step if config.eval.every else -1
         self.evaluated_steps: set[int] = set()
         self._final_eval_deadline: float | None = None
+        self.plateau = HeldOutPlateau(config.eval.stop_after_plateau, config.eval.plateau_min_delta)
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
                  net.endpoint(net.report_port), self.max_turns)
 
@@ -218,6 +222,7 @@ class Coordinator:
             pause_rollout=self.rollout_paused or self.awaiting_final_eval,
             stop=self.done,
             eval_step=self.eval_step,
+            end_training=self.plateau.reached,
         )
 
     def run(self) -> None:
@@ -400,20 +405,30 @@ class Coordinator:
                      self.eval_step)
 
     def on_held_out_eval(self, result: HeldOutEval) -> None:
-        """Log one held-out evaluation at the step it was asked for (once: a restarted actor 0 may repeat it)."""
+        """Log one held-out evaluation (once: a restarted actor 0 may repeat it) at the step of the oldest
+        weights that played it: the step asked for, or later when the engine had moved on by then (a
+        step-0 evaluation that actor 0 could only start after the learner's first steps is not the
+        starting policy, and the curve must not say it is)."""
         if result.learner_step in self.evaluated_steps:
             return
         self.evaluated_steps.add(result.learner_step)
+        step = max(result.learner_step, result.weight_versions[0])
         scalars = held_out_scalars(result)
         if self.writer is not None:
             for key, value in scalars.items():
-                self.writer.add_scalar(key, value, result.learner_step)
+                self.writer.add_scalar(key, value, step)
             self.writer.flush()
         if self.wandb is not None:
             # W&B's steps only go forward: log at the current step, with the evaluated step beside it
-            self.wandb.scalars({**scalars, "eval/learner_step": float(result.learner_step)}, self.learner_step)
-        log.info("held-out success at step %d: %.3f (%s)", result.learner_step, scalars.get("eval/success_rate", 0.0),
+            self.wandb.scalars({**scalars, "eval/learner_step": float(step)}, self.learner_step)
+        played = "" if step == result.learner_step else f" (asked for step {result.learner_step})"
+        log.info("held-out success at step %d%s: %.3f (%s)", step, played, scalars.get("eval/success_rate", 0.0),
                  ", ".join(f"{env} {r['success_rate']:.3f}" for env, r in result.results.items()))
+        if not self.finished and self.plateau.add(step, scalars.get("eval/success_rate", 0.0)):
+            log.info("held-out success has not beaten its best (%.3f at step %d) by more than %.3f for %d "
+                     "evaluations: ending training (eval.stop_after_plateau)", self.plateau.best,
+                     self.plateau.best_step, self.plateau.min_delta, self.plateau.patience)
+            self.publish()
         if self.finished:
             self.publish()  # the last evaluation is in: stop now
 
@@ -444,6 +459,32 @@ class Coordinator:
         if self.security is not None:
             self.security.stop()
         self.ctx.term()
+
+
+class HeldOutPlateau:
+    """``eval.stop_after_plateau``: reached once ``patience`` evaluations in a row have not beaten the best
+    held-out success so far by more than ``min_delta`` (never with ``patience`` 0). The first evaluation
+    sets the best; only progress moves it, so a slow climb (rises below ``min_delta`` that add up) still
+    counts as progress once it has added up. A reached plateau stays reached."""
+
+    def __init__(self, patience: int, min_delta: float) -> None:
+        self.patience = patience
+        self.min_delta = min_delta
+        self.best = float("-inf")
+        self.best_step = -1
+        self.without_progress = 0
+        self.reached = False
+
+    def add(self, step: int, success: float) -> bool:
+        """Count one evaluation (in step order); True when this one reaches the plateau."""
+        if not self.patience or self.reached:
+            return False
+        if success > self.best + self.min_delta or self.best_step < 0:
+            self.best, self.best_step, self.without_progress = success, step, 0
+            return False
+        self.without_progress += 1
+        self.reached = self.without_progress >= self.patience
+        return self.reached
 
 
 def episode_markdown(sample: EpisodeSample) -> str:

@@ -91,6 +91,11 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     if checkpoint is None:
         print("[demo] training finished but saved no checkpoint", flush=True)
         return 1
+    last_step = int(checkpoint.name.rsplit("_", 1)[-1])
+    if last_step < config.learner.total_steps:
+        why = (f": held-out success had stopped rising (eval.stop_after_plateau={config.eval.stop_after_plateau})"
+               if config.eval.stop_after_plateau else "")
+        print(f"[demo] training ended at step {last_step} of {config.learner.total_steps}{why}", flush=True)
     with _quiet_unless(verbose, config.output_dir / "logs" / "eval-after.log"):
         params = check_transformers_load(checkpoint)
     print(f"[demo] {checkpoint} loads in transformers ({params:,} parameters); evaluating it in vLLM...", flush=True)
@@ -101,6 +106,7 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     summary = {
         "config": str(config.output_dir / "config.yaml"),
         "checkpoint": str(checkpoint),
+        "learner_steps": last_step,
         "train_wall_s": round(train_s, 1),
         "total_wall_s": round(time.perf_counter() - started, 1),
         "before": before,
@@ -108,11 +114,28 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     }
     (config.output_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n[demo] held-out success rate (test split):")
-    for name in before:
-        print(f"  {name:10s} before {before[name]['success_rate']:.2f}  ->  after {after[name]['success_rate']:.2f}")
+    print(before_after_table(before, after))
     print(f"[demo] training took {train_s / 60:.1f} min; TensorBoard: tensorboard --logdir "
           f"{config.output_dir / 'tensorboard'}; summary: {config.output_dir / 'demo_summary.json'}")
     return 0
+
+
+def before_after_table(before: dict[str, dict], after: dict[str, dict]) -> str:
+    """One row per environment, and one per category (BabyAI level, TextCraft depth, ...) under an
+    environment that has several: held-out success before -> after, and the episodes counted."""
+    rows = []
+    for name in before:
+        rows.append((name, before[name]["success_rate"], after[name]["success_rate"], after[name]["episodes_valid"]))
+        categories = before[name].get("categories", {})
+        if len(categories) > 1:
+            for category, b in categories.items():
+                a = after[name].get("categories", {}).get(category)
+                if a is not None:
+                    rows.append((f"  {category}", b["success_rate"], a["success_rate"], a["episodes_valid"]))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"  {'':{width}}  before  ->  after  (episodes)"]
+    lines += [f"  {label:{width}}    {b:.2f}  ->   {a:.2f}  ({n:.0f})" for label, b, a, n in rows]
+    return "\n".join(lines)
 
 
 def _quiet_unless(verbose: bool, log_path: Path):

@@ -15,6 +15,26 @@ from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pa
 BABYAI_SETTINGS = {"levels": ["BabyAI-GoToRedBallNoDists-v0"], "high_level_actions": False, "observation": "compact"}
 
 
+EOT = 1  # CharChat's end-of-turn token
+
+
+class CharChat:
+    """A chat template for unit tests of the episode loop: one token per character (+100), the system
+    prompt (if any) before the user's text, end-of-turn token ``EOT``."""
+
+    stop_token_ids = [EOT]
+
+    def prompt_ids(self, observation, system_prompt=None):
+        return [ord(c) + 100 for c in (system_prompt or "") + "U:" + observation] + [2]
+
+    def continuation_ids(self, observation, generated_ids):
+        prefix = [] if generated_ids and generated_ids[-1] == EOT else [EOT]
+        return prefix + [ord(c) + 100 for c in "U:" + observation] + [2]
+
+    def decode(self, ids):
+        return "".join(chr(i - 100) for i in ids if i >= 100)
+
+
 RUN_ID = "test-run"
 
 

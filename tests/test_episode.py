@@ -13,23 +13,7 @@ from horizonrl.envs.signpost import SignpostEnv
 from horizonrl.protocol import Trajectory, decode_as, encode
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
 
-EOT = 1
-
-
-class CharChat:
-    """One token per character (+100), end-of-turn token 1: enough to check the bookkeeping."""
-
-    stop_token_ids = [EOT]
-
-    def prompt_ids(self, observation, system_prompt=None):
-        return [ord(c) + 100 for c in "U:" + observation] + [2]
-
-    def continuation_ids(self, observation, generated_ids):
-        prefix = [] if generated_ids and generated_ids[-1] == EOT else [EOT]
-        return prefix + [ord(c) + 100 for c in "U:" + observation] + [2]
-
-    def decode(self, ids):
-        return "".join(chr(i - 100) for i in ids if i >= 100)
+from helpers import EOT, CharChat
 
 
 class ScriptedEngine:

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from horizonrl.actors.actor import Actor
 from horizonrl.actors.engine import Generation
-from horizonrl.coordinator import Coordinator, held_out_scalars
+from horizonrl.coordinator import Coordinator, HeldOutPlateau, held_out_scalars
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
 from horizonrl.envs.signpost import SignpostEnv
@@ -28,8 +28,9 @@ from horizonrl.launcher import resolve_ports
 from horizonrl.protocol import (EVENT_DIED, Control, HeldOutEval, LearnerReport, ProcessEvent, ProtocolError,
                                 decode_as)
 
+from helpers import EOT, CharChat
+
 RUN_ID = "held-out"
-EOT = 1
 
 
 def make_config(tmp_path, **eval_settings) -> TrainConfig:
@@ -91,6 +92,21 @@ def test_the_coordinator_asks_at_the_start_every_n_steps_and_after_the_last_one(
     assert (s["eval/weight_version_min"][2], s["eval/weight_version_max"][2]) == (2.0, 3.0)
 
 
+def test_an_evaluation_played_with_newer_weights_is_logged_at_their_step(tmp_path):
+    """Asked for step 0 but played by versions 7-8 (actor 0 came up late): that is not the starting policy."""
+    coordinator = Coordinator(make_config(tmp_path, every=10), StopFlag())
+    try:
+        coordinator.on_held_out_eval(evaluation(0, 0.6, 0.6, versions=(7, 8)))
+        coordinator.on_held_out_eval(evaluation(0, 0.1, 0.1))  # asked-for step 0 again (a restart): ignored
+        coordinator.on_learner_report(report(10))
+        coordinator.on_held_out_eval(evaluation(10, 0.7, 0.7, versions=(10, 11)))
+    finally:
+        coordinator.close()
+    s = scalars_by_step(tmp_path)
+    assert s["eval/success_rate"] == {7: pytest.approx(0.6), 10: pytest.approx(0.7)}
+    assert s["eval/weight_version_min"] == {7: 7.0, 10: 10.0}
+
+
 def test_the_run_stops_without_the_last_evaluation_after_final_wait_s(tmp_path):
     coordinator = Coordinator(make_config(tmp_path, every=3, final_wait_s=0.3), StopFlag())
     try:
@@ -128,26 +144,92 @@ def test_off_by_default_nothing_is_asked_and_the_run_stops_at_once(tmp_path):
         coordinator.close()
 
 
+def test_the_plateau_rule_counts_evaluations_without_progress_and_lets_slow_climbs_through():
+    off = HeldOutPlateau(0, 0.02)
+    assert not any(off.add(step, 0.5) for step in range(10))
+    rule = HeldOutPlateau(2, 0.02)
+    assert not rule.add(0, 0.10)          # the first sets the best
+    assert not rule.add(10, 0.50)         # progress
+    assert not rule.add(20, 0.51)         # within min_delta of 0.50: one without progress
+    assert not rule.add(30, 0.53)         # 0.53 > 0.50 + 0.02: a slow climb that added up is progress
+    assert (rule.best, rule.best_step) == (0.53, 30)
+    assert not rule.add(40, 0.40)         # worse: one without progress
+    assert rule.add(50, 0.54) and rule.reached  # still within 0.02 of 0.53: the second in a row
+    assert not rule.add(60, 0.99)         # reached stays reached; add reports the moment only once
+    assert rule.reached
+
+
+def test_the_coordinator_ends_training_when_held_out_success_plateaus(tmp_path):
+    coordinator = Coordinator(make_config(tmp_path, every=2, stop_after_plateau=2, plateau_min_delta=0.05),
+                              StopFlag())
+    try:
+        coordinator.on_held_out_eval(evaluation(0, 0.1, 0.1))
+        for step, success in ((2, 0.6), (4, 0.62)):
+            coordinator.on_learner_report(report(step))
+            coordinator.on_held_out_eval(evaluation(step, success, success))
+            assert not coordinator.control().end_training
+        coordinator.on_learner_report(report(6))
+        coordinator.on_held_out_eval(evaluation(6, 0.58, 0.58))  # the second without progress over 0.6
+        control = coordinator.control()
+        assert control.end_training and not control.stop  # the learner stops; the run ends after its last step
+        coordinator.on_learner_report(report(7, final=True))  # the learner's step after the request
+        control = coordinator.control()
+        assert control.eval_step == 7 and not control.stop and control.pause_rollout
+        coordinator.on_held_out_eval(evaluation(7, 0.6, 0.6))
+        assert coordinator.control().stop
+    finally:
+        coordinator.close()
+
+
+def test_stop_after_plateau_without_evaluations_is_refused(tmp_path):
+    with pytest.raises(Exception, match="eval.stop_after_plateau needs held-out evaluations"):
+        make_config(tmp_path, stop_after_plateau=3)
+
+
+def test_the_learner_stops_when_the_coordinators_control_says_end_training(tmp_path):
+    """Rank 0's watch over a real PUB/SUB pair: Controls of another run and without end_training leave
+    the stop event alone; the first with it sets the event."""
+    import threading
+
+    import zmq
+
+    from horizonrl.learner.channels import EndTrainingWatch
+    from horizonrl.protocol import encode
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    watch = EndTrainingWatch(ctx, f"tcp://127.0.0.1:{port}", RUN_ID, stop)
+    watch.start()
+    try:
+        def control(run_id, end):
+            return encode(Control(run_id=run_id, learner_step=3, max_turns=2, weight_version=3, end_training=end))
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not stop.is_set():  # PUB drops what it sends before SUB connects
+            pub.send(control(RUN_ID, False))
+            pub.send(control("another-run", True))
+            pub.send(b"not msgpack")
+            time.sleep(0.05)
+            if time.monotonic() > deadline - 25:  # ~5 s of the messages that must not stop it
+                break
+        assert not stop.is_set()
+        while time.monotonic() < deadline and not stop.is_set():
+            pub.send(control(RUN_ID, True))
+            stop.wait(0.1)
+        assert stop.is_set()
+    finally:
+        watch.stop()
+        pub.close(linger=0)
+        ctx.term()
+    assert not watch.is_alive()
+
+
 def test_held_out_scalars_leave_infrastructure_failures_out_of_the_overall_rate():
     s = held_out_scalars(evaluation(4, 0.5, 1.0))
     assert s["eval/success_rate"] == pytest.approx((0.5 * 30 + 1.0 * 10) / 40)
     assert s["eval/episodes_valid"] == 40.0 and s["eval/wall_s"] == 1.5
-
-
-class CharChat:
-    """One token per character (+100), end-of-turn token 1."""
-
-    stop_token_ids = [EOT]
-
-    def prompt_ids(self, observation, system_prompt=None):
-        return [ord(c) + 100 for c in (system_prompt or "") + "U:" + observation] + [2]
-
-    def continuation_ids(self, observation, generated_ids):
-        prefix = [] if generated_ids and generated_ids[-1] == EOT else [EOT]
-        return prefix + [ord(c) + 100 for c in "U:" + observation] + [2]
-
-    def decode(self, ids):
-        return "".join(chr(i - 100) for i in ids if i >= 100)
 
 
 class TurnsOnlyEngine:

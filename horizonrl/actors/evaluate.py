@@ -68,7 +68,9 @@ def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_confi
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
 
-    engine = RolloutEngine.start(model_path, dtype="float32", engine=engine_config or EngineConfig(),
+    # dtype=None: the engine's dtype as in training (rollout.engine.dtype: bf16 on a GPU, fp32 on the CPU),
+    # so a checkpoint is evaluated at the precision its rollouts were generated in.
+    engine = RolloutEngine.start(model_path, dtype=None, engine=engine_config or EngineConfig(),
                                  max_model_len=spec.max_context_tokens, seed=spec.seed)
     try:
         return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env, record_dir))

@@ -313,6 +313,11 @@ class EvalConfig(_Frozen):
                                           "every time")
     final_wait_s: float = Field(300.0, gt=0, description="how long the coordinator holds the run open after the "
                                 "learner's last step for that step's evaluation")
+    stop_after_plateau: int = Field(0, ge=0, description="end training early when held-out success (eval.every) "
+                                    "has not beaten its best by more than eval.plateau_min_delta for this many "
+                                    "evaluations in a row: the learner saves and stops at its next step (0: off)")
+    plateau_min_delta: float = Field(0.02, ge=0, description="the rise in held-out success that counts as "
+                                     "progress for eval.stop_after_plateau")
 
 
 class TrainConfig(_Frozen):
@@ -342,6 +347,9 @@ class TrainConfig(_Frozen):
                              f"({self.learner.groups_per_step}): the buffer stops taking trajectories at capacity, so "
                              f"the learner would wait forever for a batch; set buffer.capacity_groups to about "
                              f"{2 * self.learner.groups_per_step} (two steps' worth)")
+        if self.eval.stop_after_plateau and not self.eval.every:
+            raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
+                             "(e.g. eval.every=10)")
         return self
 
     @property

@@ -46,6 +46,10 @@ class OfflineConfig(_Frozen):
                               "sides (RPO); keeps a weak model's replies from collapsing while their margin grows")
     num_ranks: int = Field(1, ge=1, description="FSDP world size")
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="master weights, gradients and AdamW state, as learner.param_dtype of a training run")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="forward/backward, as learner.compute_dtype: bfloat16 on CUDA, float32 on the CPU")
     num_threads: int = Field(0, ge=0, description="CPU only: torch threads per rank (0: cores / num_ranks)")
     seed: int = 0
     log_every: int = Field(1, ge=1, description="a log line every N optimizer steps")

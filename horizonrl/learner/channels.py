@@ -1,5 +1,6 @@
 """The learner's sockets: batches from the buffer (rank 0), reports and heartbeats to the coordinator,
-and the raw batch bytes shared from rank 0 with the other ranks.
+the coordinator's request to end training early (rank 0), and the raw batch bytes shared from rank 0
+with the other ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from horizonrl.protocol import Batch, BatchRequest, Heartbeat, LearnerReport, ProtocolError, decode_as, encode
+from horizonrl.protocol import (Batch, BatchRequest, Control, Heartbeat, LearnerReport, ProtocolError, decode_as,
+                                encode)
 from horizonrl.protocol.transport import make_socket
 from horizonrl.protocol.validation import trajectory_problem
 
@@ -27,6 +29,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 REPORT_SEND_TIMEOUT_S = 30.0
 MAX_BATCH_BYTES = 1 << 30
 MAX_BAD_BATCHES = 5
+MAX_CONTROL_BYTES = 64 * 1024
 
 
 class BatchTimeoutError(TimeoutError):
@@ -185,6 +188,46 @@ class HeartbeatThread(threading.Thread):
                 except zmq.Again:
                     pass
                 self.stopped.wait(HEARTBEAT_INTERVAL_S)
+        finally:
+            socket.close(linger=0)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
+
+
+class EndTrainingWatch(threading.Thread):
+    """Rank 0 subscribes to the coordinator's ``Control``; when it says ``end_training`` (held-out success
+    has plateaued: ``eval.stop_after_plateau``) it sets ``end_training``, which the training loop checks
+    at each step boundary as it checks a stop signal: all ranks stop there, save, and send the final
+    report. Other Control fields are not the learner's business; malformed or foreign messages are
+    ignored (the coordinator counts its own)."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, run_id: str, end_training: threading.Event,
+                 security=None) -> None:
+        super().__init__(name="learner-end-training-watch", daemon=True)
+        self.context = context
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.end_training = end_training
+        self.security = security
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        socket = make_socket(self.context, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
+        socket.connect(self.endpoint)
+        try:
+            while not self.stopped.is_set():
+                if not socket.poll(int(POLL_SLICE_S * 1000)):
+                    continue
+                try:
+                    control = decode_as(socket.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
+                except ProtocolError:
+                    continue
+                if control.end_training and not self.end_training.is_set():
+                    log.info("the coordinator ends training at step %d (held-out success has plateaued): "
+                             "stopping after this step", control.learner_step)
+                    self.end_training.set()
         finally:
             socket.close(linger=0)
 

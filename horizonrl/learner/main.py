@@ -138,12 +138,14 @@ class Resources:
     batches: Any = None
     reports: Any = None
     heartbeat: Any = None
+    end_training_watch: Any = None
     weight_hub: Any = None
     weight_hub_abandoned: bool = False  # a send thread may still be blocked in it: do not touch it
 
     def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        for thread in (self.heartbeat, self.end_training_watch):
+            if thread is not None:
+                thread.stop()
         for channel in (self.batches, self.reports):
             if channel is not None:
                 channel.close()
@@ -176,7 +178,7 @@ def main(config: TrainConfig) -> int:
 def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Resources) -> None:
     import zmq
 
-    from horizonrl.learner.channels import BatchClient, HeartbeatThread, ReportSender, share_bytes
+    from horizonrl.learner.channels import BatchClient, EndTrainingWatch, HeartbeatThread, ReportSender, share_bytes
     from horizonrl.learner.weight_broadcast import WeightHub
 
     lc, net = config.learner, config.network
@@ -200,6 +202,9 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     )
     counters: dict[str, float] = defaultdict(float)
     run_id = config.run.run_id
+    # The coordinator's request to end early (eval.stop_after_plateau): like a stop signal at the step
+    # boundaries, but nothing is cut short — the last weights still reach every engine for the final evaluation.
+    end_training = threading.Event()
     if is_main:
         res.context = zmq.Context()
         security = wire_security(res.context, net.host, net.curve_keys_dir)
@@ -208,6 +213,10 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         res.heartbeat.start()
         res.batches = BatchClient(res.context, net.endpoint(net.batch_port), run_id, config.model.vocab_size, security)
         res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
+        if config.eval.stop_after_plateau:
+            res.end_training_watch = EndTrainingWatch(res.context, net.endpoint(net.control_port), run_id,
+                                                      end_training, security)
+            res.end_training_watch.start()
 
     start = time.perf_counter()
     tr = build_trainables(config, device)
@@ -246,13 +255,14 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     update_settings = UpdateSettings.from_config(config)
     saved_step, weight_sync_s, gather_s, checkpoint = step, 0.0, 0.0, ""
     consumed: list[dict] = []  # what each step since the last checkpoint trained on (saved with the next one)
-    while step < lc.total_steps and not _all_agree_to_stop(stop, control_timeout_s):
+    while step < lc.total_steps and not _all_agree_to_stop((stop, end_training), control_timeout_s):
         timer = PhaseTimer()
         times = timer.seconds
         with timer("batch_wait"):
             payload = None
             if is_main:
-                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s, stop.is_set,
+                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s,
+                                              lambda: stop.is_set() or end_training.is_set(),
                                               lineage=lineage, committed_step=saved_step, resend_s=lc.batch_resend_s)
             payload = share_bytes(payload, ranks.rank)
         if payload is None:
@@ -456,9 +466,9 @@ def _from_rank_zero(value: int, timeout_s: float) -> int:
     return int(tensor.item())
 
 
-def _all_agree_to_stop(stop: threading.Event, timeout_s: float) -> bool:
-    """A stop signal seen by any rank stops all of them at the same phase boundary."""
-    flag = torch.tensor([int(stop.is_set())], dtype=torch.int64)
+def _all_agree_to_stop(reasons: tuple[threading.Event, ...], timeout_s: float) -> bool:
+    """A stop signal (or end-training request) seen by any rank stops all of them at the same phase boundary."""
+    flag = torch.tensor([int(any(reason.is_set() for reason in reasons))], dtype=torch.int64)
     _wait_for_ranks(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
                     "agreeing whether to stop")
     return bool(flag.item())

@@ -57,10 +57,13 @@ from torch import nn
 
 from horizonrl.learner.batching import PAD_TOKEN_ID  # right padding: causal attention never looks right
 from horizonrl.learner.main import RankInfo
-from horizonrl.learner.model import gather_full_state_dict, load_model, resolve_backend, save_hf_checkpoint, shard_model
+from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict, resolve_backend,
+                                     save_hf_checkpoint)
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
 from horizonrl.learner.train_step import lr_multiplier
+from horizonrl.core.config import ConfigError
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
+from horizonrl.core.precision import PrecisionPolicy, resolve_precision
 from horizonrl.core.runtime import PhaseTimer, setup_logging
 
 log = logging.getLogger("horizonrl.offline")
@@ -276,8 +279,21 @@ def measure_dpo(tr: Trainer, data: DPOData, reference: torch.Tensor) -> dict[str
 # ---------------------------------------------------------------------------- the loop
 
 
+def offline_precision(config: OfflineConfig, device: torch.device) -> PrecisionPolicy:
+    """The learner's precision policy (core/precision.py) for an offline run: fp32 master weights and AdamW
+    state, bf16 compute on CUDA. No engine is involved; the checkpoint is saved from the master weights."""
+    on_cuda = device.type == "cuda"
+    try:
+        return resolve_precision(config.param_dtype, config.compute_dtype, "auto", None, learner_on_cuda=on_cuda,
+                                 engine_on_gpu=on_cuda, flash_attn_installed=flash_attn_installed())
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
 def build_trainer(config: OfflineConfig, device: torch.device, rank: int, world_size: int, total_steps: int) -> Trainer:
-    model = shard_model(load_model(config.model.path, config.model.dtype, device), device.type)
+    # As the RL learner loads: meta-device init, rank 0 alone reads the files, shards are scattered.
+    model = build_sharded_model(config.model.path, kind="policy", policy=offline_precision(config, device),
+                                device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, config.lr_warmup_steps, total_steps, config.lr_schedule, config.min_lr_ratio))
@@ -373,7 +389,7 @@ def save_checkpoint(model: nn.Module, config: OfflineConfig) -> Path:
     out = config.checkpoint_dir
     if dist.get_rank() == 0:
         model_config = copy.deepcopy(model.config)
-        model_config.use_cache = True  # load_model turned it off for training; generation wants it
+        model_config.use_cache = True  # turned off for training; generation wants it
         save_hf_checkpoint(model_config, state_dict, config.model.path, out)
     dist.barrier()
     return out

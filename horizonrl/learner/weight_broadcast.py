@@ -156,13 +156,6 @@ def gather_buckets(named: list[tuple[str, torch.Tensor]], plan: list[Bucket], *,
         yield target
 
 
-def _never_abandon() -> bool:
-    return False
-
-
-_never_abandon.watch = False  # a lone member runs in the calling thread: nothing to watch
-
-
 class WeightHub:
     """Hosts the weight store at ``host:port``; admits members; sends each version to every member.
 
@@ -239,7 +232,7 @@ class WeightHub:
             return self.latest
 
     def send(self, packed: PackedWeights,
-             should_abandon: Callable[[], bool] = _never_abandon) -> dict[str, float] | None:
+             should_abandon: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """Give ``packed`` (the newest version) to every member that does not have it, all at once; drop
         those that fail. Returns ``{"pack_s", "send_s", "total_s", "bytes", "tensors", "buckets", "members",
         "dropped"}``, or None when ``should_abandon()`` turned true while members were still receiving."""
@@ -261,7 +254,7 @@ class WeightHub:
 
     def publish(self, version: int, epoch: int, named: list[tuple[str, torch.Tensor]], *,
                 dtype: torch.dtype | None = None,
-                should_abandon: Callable[[], bool] = _never_abandon) -> dict[str, float] | None:
+                should_abandon: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """Rank 0's half of a collective update (the other ranks call :func:`publish_from_other_rank`):
         gather ``named`` (FSDP-sharded parameters) bucket by bucket on the learner's device, in ``dtype``,
         and broadcast each bucket to every member as it fills; the admission copy is filled on the way.
@@ -315,7 +308,7 @@ class WeightHub:
         return len(failures)
 
     def _stream(self, targets: list[Member], key: tuple[int, int], layout_bytes: bytes, bucket_bytes: int,
-                buckets: Iterator[torch.Tensor], should_abandon: Callable[[], bool]):
+                buckets: Iterator[torch.Tensor], should_abandon: Callable[[], bool] | None):
         """Header, layout, each bucket as ``buckets`` yields it, acknowledgement: to every member in
         ``targets`` at once. Returns the members that failed, with why, or None when abandoned. A member
         that fails stops receiving; ``buckets`` is consumed to the end all the same (it drives gathers)."""
@@ -359,10 +352,11 @@ class WeightHub:
             raise WeightSyncError(f"weight hub: {what} acknowledged {int(ack.item())} times, not once")
 
     def _run_for_each(self, members: list[Member], action: Callable[[Member], None],
-                      should_abandon: Callable[[], bool]) -> list[tuple[Member, Exception]] | None:
+                      should_abandon: Callable[[], bool] | None) -> list[tuple[Member, Exception]] | None:
         """``action(member)`` for every member at once, one thread each (the collectives release the
         GIL; each is bounded by the group's timeout); the members whose action failed, or None when
-        ``should_abandon()`` turned true before all finished."""
+        ``should_abandon()`` turned true before all finished. Without ``should_abandon`` a lone member
+        runs in the calling thread: there is nothing to watch for."""
         failures: list[tuple[Member, Exception]] = []
 
         def run(member: Member) -> None:
@@ -373,7 +367,7 @@ class WeightHub:
             except WeightSyncError as exc:
                 failures.append((member, exc))
 
-        if len(members) == 1 and not self._needs_watch(should_abandon):
+        if len(members) == 1 and should_abandon is None:
             run(members[0])
             return failures
         threads = [threading.Thread(target=run, args=(m,), name=f"weights-to-actor-{m.actor}-{m.worker}", daemon=True)
@@ -383,13 +377,9 @@ class WeightHub:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.1)
-                if thread.is_alive() and should_abandon():
+                if thread.is_alive() and should_abandon is not None and should_abandon():
                     return None
         return failures
-
-    @staticmethod
-    def _needs_watch(should_abandon: Callable[[], bool]) -> bool:
-        return getattr(should_abandon, "watch", True)
 
     def _drop(self, member: Member, error: Exception) -> None:
         log.warning("dropped actor %d worker %d from the weight hub (it rejoins by itself): %s", member.actor,
@@ -446,7 +436,7 @@ class WeightHub:
                 return
             latest = self.latest
             outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes, iter(latest.buckets),
-                                   _never_abandon)
+                                   None)
             if outcome:
                 self.counters["failed_joins"] += 1
                 log.warning("weight hub: actor %d worker %d's first version failed: %s", join.actor, worker,

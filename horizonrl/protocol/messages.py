@@ -114,6 +114,7 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     pause_rollout: bool = False  # the buffer is full: finish episodes in flight, start no new groups
     stop: bool = False
     eval_step: int = -1  # the newest learner step whose held-out evaluation actor 0 should run (-1: none; eval.every)
+    end_training: bool = False  # held-out success has plateaued (eval.stop_after_plateau): the learner saves and stops
 
 
 class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):

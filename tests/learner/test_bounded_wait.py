@@ -40,7 +40,7 @@ def _learner_rank(rank: int, port: int, queue, mode: str) -> None:
     start = time.monotonic()
     try:
         if mode == "stop":
-            _all_agree_to_stop(threading.Event(), BOUND_S)
+            _all_agree_to_stop((threading.Event(),), BOUND_S)
         else:
             _from_rank_zero(0, BOUND_S)
         queue.put(("returned", time.monotonic() - start))

@@ -422,3 +422,21 @@ def test_sft_on_signpost_expert_data_raises_held_out_success(model_dir, tmp_path
               "success": [before["success_rate"], after["success_rate"]]}
     print("offline sft:", json.dumps(report))
     assert after["success_rate"] >= before["success_rate"] + 0.5, report
+
+
+def test_offline_runs_take_the_learners_precision_policy():
+    import torch
+
+    from horizonrl.core.config import ConfigError
+    from horizonrl.learner.offline import offline_precision
+
+    config = load_offline_config(None, ["model.path=unused", "data=unused.json"])
+    cpu = offline_precision(config, torch.device("cpu"))
+    assert (cpu.param_dtype, cpu.compute_dtype, cpu.reduce_dtype, cpu.attention) == ("float32", "float32", "float32",
+                                                                                       "sdpa")
+    cuda = offline_precision(config, torch.device("cuda", 0))  # a pure function of the device type: no GPU needed
+    assert (cuda.param_dtype, cuda.compute_dtype, cuda.reduce_dtype) == ("float32", "bfloat16", "float32")
+    assert cuda.mixed
+    bad = load_offline_config(None, ["model.path=unused", "data=unused.json", "param_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="param_dtype"):
+        offline_precision(bad, torch.device("cpu"))  # bf16 master weights under an fp32 compute
