@@ -14,7 +14,7 @@ at the step of the oldest weights that played it, when the engine had moved past
 After the last step the run stays open (rollout paused) until that evaluation is in, at most
 ``eval.final_wait_s``. With ``eval.stop_after_plateau: K`` the coordinator ends training early once K
 evaluations in a row have not beaten the best held-out success by more than ``eval.plateau_min_delta``
-(``Control.end_training``: the learner saves and stops at its next step, which is then the last one).
+(``Control.end_training``: the learner saves and stops at its next step boundary).
 
 After each learner step it writes a status record to stdout (``core/console.py``): the launcher
 turns it into the console's status block or progress line.

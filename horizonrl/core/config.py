@@ -315,7 +315,7 @@ class EvalConfig(_Frozen):
                                 "learner's last step for that step's evaluation")
     stop_after_plateau: int = Field(0, ge=0, description="end training early when held-out success (eval.every) "
                                     "has not beaten its best by more than eval.plateau_min_delta for this many "
-                                    "evaluations in a row: the learner saves and stops at its next step (0: off)")
+                                    "evaluations in a row: the learner saves and stops at its next step boundary (0: off)")
     plateau_min_delta: float = Field(0.02, ge=0, description="the rise in held-out success that counts as "
                                      "progress for eval.stop_after_plateau")
 

@@ -74,10 +74,11 @@ def train(config: Path, tiny_model: Path, run_dir: Path, *overrides: str, timeou
 def test_babyai_success_rises_through_the_asynchronous_loop(demo_tiny_model, tmp_path):
     before = held_out(demo_tiny_model, tmp_path, "before")
     run_dir = tmp_path / "run"
-    # The demo's config for a fixed STEPS (no evaluations during training, so no early stop). Measured with
-    # 80 steps (docs/learning.md): held-out 0.28 -> 0.74 over 200 episodes; the actors' success rose from
-    # ~0.45 in the first steps to ~0.75 by step 35 and held-out success (30 episodes every 10 steps) passed
-    # 0.8 by step 50. The test asks for far less than that at STEPS.
+    # The demo's config for a fixed STEPS (no evaluations during training, so no early stop). Measured
+    # (docs/learning.md), held-out over 200 episodes: 0.28 -> 0.74 in 80 steps, 0.28 -> 0.66 in 51; this test
+    # at 60 steps: 0.27 -> 0.57 over 150 episodes, the actors' success 0.44 -> 0.67 (first / last 8 steps).
+    # The bounds leave room for a slower take-off: the held-out bound is ~2.7 standard errors of the
+    # difference of two 150-episode means below the smallest rise seen (+0.30).
     rc = train(DEMO, demo_tiny_model, run_dir, f"learner.total_steps={STEPS}", "learner.save_every=0",
                "eval.every=0", "eval.stop_after_plateau=0", timeout=1800)
     assert rc == 0, (tmp_path / "run.log").read_text()[-5000:]
@@ -97,7 +98,7 @@ def test_babyai_success_rises_through_the_asynchronous_loop(demo_tiny_model, tmp
               "rollout_late": late, "by_level_before": before["by_category"], "by_level_after": after["by_category"]}
     print("learning:", json.dumps(report))
     assert late >= early + 0.1, report  # the actors' own episodes improved: weights reached them
-    assert after["success_rate"] >= before["success_rate"] + 0.2, report
+    assert after["success_rate"] >= before["success_rate"] + 0.15, report
 
 
 def test_two_learner_ranks_run_the_loop_and_checkpoint(tiny_model, tmp_path):
