@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
+
 from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
@@ -101,3 +103,46 @@ def test_the_coordinator_logs_each_step_and_its_episode_samples_when_asked(tmp_p
     [table_file] = list((tmp_path / "wandb").glob("offline-run-*/files/media/table/episodes/samples_*.table.json"))
     table = json.loads(table_file.read_text())
     assert [row[:3] for row in table["data"]] == [[0, "signpost", 3]]  # logged once, at step 1
+
+
+def test_close_gives_up_waiting_after_its_timeout(caplog):
+    """A stalled finish (an upload that never completes) must not hang the coordinator's exit. The real
+    finish is tested above; here a stand-in run that never returns isolates the bound."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class StalledRun:
+        dir = "/tmp/somewhere/wandb/run-x"
+
+        def finish(self):
+            release.wait(60)
+
+    class FakeWandb:
+        @staticmethod
+        def teardown():
+            pass
+
+    sink = WandbLog.__new__(WandbLog)
+    sink.run, sink._wandb = StalledRun(), FakeWandb()
+    start = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="horizonrl.wandb"):
+            sink.close(timeout_s=0.5)
+        assert time.monotonic() - start < 10
+        assert "did not finish within 0.5 s" in caplog.text
+        assert "/tmp/somewhere/wandb/run-x" in caplog.text
+    finally:
+        release.set()
+
+
+def test_close_raises_what_finish_raised():
+    class BrokenRun:
+        def finish(self):
+            raise RuntimeError("disk full")
+
+    sink = WandbLog.__new__(WandbLog)
+    sink.run, sink._wandb = BrokenRun(), None
+    with pytest.raises(RuntimeError, match="disk full"):
+        sink.close(timeout_s=10)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("horizonrl.wandb")
 
+CLOSE_TIMEOUT_S = 120.0  # finishing an online run uploads what is left; a stalled network must not hang the exit
 EPISODE_COLUMNS = ["learner_step", "env", "task_id", "success", "reward", "num_turns", "failure", "transcript"]
 
 
@@ -39,12 +41,30 @@ class WandbLog:
         if rows:
             self.run.log({"episodes/samples": self._wandb.Table(columns=EPISODE_COLUMNS, data=rows)}, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
-        # finish() can return before wandb's service process has written the run's last records (an
-        # offline run's file was still 7 bytes long in 1 of 12 fresh processes); teardown waits for it, so
-        # nothing logged is lost when the coordinator exits right after. Only the coordinator logs here.
-        self._wandb.teardown()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Finish the run, waiting at most ``timeout_s``; past that, log where its files are and go on."""
+        errors: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                self.run.finish()
+                # finish() can return before wandb's service process has written the run's last records (an
+                # offline run's file was still 7 bytes long in 1 of 12 fresh processes); teardown waits for
+                # it, so nothing logged is lost when the coordinator exits right after. Only the coordinator
+                # logs here.
+                self._wandb.teardown()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(error)
+
+        thread = threading.Thread(target=finish, name="wandb-close", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("Weights & Biases did not finish within %g s (an upload still going?); not waiting "
+                        "longer: `wandb sync` uploads what it has under %s", timeout_s,
+                        getattr(self.run, "dir", "the run's wandb directory"))
+        elif errors:
+            raise errors[0]
 
 
 def episode_row(sample: Any, learner_step: int) -> list[Any]:
