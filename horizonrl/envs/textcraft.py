@@ -2,7 +2,8 @@
 
 Task ``i`` is the ``i``-th craftable item when all items of crafting depth >= 1 are sorted by
 (depth, item id), AgentGym's order (ascending depth) with ties broken by name, so ids mean the
-same goal on every machine. Depth (1-4) is the task category. The test split is every id
+same goal on every machine. Depth (1-4) is the task category; ``max_depth`` keeps the goals up to
+that depth (the first ids, unchanged: 125 of depth 1, 416 up to depth 2, of 544). The test split is every id
 divisible by 5; ids outside ``0..num_tasks-1`` are rejected, so the splits never share a goal.
 
 First observation: ``Crafting commands:`` (every recipe on the way to the goal plus up to 10
@@ -71,7 +72,9 @@ class TextCraftEnv:
 
     name = "textcraft"
 
-    def __init__(self, max_distractors: int = MAX_DISTRACTORS) -> None:
+    def __init__(self, max_distractors: int = MAX_DISTRACTORS, max_depth: int | None = None) -> None:
+        if max_depth is not None and max_depth < 1:
+            raise ValueError("max_depth must be >= 1 (crafting depths are 1-4)")
         self.tree = crafting_tree()
         self.max_distractors = max_distractors
         self.goals: list[tuple[str, int]] = sorted(
@@ -79,6 +82,10 @@ class TextCraftEnv:
              if self.tree.get_min_depth(item) >= 1),
             key=lambda pair: (pair[1], pair[0]),
         )
+        if max_depth is not None:
+            # The goals are sorted by depth, so the first ones keep their ids: task i is the same goal with
+            # or without the limit, and the test split (i % 5 == 0) stays disjoint from the train split.
+            self.goals = [(item, depth) for item, depth in self.goals if depth <= max_depth]
         self.goal: str | None = None
         self.commands: list[str] = []
         self.inventory: dict[str, int] = {}

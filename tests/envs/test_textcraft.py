@@ -33,6 +33,20 @@ def test_splits(env):
     assert not train & test and len(train | test) == env.num_tasks
 
 
+async def test_max_depth_keeps_the_first_goals_under_their_ids(env):
+    shallow = TextCraftEnv(max_depth=2)
+    assert shallow.num_tasks == sum(1 for i in range(env.num_tasks) if env.task_category(i) in ("depth-1", "depth-2"))
+    assert 0 < shallow.num_tasks < env.num_tasks
+    assert {shallow.task_category(i) for i in range(shallow.num_tasks)} == {"depth-1", "depth-2"}
+    for task in (0, shallow.num_tasks - 1):  # the same goal and text as without the limit
+        assert await shallow.reset(task) == await env.reset(task)
+    assert set(shallow.task_ids("test")) == {i for i in env.task_ids("test") if i < shallow.num_tasks}
+    with pytest.raises(ValueError, match="task id"):
+        await shallow.reset(shallow.num_tasks)  # a depth-3 goal is out of range, not silently another one
+    with pytest.raises(ValueError, match="max_depth"):
+        TextCraftEnv(max_depth=0)
+
+
 async def test_expert_plan_succeeds(env):
     rng = random.Random(0)
     ids = rng.sample(range(env.num_tasks), 120)
