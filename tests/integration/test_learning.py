@@ -27,18 +27,6 @@ EVAL_EPISODES = 150
 STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def demo_tiny_model() -> Path:
-    """The demo's starting policy: format-warmed on random-policy BabyAI episodes (horizonrl/demo.py's recipe)."""
-    from horizonrl.demo import TINY_MODEL_RECIPE
-    from horizonrl.tiny_model import ensure_tiny_model
-
-    config = load_config(DEMO)
-    return Path(ensure_tiny_model(REPO / ".cache" / "tiny-demo", envs=tuple(s.name for s in config.envs),
-                                  env_settings={s.name: dict(s.settings) for s in config.envs},
-                                  **TINY_MODEL_RECIPE))
-
-
 def held_out(model: Path, tmp_path: Path, label: str) -> dict:
     config = load_config(DEMO)
     env = config.envs[0]
