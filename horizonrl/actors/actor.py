@@ -44,6 +44,7 @@ from horizonrl.core.environment import EnvFactory, Environment
 from horizonrl.protocol import (
     FAILURE_ENVIRONMENT,
     FAILURE_TIMEOUT,
+    MAX_CONTROL_BYTES,
     MAX_SAMPLE_TEXT,
     Control,
     EpisodeSample,
@@ -64,7 +65,6 @@ log = logging.getLogger("horizonrl.actors")
 
 CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
 STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
-MAX_CONTROL_BYTES = 64 * 1024
 UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
 EVAL_SEND_TIMEOUT_S = 30.0

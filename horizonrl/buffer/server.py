@@ -52,6 +52,7 @@ from horizonrl.protocol import (
     ACK_ACCEPTED,
     ACK_DUPLICATE,
     ACK_REJECTED,
+    MAX_CONTROL_BYTES,
     Batch,
     BatchRequest,
     Control,
@@ -70,7 +71,6 @@ log = logging.getLogger("horizonrl.buffer")
 
 MAX_TRAJECTORY_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BYTES = 64 * 1024
-MAX_CONTROL_BYTES = 64 * 1024
 DRAIN_PER_POLL = 256
 HEARTBEAT_PERIOD_S = 0.25  # also the latency of the coordinator's rollout pause
 REJECT_FUTURE = "future_version"

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from horizonrl.protocol import (Batch, BatchRequest, Control, Heartbeat, LearnerReport, ProtocolError, decode_as,
-                                encode)
+from horizonrl.protocol import (MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat, LearnerReport,
+                                ProtocolError, decode_as, encode)
 from horizonrl.protocol.transport import make_socket
 from horizonrl.protocol.validation import trajectory_problem
 
@@ -29,7 +29,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 REPORT_SEND_TIMEOUT_S = 30.0
 MAX_BATCH_BYTES = 1 << 30
 MAX_BAD_BATCHES = 5
-MAX_CONTROL_BYTES = 64 * 1024
 
 
 class BatchTimeoutError(TimeoutError):

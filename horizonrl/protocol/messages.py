@@ -102,6 +102,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
         return min(self.turn_versions) if self.turn_versions else 0
 
 
+MAX_CONTROL_BYTES = 64 * 1024  # the largest Control a subscriber accepts (actors, buffer, learner)
+
+
 class Control(msgspec.Struct, tag="control", kw_only=True):
     """Coordinator -> everyone (PUB, republished periodically so late joiners catch up)."""
 
