@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -81,6 +82,7 @@ def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
 
 def _cmd_role(args) -> int:
     from horizonrl.core.config import load_config
+    from horizonrl.core.placement import pin_to_cpus
     from horizonrl.core.runtime import setup_logging
 
     config = load_config(args.config, [f"learner.resume={args.resume}"] if getattr(args, "resume", None) else [])
@@ -91,6 +93,9 @@ def _cmd_role(args) -> int:
     name = {"actor": f"actor-{getattr(args, 'index', 0)}", "learner": f"learner-{os.environ.get('RANK', '0')}"}.get(
         args.role, args.role)
     setup_logging(name, config.run.log_level)
+    cpus = pin_to_cpus(config, args.role, getattr(args, "index", 0))
+    if cpus is not None:
+        logging.getLogger("horizonrl").info("%s runs on CPU cores %s (resources)", name, cpus)
     if args.role == "coordinator":
         from horizonrl.coordinator import main as role_main
     elif args.role == "buffer":
@@ -102,9 +107,13 @@ def _cmd_role(args) -> int:
         exit_skipping_finalization(learner_main(config))  # its gloo groups can abort finalization
     else:
         from horizonrl.actors.actor import main as actor_main
+        from horizonrl.core.runtime import exit_skipping_finalization
         from horizonrl.envs import make_env
 
-        return actor_main(config, args.index, make_env)
+        # The actor has shut its engine down and closed its sockets and outbox; finalization would only run the
+        # exit hooks of what vLLM imported (Ray's, when Ray is installed, imports more of Ray: tens of seconds on
+        # a loaded host, past the launcher's stop grace).
+        exit_skipping_finalization(actor_main(config, args.index, make_env))
     return role_main(config)
 
 

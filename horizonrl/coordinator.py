@@ -369,9 +369,11 @@ class Coordinator:
         scalars["rollout/agent/invalid_actions"] = invalid
         if turns:
             scalars["rollout/agent/invalid_action_rate"] = invalid / turns
-        scalars["rollout/weight_receive_s"] = self.health.total("actor", "weight_receive_s")
-        scalars["rollout/weight_transfer_s"] = self.health.total("actor", "weight_transfer_s")
-        scalars["rollout/weight_load_s"] = self.health.total("actor", "weight_load_s")
+        # Weight updates, cumulative over actors: how long the engines generated nothing for them (the stall),
+        # the receive (in the background with rollout.weight_staging) and the load into the engine.
+        for key in ("weight_stall_s", "weight_transfer_s", "weight_load_s", "weight_updates", "weight_versions_skipped",
+                    "continued_requests"):
+            scalars[f"rollout/{key}"] = self.health.total("actor", key)
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")
         # Cumulative, over all actors: what `horizonrl bench` and idle-share plots read.

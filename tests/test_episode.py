@@ -7,7 +7,7 @@ import pytest
 
 from horizonrl.actors.actor import to_trajectory
 from horizonrl.actors.engine import Generation
-from horizonrl.actors.episode import SamplingSettings, run_episode
+from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
 from horizonrl.envs import EnvironmentFailure
 from horizonrl.envs.signpost import SignpostEnv
 from horizonrl.protocol import Trajectory, decode_as, encode
@@ -190,3 +190,14 @@ async def test_a_generation_that_never_ends_ends_the_episode_at_the_turn_limit()
     ep = await run_episode(NeverEndingEngine([]), SignpostEnv(length=2), CharChat(), 3, max_turns=3, sampling=sampling)
     assert ep.failure == "timeout" and "a generation took longer than 0.2 s" in ep.failure_message
     assert ep.num_turns == 0 and time.monotonic() - start < 5
+
+
+def test_a_turn_generated_by_two_weight_versions_is_tagged_per_span():
+    ep = Episode()
+    ep.append_context([1, 2, 3])
+    ep.append_generated([4, 5], [-0.1, -0.2], (0, 3))  # no spans from the generator: the turn's start weights
+    ep.append_context([6])
+    ep.append_generated([7, 8, 9, 10], [-0.1] * 4, (0, 3), [(1, 0, 3), (4, 0, 4)])
+    assert ep.turn_spans == [(3, 5), (6, 10)]
+    assert ep.version_spans == [(3, 5, 0, 3), (6, 7, 0, 3), (7, 10, 0, 4)]
+    assert ep.turn_versions == [3, 3] and ep.turn_epochs == [0, 0]  # a turn's oldest weights

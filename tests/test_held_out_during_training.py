@@ -241,6 +241,7 @@ class TurnsOnlyEngine:
 
     def __init__(self):
         self.temperatures = []
+        self.weights = (0, 0)  # (epoch, version) it holds, as RolloutEngine.weights
 
     async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, stop_token_ids):
         self.temperatures.append(temperature)
@@ -271,13 +272,13 @@ async def test_actor_0_plays_the_first_test_tasks_with_the_step_weights_and_send
     pull.bind(config.network.endpoint(config.network.report_port))
     actor = Actor(config, 0, StopFlag(), engine, CharChat(), make_recording_env)
     RecordingSignpost.resets = []  # the actor's probes of the environments at start
-    actor.weights = (0, 1)
+    engine.weights = (0, 1)
     actor.control = Control(run_id=RUN_ID, learner_step=2, max_turns=3, weight_version=2, eval_step=2)
     evaluating = asyncio.create_task(actor._evaluate_held_out())
     try:
         await asyncio.sleep(0.3)
         assert RecordingSignpost.resets == []  # the engine still holds version 1: it waits for step 2's weights
-        actor.weights = (0, 2)
+        engine.weights = (0, 2)
         result = None
         while result is None:
             data = await asyncio.wait_for(pull.recv(), 30)

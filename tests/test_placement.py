@@ -9,10 +9,13 @@ import pytest
 from horizonrl.core.config import ConfigError, load_config
 from horizonrl.core.placement import (
     choose_backends,
+    cpus_of,
     learner_device_index,
     local_device_type,
+    pin_to_cpus,
     plan_placement,
     visible_gpus,
+    vllm_cpu_binding,
 )
 
 BASE = ["model.path=/m", "envs=[{name: signpost}]"]
@@ -320,3 +323,46 @@ def test_dry_run_refuses_what_train_refuses(tmp_path, capsys, monkeypatch):
     assert err.startswith("error: the learner and an actor's engine would share GPU 0")  # ...and refused
     rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0,1", "learner.backend=gloo")
     assert rc == 2 and "learner.backend=gloo with GPUs" in err and "# placement" not in out
+
+
+# ------------------------------------------------------------------ CPU partitions (resources.*_cpus)
+
+
+def test_cpu_partition_gives_each_process_its_cores():
+    c = config("rollout.num_actors=2", "resources.learner_cpus=[0]", "resources.actor_cpus=[[1], [2, 3]]")
+    assert cpus_of(c, "learner") == [0] and cpus_of(c, "coordinator") == [0] and cpus_of(c, "buffer") == [0]
+    assert cpus_of(c, "actor", 0) == [1] and cpus_of(c, "actor", 1) == [2, 3]
+    assert cpus_of(config(), "actor", 0) is None and cpus_of(config(), "learner") is None
+
+
+def test_vllm_binds_each_tensor_parallel_worker_to_its_share_of_the_cores():
+    assert vllm_cpu_binding([1], 1) == "1"
+    assert vllm_cpu_binding([2, 3, 4, 5], 2) == "2,3|4,5"
+    assert vllm_cpu_binding([1], 2) == "nobind"  # fewer cores than workers
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.num_actors=2", "resources.actor_cpus=[[1]]"], "one list per actor"),
+    (["resources.actor_cpus=[[]]"], "non-empty"),
+    (["resources.learner_cpus=[-1]"], "core ids"),
+])
+def test_a_wrong_cpu_partition_is_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        config(*overrides)
+
+
+def test_pinning_restricts_this_process_and_binds_the_engine(monkeypatch):
+    import os
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    try:
+        assert pin_to_cpus(config(), "actor", 0) is None and os.sched_getaffinity(0) == before
+        assert pin_to_cpus(config(f"rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]
+        assert os.sched_getaffinity(0) == {core}
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
+        with pytest.raises(ConfigError, match="may not use"):
+            pin_to_cpus(config(f"resources.learner_cpus=[{max(before) + 1}]"), "learner")
+    finally:
+        os.sched_setaffinity(0, before)

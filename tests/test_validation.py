@@ -43,6 +43,14 @@ def test_a_consistent_trajectory_passes():
     (dict(turn_spans=[(6, 13)]), "turn_spans"),  # past the end
     (dict(turn_spans=[(4, 12)]), "turn_spans"),  # inside the prompt
     (dict(turn_spans=[(7, 12)]), "turn_spans"),  # the mask says token 6 was generated too
+    # version spans (a turn cut by a weight update): they tile the turn, start with its tag, go forward
+    (dict(version_spans=[(6, 9, 0, 0), (10, 12, 0, 1)]), "turn_spans"),  # a gap
+    (dict(version_spans=[(6, 9, 0, 0), (8, 12, 0, 1)]), "turn_spans"),  # an overlap
+    (dict(version_spans=[(6, 9, 0, 0)]), "turn_spans"),  # ends before the turn
+    (dict(version_spans=[(6, 12, 0, 0), (12, 13, 0, 1)]), "turn_spans"),  # past the last turn
+    (dict(version_spans=[(6, 9, 0, 1), (9, 12, 0, 2)]), "turn_spans"),  # the turn is tagged with version 0
+    (dict(version_spans=[(6, 9, 0, 0), (9, 12, 0, 0)]), "turn_spans"),  # not newer weights
+    (dict(version_spans=[(6, 9, 0, 0), (9, 12, -1, 3)]), "turn_spans"),  # a negative epoch
 ])
 def test_each_inconsistency_is_named(changes, reason):
     problem = trajectory_problem(broken(**changes), vocab_size=12)
@@ -58,3 +66,10 @@ def test_token_ids_are_checked_against_the_vocabulary_when_known():
 
 def test_a_failed_episode_may_lack_the_reward_of_its_last_turn():
     assert trajectory_problem(broken(failure="environment", turn_rewards=[])) is None
+
+
+def test_a_turn_cut_by_a_weight_update_passes():
+    assert trajectory_problem(broken(version_spans=[(6, 9, 0, 0), (9, 12, 0, 1)]), vocab_size=12) is None
+    assert trajectory_problem(broken(version_spans=[(6, 12, 0, 0)]), vocab_size=12) is None
+    assert broken(version_spans=[(6, 9, 0, 0), (9, 12, 1, 1)]).weight_keys() == [(0, 0), (1, 1)]
+    assert GOOD.weight_keys() == [(0, 0)]  # without spans: the turns' tags

@@ -1,10 +1,13 @@
 """The actor process: one vLLM engine, many concurrent episodes, trajectories out.
 
 Coroutines on one event loop:
-- ``_follow_control``: reads the coordinator's ``Control`` (turn budget, weight
-  version, stop) and receives each announced weight version into the live engine, in
-  order. The engine is a member of the learner's weight hub (joined at start, with the
-  learner's newest weights); dropped by the hub, or facing a restarted learner, it joins again.
+- ``_read_control``: reads the coordinator's ``Control`` (turn budget, weight version, stop).
+- ``_follow_weights``: takes each weight version the learner announces into the live engine,
+  in order: received into a staging buffer while the engine keeps generating, then swapped in
+  between two engine steps, requests in flight going on under the new weights (``engine.py``);
+  a version already overtaken by a newer announcement when it arrives is not loaded. The engine
+  is a member of the learner's weight hub (joined at start, with the learner's newest weights);
+  dropped by the hub, or facing a restarted learner, it joins again.
 - ``_run_groups`` × ``groups_in_flight``: each runs GRPO groups back to back — ``n``
   episodes of one task (the next of the actor's task sequence, ``task_sequence.py``) under
   one turn budget — and hands every finished episode to the delivery.
@@ -88,6 +91,7 @@ def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str
         turn_spans=ep.turn_spans,
         turn_versions=ep.turn_versions,
         turn_epochs=ep.turn_epochs,
+        version_spans=ep.version_spans,
         turn_rewards=ep.turn_rewards,
         reward=ep.reward,
         success=ep.success,
@@ -180,8 +184,8 @@ class Actor:
         state_dir = config.output_dir / "actors"
         self.tasks = TaskSequence(state_dir / f"actor_{index}.json", config.run.seed, index, config.envs,
                                   {name: env.task_ids("train") for name, env in probe.items()})
-        self.weights = (0, 0)  # (epoch, version) of the weights in the engine: version 0 is model.path
         self.control: Control | None = None
+        self._new_control = asyncio.Event()
         self.counters: Counter[str] = Counter()
         self._last_sample: dict[str, float] = {}  # env -> when its last episode sample was sent
         r = config.rollout
@@ -203,6 +207,11 @@ class Actor:
         self._failure_log = RateLimitedLog(log)
 
     @property
+    def weights(self) -> tuple[int, int]:
+        """(epoch, version) of the weights in the engine: version 0 is model.path."""
+        return self.engine.weights
+
+    @property
     def weight_version(self) -> int:
         return self.weights[1]
 
@@ -210,7 +219,8 @@ class Actor:
         log.info("joining the learner's weight hub at %s", self.config.network.endpoint(self.config.network.weight_port))
         if not await self._unless_stopped(self._join_weights()):
             return
-        services = [asyncio.create_task(self._follow_control(), name="control"),
+        services = [asyncio.create_task(self._read_control(), name="control"),
+                    asyncio.create_task(self._follow_weights(), name="weights"),
                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
                     asyncio.create_task(self.delivery.run(), name="delivery")]
         if self.config.eval.every and self.index == EVALUATING_ACTOR:
@@ -255,7 +265,8 @@ class Actor:
         for t in workers:
             t.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-        left = await self.delivery.drain(STOP_DRAIN_S) if not services[2].done() else len(self.delivery.unacked)
+        delivery = next(t for t in services if t.get_name() == "delivery")
+        left = await self.delivery.drain(STOP_DRAIN_S) if not delivery.done() else len(self.delivery.unacked)
         for t in services:
             t.cancel()
         await asyncio.gather(*services, return_exceptions=True)
@@ -290,7 +301,7 @@ class Actor:
         self.counters["weight_joins"] += 1
         log.info("joined the weight hub at weights %s (epoch, version)", self.weights)
 
-    async def _follow_control(self) -> None:
+    async def _read_control(self) -> None:
         while True:
             data = await self.sub.recv()
             try:
@@ -300,31 +311,53 @@ class Actor:
                 continue
             self.control = control
             self.delivery.backpressure = control.pause_rollout
-            # The hub sends every member each version once, in order. A newer weight epoch is a
-            # restarted learner, hence a new hub: join that one, which answers with its newest weights.
-            while (control.weight_epoch, control.weight_version) > self.weights:
-                if control.weight_epoch > self.weights[0]:
-                    log.info("the learner restarted (weight epoch %d): joining its weight hub", control.weight_epoch)
-                    await self._join_weights()
-                    continue
-                try:
-                    update = await self.engine.receive_weights(self.config.learner.weight_sync_timeout_s)
-                except Exception as exc:  # noqa: BLE001 - the learner dropped us, or it is gone: join again
-                    self.counters["weight_receive_failures"] += 1
-                    log.warning("receiving weights after %s failed (%s); joining the weight hub again", self.weights,
-                                str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
-                    await self._join_weights()  # a failure here fails the actor (the launcher restarts it)
-                    continue
-                if (update.epoch, update.version) <= self.weights:
-                    raise RuntimeError(f"received weights {(update.epoch, update.version)} after {self.weights} "
-                                       "(epoch, version)")
-                self._took(update)
+            self._new_control.set()
+
+    def _announced(self) -> tuple[int, int]:
+        return (self.control.weight_epoch, self.control.weight_version) if self.control else (0, 0)
+
+    async def _follow_weights(self) -> None:
+        """Take every version the learner announces. The hub sends every member each version once, in order;
+        a newer weight epoch is a restarted learner, hence a new hub: join that one, which answers with its
+        newest weights."""
+        staged_updates = self.config.rollout.weight_staging
+        timeout_s = self.config.learner.weight_sync_timeout_s
+        while True:
+            if self._announced() <= self.weights:
+                self._new_control.clear()
+                await self._new_control.wait()
+                continue
+            if self._announced()[0] > self.weights[0]:
+                log.info("the learner restarted (weight epoch %d): joining its weight hub", self._announced()[0])
+                await self._join_weights()
+                continue
+            before = self.weights
+            try:
+                if staged_updates:
+                    staged = await self.engine.stage_weights(timeout_s)
+                    if staged.key > before and staged.key < self._announced():
+                        # A newer version was announced while this one came: it is on its way to the same
+                        # staging buffer, so this one is never loaded.
+                        self.counters["weight_versions_skipped"] += 1
+                        self.counters["weight_transfer_s"] += staged.receive_s
+                        continue
+                    update = await self.engine.load_staged()
+                else:
+                    update = await self.engine.receive_weights(timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the learner dropped us, or it is gone: join again
+                self.counters["weight_receive_failures"] += 1
+                log.warning("receiving weights after %s failed (%s); joining the weight hub again", self.weights,
+                            str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
+                await self._join_weights()  # a failure here fails the actor (the launcher restarts it)
+                continue
+            if (update.epoch, update.version) <= before:
+                raise RuntimeError(f"received weights {(update.epoch, update.version)} after {before} (epoch, version)")
+            self._took(update)
 
     def _took(self, update) -> None:
         """The engine holds ``update``'s weights now."""
-        self.weights = (update.epoch, update.version)
         self.counters["weight_updates"] += 1
-        self.counters["weight_receive_s"] += update.stall_s  # the engine's whole stall
+        self.counters["weight_stall_s"] += update.stall_s  # the engine generated nothing meanwhile
         self.counters["weight_transfer_s"] += update.receive_s
         self.counters["weight_load_s"] += update.load_s
         log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s)", self.weights, update.stall_s,
@@ -493,6 +526,7 @@ class Actor:
             counters.update({k: float(v) for k, v in self.delivery.counters.items()})
             counters["unacknowledged"] = float(len(self.delivery.unacked))
             counters["weight_epoch"], counters["weight_version"] = (float(x) for x in self.weights)
+            counters["continued_requests"] = float(self.engine.continued_requests)
             counters["engine_idle_s"] = self.engine.clock.idle_s
             counters["engine_wall_s"] = self.engine.clock.wall_s
             beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(), counters=counters)

@@ -9,11 +9,12 @@ so they match ``log_softmax(logits / T)`` computed by the learner).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from horizonrl.core.config import EngineConfig
 from horizonrl.core.runtime import BusyClock
@@ -29,7 +30,20 @@ class WeightUpdate:
     epoch: int
     receive_s: float  # inside the worker: the broadcast (waiting for the sender included)
     load_s: float  # inside the worker: loading into the model (vLLM-CPU re-packs every linear layer)
-    stall_s: float  # the engine generated nothing for this long: RPC scheduling + both + prefix-cache reset
+    stall_s: float  # the engine generated nothing for this long: the swap (aborts, load, prefix-cache reset)
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """A version received into the workers' staging buffers while the engine kept generating."""
+
+    version: int
+    epoch: int
+    receive_s: float  # inside the workers' receiving threads (waiting for the sender included)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.epoch, self.version)
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,10 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (end of turn), "length" (max tokens) or "abort"
+    # Which weights generated which tokens: ``(end, epoch, version)`` per run of tokens of one version, in
+    # order, ``end`` an offset into ``token_ids`` (the last one is ``len(token_ids)``). More than one when a
+    # weight update came while the request was in flight. Empty: the generator does not say (test doubles).
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class WeightUpdateMismatch(RuntimeError):
@@ -65,11 +83,37 @@ def agreed_update(results: list) -> WeightUpdate:
 
 
 class RolloutEngine:
+    """One vLLM ``AsyncLLM`` with the weights it holds, ``weights`` = (epoch, version).
+
+    Weight updates and generation (why the code looks the way it does): a version is received into
+    the workers' staging buffers while the engine keeps generating (:meth:`stage_weights`), then swapped
+    in between two engine steps (:meth:`load_staged`). A swap closes the *gate* (no request enters the
+    engine), waits for requests being submitted, aborts the requests in flight — vLLM hands back their
+    partial tokens and the logprobs they were sampled with —, loads, drops the prefix cache (its keys and
+    values came from the old weights) and opens the gate; each :meth:`generate` that was cut off then
+    goes on from where it stopped, the partial reply appended to its prompt, under the new weights. So a
+    request in flight during an update finishes, and every token is known to come from exactly one
+    version (``Generation.version_spans``) — which vLLM's own pause with requests kept cannot tell the
+    client. Continuing costs one prefill of the request's context, as a pause that drops the running
+    requests' keys and values (they were computed with the old weights) would.
+    """
+
     def __init__(self, llm, on_gpu: bool) -> None:
         self._llm = llm
         self.on_gpu = on_gpu
-        # Time with no request in flight: the engine's idle share (rollout/engine_idle_share).
+        self.weights: tuple[int, int] = (0, 0)  # (epoch, version): version 0 is the checkpoint it started from
+        # Time with no request in the engine: the engine's idle share (rollout/engine_idle_share).
         self.clock = BusyClock()
+        self._gate_open = asyncio.Event()
+        self._gate_open.set()
+        self._submitting = 0  # requests between the gate and vLLM's add_request returning
+        self._submitted = asyncio.Event()  # set whenever _submitting drops to 0
+        self._submitted.set()
+        self._in_flight: set[str] = set()  # request ids inside the engine
+        self._cut_off: set[str] = set()  # request ids a swap aborted: their generate() goes on
+        self._swap_lock = asyncio.Lock()
+        self.swaps = 0
+        self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
@@ -129,58 +173,152 @@ class RolloutEngine:
         return cls(AsyncLLM.from_engine_args(args), on_gpu)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       stop_token_ids: list[int]) -> Generation:
+                       stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
+        """Sample one reply to ``prompt_ids``; a weight swap while it is in flight cuts it off and it goes on
+        under the new weights (see the class docstring), so it returns only when the reply is complete."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            logprobs=0,  # exactly the sampled token's logprob at each position
-            stop_token_ids=stop_token_ids,
-            detokenize=False,
-            # One output per request, not one per token: the actor only reads the final one, and
-            # per-token outputs cost the client's event loop a wake-up per token per episode.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        final = None
-        self.clock.enter()
+        ids: list[int] = []
+        logprobs: list[float] = []
+        spans: list[tuple[int, int, int]] = []
+        while True:
+            params = SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens - len(ids),
+                logprobs=0,  # exactly the sampled token's logprob at each position
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+                detokenize=False,
+                # One output per request, not one per token: the actor only reads the final one, and
+                # per-token outputs cost the client's event loop a wake-up per token per episode.
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            request_id = uuid.uuid4().hex
+            weights, queue = await self._submit(request_id, TokensPrompt(prompt_token_ids=prompt_ids + ids), params)
+            try:
+                final = await self._final_output(request_id, queue)
+            finally:
+                self._in_flight.discard(request_id)
+                cut_off = request_id in self._cut_off
+                self._cut_off.discard(request_id)
+                self.clock.exit()
+            completion = final.outputs[0]
+            new_ids = list(completion.token_ids)
+            ids += new_ids
+            logprobs += [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs or [], new_ids)]
+            if new_ids:
+                spans.append((len(ids), *weights))
+            finish_reason = completion.finish_reason or "abort"
+            if finish_reason == "abort" and cut_off and len(ids) < max_tokens:
+                self.continued_requests += 1
+                continue  # the rest of the reply under the new weights
+            if finish_reason == "abort" and cut_off:
+                finish_reason = "length"  # every token it asked for had come before the swap
+            return Generation(ids, logprobs, finish_reason, _merged(spans))
+
+    async def _submit(self, request_id: str, prompt, params) -> tuple[tuple[int, int], object]:
+        """Put one request into the engine once no swap is in progress; returns the weights it is generated
+        with and vLLM's output queue. A swap that starts meanwhile waits for this to return (so it sees and
+        aborts the request) and cannot finish before, so those weights are the request's until it ends or
+        is cut off."""
+        while not self._gate_open.is_set():
+            await self._gate_open.wait()
+        self._submitting += 1
+        self._submitted.clear()
         try:
-            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                   uuid.uuid4().hex):
-                final = output
+            weights = self.weights
+            self.clock.enter()
+            try:
+                queue = await self._llm.add_request(request_id, prompt, params)
+            except BaseException:
+                self.clock.exit()
+                raise
+            self._in_flight.add(request_id)
+            return weights, queue
         finally:
-            self.clock.exit()
-        completion = final.outputs[0]
-        ids = list(completion.token_ids)
-        logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, ids)]
-        return Generation(ids, logprobs, completion.finish_reason or "abort")
+            self._submitting -= 1
+            if self._submitting == 0:
+                self._submitted.set()
 
-    async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float) -> "WeightUpdate":
-        """Join (or rejoin) the learner's weight hub; the learner's newest weights are in the engine on return."""
-        return await self._weight_rpc("horizonrl_join_weight_hub", timeout_s,
-                                      (host, port, actor, run_id, timeout_s, "nccl" if self.on_gpu else "gloo"))
+    async def _final_output(self, request_id: str, queue):
+        """vLLM's ``AsyncLLM.generate`` loop for one request: its final output (FINAL_ONLY); cancelled, it
+        aborts the request in the engine."""
+        try:
+            while True:
+                output = queue.get_nowait() or await queue.get()
+                if output.finished:
+                    return output
+        except asyncio.CancelledError:
+            await asyncio.shield(self._llm.abort(request_id))
+            raise
 
-    async def receive_weights(self, timeout_s: float) -> "WeightUpdate":
-        """Receive the next version the learner sends into the live engine."""
-        return await self._weight_rpc("horizonrl_receive_weights", timeout_s, ())
+    # ------------------------------------------------------------------ weights
 
-    async def _weight_rpc(self, method: str, timeout_s: float, args: tuple) -> "WeightUpdate":
-        """The receive runs inside the engine's busy loop, so generation pauses meanwhile; requests in
-        flight continue afterwards under the new weights. ``collective_rpc`` runs it in every worker of
-        the engine (one per tensor-parallel rank), each receiving from its own membership of the weight
-        hub; all of them must report the same version (:func:`agreed_update`). A failure inside a worker
+    async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float) -> WeightUpdate:
+        """Join (or rejoin) the learner's weight hub; the learner's newest weights are in the engine on return.
+        The receive runs in the engine's loop (a join is rare: start, a restarted learner, a lost member)."""
+        args = (host, port, actor, run_id, timeout_s, "nccl" if self.on_gpu else "gloo")
+        return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
+
+    async def receive_weights(self, timeout_s: float) -> WeightUpdate:
+        """Receive the next version the learner sends and load it, with the engine paused throughout:
+        bucket by bucket into vLLM's loader (extra memory: about one bucket). For models whose second copy
+        does not fit beside the engine; otherwise :meth:`stage_weights` + :meth:`load_staged`."""
+        return await self._swap(lambda: self._worker_rpc("horizonrl_receive_weights", timeout_s, ()))
+
+    async def stage_weights(self, timeout_s: float, poll_s: float = 0.01) -> StagedWeights:
+        """Receive the next version into the workers' staging buffers (the size of the model in the engine's
+        dtype) while the engine keeps generating; each worker acknowledges it to the learner once received.
+        Raises ``WeightSyncError`` when a worker's receive fails or takes longer than ``timeout_s``."""
+        from horizonrl.protocol.weights import WeightSyncError
+
+        agreed_update(await self._llm.collective_rpc("horizonrl_stage_weights", timeout=timeout_s + 30))
+        deadline = time.monotonic() + timeout_s + 30  # the workers' own collectives time out after timeout_s
+        while True:
+            results = await self._llm.collective_rpc("horizonrl_staged_weights", timeout=30)
+            if all(int(r[0]) >= 0 for r in results) or any(r[5] for r in results):
+                update = agreed_update(results)
+                return StagedWeights(update.version, update.epoch, update.receive_s)
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"the engine's workers did not receive the next version within {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+    async def load_staged(self, timeout_s: float = 60.0) -> WeightUpdate:
+        """Swap the staged version in between two engine steps (the class docstring says how)."""
+        return await self._swap(lambda: self._worker_rpc("horizonrl_load_staged", timeout_s, ()))
+
+    async def _swap(self, change) -> WeightUpdate:
+        """Close the gate, cut off the requests in flight, ``change()`` the weights, reset the prefix cache,
+        reopen. The engine generates nothing from the aborts to the reopening: that is the update's stall."""
+        async with self._swap_lock:
+            start = time.perf_counter()
+            self._gate_open.clear()
+            try:
+                await self._submitted.wait()
+                cut_off = list(self._in_flight)
+                if cut_off:
+                    self._cut_off.update(cut_off)
+                    # Handed back at once with the tokens the client has; the engine drops the rest. The abort
+                    # reaches the engine before the RPC below, so nothing of theirs runs on the new weights.
+                    await self._llm.abort(cut_off)
+                update = await change()
+                # Cached prefixes hold keys/values computed with the old weights.
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                self.weights = (update.epoch, update.version)
+                self.swaps += 1
+            finally:
+                self._gate_open.set()
+            return WeightUpdate(update.version, update.epoch, update.receive_s, update.load_s,
+                                time.perf_counter() - start)
+
+    async def _worker_rpc(self, method: str, timeout_s: float, args: tuple) -> WeightUpdate:
+        """``method`` in every worker of the engine (one per tensor-parallel rank), each with its own membership
+        of the weight hub; all must report the same version (:func:`agreed_update`). A failure inside a worker
         (the learner gone, a timeout) is raised here; the worker itself carries on."""
-        start = time.perf_counter()
-        results = await self._llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
-        update = agreed_update(results)
-        # Cached prefixes hold keys/values computed with the old weights. Running requests
-        # are preempted and recompute theirs, so every token after this point is sampled
-        # from the new weights alone.
-        await self._llm.reset_prefix_cache(reset_running_requests=True)
-        return WeightUpdate(update.version, update.epoch, update.receive_s, update.load_s, time.perf_counter() - start)
+        return agreed_update(await self._llm.collective_rpc(method, timeout=timeout_s + 30, args=args))
 
     @property
     def dead(self) -> bool:
@@ -197,3 +335,15 @@ class RolloutEngine:
         import gc
 
         gc.collect()
+
+
+def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of the same (epoch, version) as one (a request cut off by a join that brought the
+    weights it already had)."""
+    out: list[tuple[int, int, int]] = []
+    for span in spans:
+        if out and out[-1][1:] == span[1:]:
+            out[-1] = span
+        else:
+            out.append(span)
+    return out

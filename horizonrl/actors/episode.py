@@ -63,6 +63,9 @@ class Episode:
     turn_versions: list[int] = field(default_factory=list)
     turn_epochs: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    # (start, end, epoch, version) per run of generated tokens from one weight version: one per turn, more
+    # when a weight update came in the middle of a turn (the engine went on with the new weights).
+    version_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     success: bool = False
     score: float = 0.0
     # The agent's own errors: replies the environment could not read as an action (an observation said so,
@@ -91,15 +94,24 @@ class Episode:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
-    def append_generated(self, ids: list[int], logprobs: list[float], weights: tuple[int, int]) -> None:
-        """A generated turn; ``weights`` = (epoch, version) of the weights that generated it."""
+    def append_generated(self, ids: list[int], logprobs: list[float], weights: tuple[int, int],
+                         version_spans: list[tuple[int, int, int]] | None = None) -> None:
+        """A generated turn. ``version_spans`` (``Generation.version_spans``: ``(end, epoch, version)`` per run of
+        tokens, ends relative to ``ids``) say which weights generated which tokens; without them the whole turn
+        is ``weights`` = (epoch, version), the weights when it started."""
         start = len(self.token_ids)
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.turn_spans.append((start, len(self.token_ids)))
-        self.turn_epochs.append(weights[0])
-        self.turn_versions.append(weights[1])
+        runs = version_spans or [(len(ids), *weights)]
+        begin = start
+        for end, epoch, version in runs:
+            self.version_spans.append((begin, start + end, epoch, version))
+            begin = start + end
+        # A turn is tagged with its oldest weights (what staleness is measured against).
+        self.turn_epochs.append(runs[0][1])
+        self.turn_versions.append(runs[0][2])
 
     def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
         """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
@@ -185,7 +197,7 @@ async def run_episode(
                 top_p=sampling.top_p,
                 stop_token_ids=chat.stop_token_ids,
             ), clock.left(sampling.turn_timeout_s))
-            ep.append_generated(gen.token_ids, gen.logprobs, turn_weights)
+            ep.append_generated(gen.token_ids, gen.logprobs, turn_weights, gen.version_spans)
             reply = chat.decode(gen.token_ids)
             ep.replies.append(reply)
             ep.actions.append(extract_action(reply, getattr(env, "reply_format", "react")))

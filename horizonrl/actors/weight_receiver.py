@@ -10,15 +10,17 @@ Two ways to take a version, both bounded by the group's timeout at every collect
 - :func:`open_weight_stream` — bucket by bucket: each bucket is received when the loader has used
   up the previous one, so the extra memory is about one bucket whatever the model's size (what the
   engine does; see ``vllm_worker.py``);
-- :func:`receive_weights` — the whole version into one flat buffer, then the named views (tests,
-  benchmarks; the extra memory is the whole model).
+- :func:`receive_weights` — the whole version into one flat buffer, then the named views (the
+  staged receive, :class:`StagedReceive`, runs it in a thread while the engine generates; the
+  extra memory is the whole model).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator
 
@@ -29,8 +31,8 @@ from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_a
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
-__all__ = ["WeightReceiver", "WeightStream", "WeightSyncError", "join_weight_hub", "open_weight_stream",
-           "receive_weights"]
+__all__ = ["StagedReceive", "WeightReceiver", "WeightStream", "WeightSyncError", "join_weight_hub",
+           "open_weight_stream", "receive_weights"]
 
 
 @dataclass
@@ -201,6 +203,42 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
     stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
     stream.finish()
     return stream.layout, named
+
+
+@dataclass
+class StagedReceive:
+    """:func:`receive_weights` in a thread of its own, so that the engine keeps generating meanwhile: the
+    version lands in the receiver's flat buffer (reused by the next one) and is acknowledged to the learner
+    as soon as it is here. ``layout`` is set once it all arrived, ``error`` if it failed (every collective is
+    bounded by the group's timeout, so the thread always ends)."""
+
+    thread: threading.Thread | None = None
+    layout: WeightLayout | None = None
+    named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    error: Exception | None = None
+    receive_s: float = 0.0
+
+    @classmethod
+    def start(cls, receiver: WeightReceiver) -> "StagedReceive":
+        staged = cls()
+        # The device is read here: a new thread's current CUDA device is device 0, not the worker's.
+        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device),
+                                         name="horizonrl-weight-staging", daemon=True)
+        staged.thread.start()
+        return staged
+
+    def _receive(self, receiver: WeightReceiver, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        start = time.perf_counter()
+        try:
+            layout, named = receive_weights(receiver)
+        except Exception as exc:  # noqa: BLE001 - reported by the next state query (the actor rejoins)
+            self.error = exc
+            return
+        self.receive_s = time.perf_counter() - start
+        self.named = named
+        self.layout = layout  # last: a reader that sees the layout sees the tensors
 
 
 def _view(data: torch.Tensor, entry) -> torch.Tensor:

@@ -8,6 +8,9 @@ Parts (``--parts``, comma-separated; default all, run in this order):
   training     async pipeline vs synchronous (generate, train, broadcast, repeat), real system
   engine       async training's generated tokens/s ÷ the bare engines' (no env, no learner)
 
+``--partition`` runs the training and engine parts on partitioned cores (learner's side and each
+actor on cores of their own; bare engines on the actors' cores): the fair comparison on a CPU host.
+
 Each part prints a table (median [min–max] over repeats; ratios taken within each repeat);
 ``<out>/results.json`` and ``<out>/chart.png`` hold all parts run. ``--quick`` finishes in a
 few minutes, the full mode in under half an hour on a 2-core machine (docs/benchmarks.md).
@@ -32,6 +35,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="where results.json and chart.png go")
     p.add_argument("--model", default=None, help="model for rollout/training/engine (default: the tiny model, "
                                                  "built into .cache/ on first use)")
+    p.add_argument("--partition", action="store_true",
+                   help="training and engine parts on partitioned CPU cores: the learner's side on half of them, "
+                        "each actor (and each bare engine) on one core of its own, as on separate GPUs")
     p.set_defaults(func=run_bench)
 
 
@@ -44,6 +50,16 @@ def run_bench(args) -> int:
         print(f"error: unknown part(s) {unknown}; choose from {', '.join(PARTS)}", file=sys.stderr)
         return 2
     args.parts_selected = parts
+    args.core_partition = None
+    if args.partition:
+        from horizonrl.bench.partition import CorePartition
+
+        try:
+            args.core_partition = CorePartition.of_this_host()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        progress("bench", f"partition: {args.core_partition.describe()}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
@@ -74,7 +90,7 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
         from horizonrl.bench import rollout
 
         bare = None
-        if "engine" in args.parts_selected:  # part 3's bare engines share part 1's start-up
+        if "engine" in args.parts_selected and args.core_partition is None:  # part 3's bare engines share part 1's start-up
             from horizonrl.bench.engine_bound import bare_spec
 
             bare = bare_spec(args.quick, rollout.tiny_model(args.model))
@@ -82,10 +98,13 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
     if part == "training":
         from horizonrl.bench import training
 
-        return training.run(args.quick, args.out, model=args.model)
+        partition = args.core_partition
+        return training.run(args.quick, args.out, model=args.model,
+                            extra_overrides=partition.overrides() if partition else None,
+                            settings_note=partition.describe() if partition else None)
     from horizonrl.bench import engine_bound
 
     training_result = next((r for r in done if r["part"] == "training"), None)
     rollout_result = next((r for r in done if r["part"] == "rollout"), None)
     return engine_bound.run(args.quick, args.out, model=args.model, training_result=training_result,
-                            rollout_result=rollout_result)
+                            rollout_result=rollout_result, partition=args.core_partition)

@@ -9,24 +9,33 @@ denominator: generated tokens/s of the same number of bare engines, same model, 
 The ratio is the share of the rollout side's physical limit that training keeps. The bare
 engines have the whole machine; during training they share it with the learner, so on a
 machine with fewer cores than processes the ratio also measures CPU contention.
+
+With ``--partition`` (``partition.py``) the comparison is the fair one: the learner's side and
+each actor run on cores of their own, as on separate GPUs, and the bare engines run on the same
+actor cores. Each repeat then measures one async training run and the bare engines back to back
+(alternating which goes first), so the ratio is paired within a repeat; the actors' weight-update
+stall share comes from the same training runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
 from pathlib import Path
 
-from horizonrl.bench.report import make_result, progress, summarize
+from horizonrl.bench.partition import CorePartition
+from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
 from horizonrl.bench.rollout import BareSpec
 
 
-def bare_spec(quick: bool, model: str) -> BareSpec:
+def bare_spec(quick: bool, model: str, overrides: list[str] | None = None) -> BareSpec:
     """The bare engines that match the training part's run: engines, requests in flight, turn budget."""
     from horizonrl.bench import training
     from horizonrl.core.config import load_config
     from horizonrl.core.schedule import TurnBudgetSchedule
 
-    cfg = load_config(training.CONFIG, [f"model.path={model}"])
+    cfg = load_config(training.CONFIG, [f"model.path={model}", *(overrides or [])])
     per_engine = training.groups_per_actor(cfg) * cfg.rollout.n
     return BareSpec(num_engines=cfg.rollout.num_actors, concurrency=per_engine, env_settings=dict(cfg.envs[0].settings),
                     max_turns=TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns,
@@ -34,11 +43,14 @@ def bare_spec(quick: bool, model: str) -> BareSpec:
 
 
 def run(quick: bool, out_dir: Path, *, model: str | None = None, training_result: dict | None = None,
-        rollout_result: dict | None = None) -> dict:
-    """Part 3. Reuses part 2's async runs and part 1's bare-engine measurement when they ran."""
+        rollout_result: dict | None = None, partition: CorePartition | None = None) -> dict:
+    """Part 3. Reuses part 2's async runs and part 1's bare-engine measurement when they ran (not with a
+    partition: then it measures both itself, on the partition's cores)."""
     from horizonrl.bench.rollout import bare_engine_tokens_per_s, tiny_model
 
     model = tiny_model(model)
+    if partition is not None:
+        return run_partitioned(quick, out_dir, model, partition)
     spec = bare_spec(quick, model)
     if training_result is None:
         progress("engine", "no training part in this run: one short async training run for the numerator")
@@ -72,3 +84,72 @@ def _single_mode_training(quick: bool, out_dir: Path, model: str) -> dict:
                           run_dir.parent / "async-training.log")
     m = training.window_metrics(training.read_scalars(run_dir), warmup, steps, cfg.rollout.num_actors)
     return {"rows": [{"label": "async", "tokens_per_s": summarize([m["tokens_per_s"]])}]}
+
+
+def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition) -> dict:
+    """Paired repeats on a partitioned host: an async training run (one actor per actor core) and the bare
+    engines (one per actor core, the same requests in flight) — tokens/s, and the training run's shares of
+    actor wall time stalled by weight updates and of engine time idle."""
+    from horizonrl.bench import training
+    from horizonrl.bench.rollout import _measure_bare, load_chat, start_engine
+    from horizonrl.bench.workload import replay_prompts
+    from horizonrl.core.config import load_config
+    from horizonrl.core.placement import vllm_cpu_binding
+
+    steps, warmup, repeats = (12, 3, 3) if quick else (30, 4, 3)
+    overrides = [f"model.path={model}", *partition.overrides()]
+    cfg = load_config(training.CONFIG, overrides)
+    spec = bare_spec(quick, model, partition.overrides())
+    progress("engine", f"partition: {partition.describe()}")
+    everywhere = os.sched_getaffinity(0)
+    train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}"]
+    trained: list[dict[str, float]] = []
+    bare: list[float] = []
+
+    def one_training_run(r: int) -> dict[str, float]:
+        run_dir = out_dir / "engine" / f"async-training-{r}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # The run's processes start from every core; each then pins itself to its own (resources.*_cpus).
+        training.run_training(training.train_command(training.CONFIG, model, run_dir, steps, train_extra),
+                              run_dir.parent / f"async-training-{r}.log", affinity=everywhere)
+        return training.window_metrics(training.read_scalars(run_dir), warmup, steps, cfg.rollout.num_actors)
+
+    async def go() -> None:
+        engines = []
+        try:
+            for i, cores in enumerate(partition.actors):
+                # Each bare engine on its actor's cores: its processes inherit this affinity when they start.
+                os.sched_setaffinity(0, cores)
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_binding(list(cores), 1)
+                engines.append(start_engine(model, spec.concurrency, seed=i))
+            os.sched_setaffinity(0, partition.actor_cores)  # the client too, as an actor's own process is
+            chat = load_chat(model)
+            prompts = await replay_prompts(chat, "signpost", spec.env_settings, spec.episodes, spec.max_turns)
+            for r in range(repeats):
+                for what in alternate(r, ["bare", "training"]):
+                    if what == "bare":
+                        bare.extend(await _measure_bare(engines, chat, prompts, spec.concurrency, 1))
+                    else:
+                        progress("engine", f"repeat {r + 1}/{repeats}: async training, {steps} learner steps")
+                        trained.append(await asyncio.to_thread(one_training_run, r))
+                        m = trained[-1]
+                        progress("engine", f"  {m['tokens_per_s']:.0f} generated tokens/s, weight-update stall "
+                                           f"{m['weight_stall_share']:.1%}, engine idle {m['engine_idle_share']:.0%}")
+        finally:
+            for engine in engines:
+                engine.shutdown()
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            os.sched_setaffinity(0, everywhere)
+
+    asyncio.run(go())
+    keys = ("tokens_per_s", "weight_stall_share", "weight_load_share", "engine_idle_share", "steps_per_min",
+            "staleness")
+    rows = [{"label": "async training (partitioned)", **{k: summarize([m[k] for m in trained]) for k in keys}},
+            {"label": "bare engines (same cores)", "tokens_per_s": summarize(bare)}]
+    ratios = {"async training / bare engines tokens/s (same cores)":
+              paired_ratio([m["tokens_per_s"] for m in trained], bare),
+              "actor wall time stalled by weight updates": summarize([m["weight_stall_share"] for m in trained])}
+    settings = {"model": model, "partition": partition.describe(), "learner_steps": steps, "clock_from_step": warmup,
+                "repeats": repeats, "overrides": train_extra, **spec.__dict__}
+    return make_result("engine", rows, ratios, settings, chart={"metric": "tokens_per_s", "ylabel": "generated tokens/s"})

@@ -51,11 +51,15 @@ def train_command(config: Path, model: str, run_dir: Path, steps: int, extra: li
             "learner.save_every=0", *extra]
 
 
-def run_training(command: list[str], log_path: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
-    """Run one training job in its own process group; on any exit path, end that group."""
+def run_training(command: list[str], log_path: Path, timeout_s: float = RUN_TIMEOUT_S,
+                 affinity: set[int] | None = None) -> None:
+    """Run one training job in its own process group; on any exit path, end that group. ``affinity``: the
+    CPU cores the job starts on, when they differ from this process's own."""
+    preexec = (lambda: os.sched_setaffinity(0, affinity)) if affinity else None
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=preexec)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -105,7 +109,7 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
         "samples_per_s": sum(s["batch/trajectories"][k] for k in steps) / wall,
         "learner_idle_share": sum(s["time/batch_wait_s"][k] for k in steps) / wall,
         "engine_idle_share": delta("rollout/engine_idle_s_total") / engine_wall if engine_wall > 0 else float("nan"),
-        "weight_stall_share": delta("rollout/weight_receive_s") / (wall * num_actors),
+        "weight_stall_share": delta("rollout/weight_stall_s") / (wall * num_actors),
         "weight_load_share": delta("rollout/weight_load_s") / (wall * num_actors),
         "tokens_per_s": delta("rollout/generated_tokens_total") / wall,
         "step_s": sum(s["time/step_s"][k] for k in steps) / len(steps),
@@ -116,7 +120,7 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
 
 def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = CONFIG,
         extra_overrides: list[str] | None = None, repeats: int | None = None, steps: int | None = None,
-        warmup: int | None = None) -> dict:
+        warmup: int | None = None, settings_note: str | None = None) -> dict:
     """Part 2. ``--quick``: 1 run per mode, 9 learner steps (clock from step 2); full: 3 runs, 30 (from step 4)."""
     from horizonrl.bench.rollout import tiny_model
     from horizonrl.core.config import load_config
@@ -156,4 +160,6 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = 
                 "repeats": repeats, "overrides": extra + ["buffer.skip_equal_reward_groups=false"],
                 "num_actors": cfg.rollout.num_actors, "groups_per_step": cfg.learner.groups_per_step,
                 "n": cfg.rollout.n, "max_staleness": cfg.buffer.max_staleness}
+    if settings_note:
+        settings["partition"] = settings_note
     return make_result("training", rows, ratios, settings, chart={"metric": "steps_per_min", "ylabel": "learner steps/min"})

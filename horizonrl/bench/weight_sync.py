@@ -26,7 +26,7 @@ Ratio per repeat: horizonrl bytes/s ÷ raw bytes/s.
 Not measured here: loading the received tensors into a live vLLM engine (``reload_weights``),
 which the real actor also stalls for. The stall share printed here is *derived*:
 ``receive_s / (receive_s + step_interval_s)`` for an assumed learner step interval; the
-measured share comes from the actors' ``weight_receive_s`` counter in the training part.
+measured share comes from the actors' ``weight_stall_s`` counter in the training part.
 
 Run alone: ``python -m horizonrl.bench.weight_sync [--quick] [--out DIR]``.
 """

@@ -260,7 +260,7 @@ class GroupBuffer:
                   for i, (epoch, _) in enumerate(self.lineage)}
         oldest = learner_version
         for t in members:
-            for epoch, version in zip(t.turn_epochs, t.turn_versions):
+            for epoch, version in t.weight_keys():
                 # version 0 is the starting model: the same weights in every epoch
                 if version != 0 and (epoch not in limits or version > limits[epoch]):
                     return DROP_FUTURE if epoch == current_epoch or epoch > current_epoch else DROP_DISCARDED_BRANCH

@@ -278,7 +278,7 @@ class BufferServer:
         """Whether every turn's weights were announced. Turns of an epoch older than the newest known
         are let in (the learner's lineage decides their fate when a batch is made)."""
         newest = max(self._known, default=0)
-        for epoch, version in zip(t.turn_epochs, t.turn_versions):
+        for epoch, version in t.weight_keys():
             if version == 0 or epoch < newest:
                 continue
             if epoch > newest or version > self._known.get(epoch, 0):

@@ -80,6 +80,13 @@ class RolloutConfig(_Frozen):
                                  "long (the buffer de-duplicates)")
     max_unacked: int = Field(256, ge=1, description="trajectories an actor keeps unacknowledged before it stops "
                              "starting groups")
+    weight_staging: bool = Field(True, description="receive each weight version into a staging buffer while the "
+                                 "engine keeps generating, then swap it in between two engine steps (requests in "
+                                 "flight go on under the new weights); costs one copy of the model in the engine's "
+                                 "dtype on the engine's device. false: receive bucket by bucket straight into the "
+                                 "model with the engine paused (extra memory about one bucket)")
+    weight_sync_every: int = Field(1, ge=1, description="the learner sends its weights to the engines every N "
+                                   "learner steps (and after its last); buffer.max_staleness must be at least N - 1")
     engine: EngineConfig = EngineConfig()
 
 
@@ -283,6 +290,22 @@ class ResourcesConfig(_Frozen):
         None, description="the GPUs of each actor's engine, one list per actor (rollout.num_actors) of "
                           "rollout.engine.tensor_parallel_size GPUs, e.g. [[2, 3], [4, 5]]; default: the GPUs after "
                           "the learner's, in order")
+    learner_cpus: list[int] | None = Field(
+        None, description="CPU cores (ids as `taskset` names them) of the learner ranks and of the coordinator and "
+                          "buffer; default: any. With actor_cpus, partitions a host so that learner and engines do "
+                          "not compete for cores, as on separate GPUs (docs/benchmarks.md)")
+    actor_cpus: list[list[int]] | None = Field(
+        None, description="CPU cores of each actor — its process, its vLLM engine's processes and their OpenMP "
+                          "threads — one list per actor (rollout.num_actors), e.g. [[1], [2, 3]]; default: any")
+
+    @field_validator("learner_cpus", "actor_cpus")
+    @classmethod
+    def _cpu_ids(cls, ids):
+        flat = [] if ids is None else [i for x in ids for i in (x if isinstance(x, list) else [x])]
+        if any(i < 0 for i in flat) or (ids is not None and any(isinstance(x, list) and not x for x in ids)) or (
+                ids is not None and not ids):
+            raise ValueError("CPU cores are non-empty lists of core ids 0, 1, ...")
+        return ids
 
     @field_validator("learner_gpus")
     @classmethod
@@ -347,6 +370,15 @@ class TrainConfig(_Frozen):
                              f"({self.learner.groups_per_step}): the buffer stops taking trajectories at capacity, so "
                              f"the learner would wait forever for a batch; set buffer.capacity_groups to about "
                              f"{2 * self.learner.groups_per_step} (two steps' worth)")
+        if self.buffer.max_staleness < self.rollout.weight_sync_every - 1:
+            raise ValueError(f"buffer.max_staleness ({self.buffer.max_staleness}) is below rollout.weight_sync_every - 1 "
+                             f"({self.rollout.weight_sync_every - 1}): between two weight updates the learner moves "
+                             f"that many steps past the engines' weights, so every group would be dropped as stale; "
+                             f"set buffer.max_staleness to at least {self.rollout.weight_sync_every}")
+        actor_cpus = self.resources.actor_cpus
+        if actor_cpus is not None and len(actor_cpus) != self.rollout.num_actors:
+            raise ValueError(f"resources.actor_cpus has {len(actor_cpus)} core lists for rollout.num_actors="
+                             f"{self.rollout.num_actors}: give one list per actor")
         if self.eval.stop_after_plateau and not self.eval.every:
             raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
                              "(e.g. eval.every=10)")

