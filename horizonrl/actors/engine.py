@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -112,6 +113,10 @@ class RolloutEngine:
         self._in_flight: set[str] = set()  # request ids inside the engine
         self._cut_off: set[str] = set()  # request ids a swap aborted: their generate() goes on
         self._swap_lock = asyncio.Lock()
+        self._staged = None  # the PULL socket the workers' staging threads report to (made on first use)
+        self._staged_context = None
+        self._staged_address = ""
+        self._stage_id = 0
         self.swaps = 0
         self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
 
@@ -269,22 +274,39 @@ class RolloutEngine:
         does not fit beside the engine; otherwise :meth:`stage_weights` + :meth:`load_staged`."""
         return await self._swap(lambda: self._worker_rpc("horizonrl_receive_weights", timeout_s, ()))
 
-    async def stage_weights(self, timeout_s: float, poll_s: float = 0.01) -> StagedWeights:
+    async def stage_weights(self, timeout_s: float) -> StagedWeights:
         """Receive the next version into the workers' staging buffers (the size of the model in the engine's
-        dtype) while the engine keeps generating; each worker acknowledges it to the learner once received.
-        Raises ``WeightSyncError`` when a worker's receive fails or takes longer than ``timeout_s``."""
+        dtype) while the engine keeps generating; each worker acknowledges it to the learner once received,
+        and tells this engine so over a socket of its own (``weight_receiver.StagedReceive``). Raises
+        ``WeightSyncError`` when a worker's receive fails or does not end within ``timeout_s`` (+ 30 s)."""
+        import msgspec
+        import zmq
+        import zmq.asyncio
+
         from horizonrl.protocol.weights import WeightSyncError
 
-        agreed_update(await self._llm.collective_rpc("horizonrl_stage_weights", timeout=timeout_s + 30))
-        deadline = time.monotonic() + timeout_s + 30  # the workers' own collectives time out after timeout_s
-        while True:
-            results = await self._llm.collective_rpc("horizonrl_staged_weights", timeout=30)
-            if all(int(r[0]) >= 0 for r in results) or any(r[5] for r in results):
-                update = agreed_update(results)
-                return StagedWeights(update.version, update.epoch, update.receive_s)
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"the engine's workers did not receive the next version within {timeout_s:.0f} s")
-            await asyncio.sleep(poll_s)
+        if self._staged is None:
+            self._staged_context = zmq.asyncio.Context()
+            self._staged = self._staged_context.socket(zmq.PULL)
+            self._staged.setsockopt(zmq.LINGER, 0)
+            self._staged_address = f"ipc://{tempfile.gettempdir()}/horizonrl-staged-{os.getpid()}-{id(self):x}"
+            self._staged.bind(self._staged_address)
+        self._stage_id += 1
+        started = await self._llm.collective_rpc("horizonrl_stage_weights", timeout=60,
+                                                 args=(self._stage_id, self._staged_address))
+        agreed_update(started)  # every worker started its thread
+        outcomes: dict[int, list] = {}
+        deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
+        while len(outcomes) < len(started):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not await self._staged.poll(left_ms):
+                raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
+                                      f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
+            message = msgspec.msgpack.decode(await self._staged.recv())
+            if message[0] == self._stage_id:  # an older stage's late word is not this one's
+                outcomes[int(message[5])] = message[1:]
+        update = agreed_update(list(outcomes.values()))
+        return StagedWeights(update.version, update.epoch, update.receive_s)
 
     async def load_staged(self, timeout_s: float = 60.0) -> WeightUpdate:
         """Swap the staged version in between two engine steps (the class docstring says how)."""
@@ -326,6 +348,14 @@ class RolloutEngine:
         return self._llm is None or bool(self._llm.errored)
 
     def shutdown(self) -> None:
+        if self._staged is not None:
+            self._staged.close(linger=0)
+            self._staged_context.term()
+            self._staged = None
+            try:
+                os.unlink(self._staged_address.removeprefix("ipc://"))
+            except OSError:
+                pass
         if self._llm is None:
             return
         self._llm.shutdown()

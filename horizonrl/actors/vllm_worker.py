@@ -9,9 +9,8 @@ only vLLM-specific modules.
 
 Two ways to take a version. *Staged* (what the actor does): ``horizonrl_stage_weights`` starts a
 thread that receives the whole version into a staging buffer (the model's size in the engine's
-dtype, reused) and acknowledges it to the learner, while this worker keeps running the model;
-``horizonrl_staged_weights`` says whether it is there; ``horizonrl_load_staged`` loads it between
-two engine steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket
+dtype, reused) and acknowledges it to the learner, while this worker keeps running the model; the
+thread tells the actor when it is there; ``horizonrl_load_staged`` loads it between two engine steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket
 straight into the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
 """
 
@@ -38,14 +37,10 @@ class WeightReceiverExtension:
         """Receive one version and load it in place (see :meth:`_horizonrl_receive`)."""
         return self._horizonrl_reply(self._horizonrl_receive, whole)
 
-    def horizonrl_stage_weights(self) -> tuple[int, int, float, float, int, str]:
-        """Start receiving the next version into the staging buffer, in a thread; returns at once."""
-        return self._horizonrl_reply(self._horizonrl_start_staging)
-
-    def horizonrl_staged_weights(self) -> tuple[int, int, float, float, int, str]:
-        """The staged version once it is all here (version -1 while it is still coming); its error if the
-        receive failed."""
-        return self._horizonrl_reply(self._horizonrl_staging_state)
+    def horizonrl_stage_weights(self, stage_id: int, notify_address: str) -> tuple[int, int, float, float, int, str]:
+        """Start receiving the next version into the staging buffer, in a thread; returns at once. The thread
+        says at ``notify_address`` when the version is here (``weight_receiver.StagedReceive``)."""
+        return self._horizonrl_reply(self._horizonrl_start_staging, stage_id, notify_address)
 
     def horizonrl_load_staged(self) -> tuple[int, int, float, float, int, str]:
         """Load the staged version into the model (the RPC runs between two engine steps)."""
@@ -100,7 +95,7 @@ class WeightReceiverExtension:
         total_s = time.perf_counter() - start
         return layout.version, layout.epoch, receive_s, total_s - receive_s
 
-    def _horizonrl_start_staging(self) -> tuple[int, int, float, float]:
+    def _horizonrl_start_staging(self, stage_id: int, notify_address: str) -> tuple[int, int, float, float]:
         from horizonrl.actors.weight_receiver import StagedReceive
 
         staging = getattr(self, "_horizonrl_staging", None)
@@ -109,18 +104,8 @@ class WeightReceiverExtension:
         receiver = getattr(self, "_horizonrl_receiver", None)
         if receiver is None:
             raise RuntimeError("not a member of the weight hub: join it first")
-        self._horizonrl_staging = StagedReceive.start(receiver)
+        self._horizonrl_staging = StagedReceive.start(receiver, stage_id, notify_address)
         return -1, -1, 0.0, 0.0
-
-    def _horizonrl_staging_state(self) -> tuple[int, int, float, float]:
-        staging = getattr(self, "_horizonrl_staging", None)
-        if staging is None:
-            raise RuntimeError("no staged receive was started")
-        if staging.error is not None:
-            raise staging.error
-        if staging.layout is None:
-            return -1, -1, 0.0, 0.0
-        return staging.layout.version, staging.layout.epoch, staging.receive_s, 0.0
 
     def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
         staging = getattr(self, "_horizonrl_staging", None)

@@ -209,9 +209,14 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
 class StagedReceive:
     """:func:`receive_weights` in a thread of its own, so that the engine keeps generating meanwhile: the
     version lands in the receiver's flat buffer (reused by the next one) and is acknowledged to the learner
-    as soon as it is here. ``layout`` is set once it all arrived, ``error`` if it failed (every collective is
-    bounded by the group's timeout, so the thread always ends)."""
+    as soon as it is here. When it ends (every collective is bounded by the group's timeout, so it always
+    does), the thread tells the actor at ``notify_address`` (a ZMQ PULL socket of the actor's, msgpack
+    ``[stage_id, version, epoch, receive_s, 0.0, worker, error]``): the actor waits for that message rather
+    than asking the engine, whose worker would spin between such questions on the cores the receive needs.
+    ``layout`` is set once it all arrived, ``error`` if it failed."""
 
+    stage_id: int
+    worker: int
     thread: threading.Thread | None = None
     layout: WeightLayout | None = None
     named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -219,26 +224,57 @@ class StagedReceive:
     receive_s: float = 0.0
 
     @classmethod
-    def start(cls, receiver: WeightReceiver) -> "StagedReceive":
-        staged = cls()
+    def start(cls, receiver: WeightReceiver, stage_id: int, notify_address: str) -> "StagedReceive":
+        staged = cls(stage_id, receiver.worker)
         # The device is read here: a new thread's current CUDA device is device 0, not the worker's.
-        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device),
+        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device, notify_address),
                                          name="horizonrl-weight-staging", daemon=True)
         staged.thread.start()
         return staged
 
-    def _receive(self, receiver: WeightReceiver, device: torch.device) -> None:
+    def _receive(self, receiver: WeightReceiver, device: torch.device, notify_address: str) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         start = time.perf_counter()
         try:
             layout, named = receive_weights(receiver)
-        except Exception as exc:  # noqa: BLE001 - reported by the next state query (the actor rejoins)
+            self.receive_s = time.perf_counter() - start
+            self.named = named
+            self.layout = layout  # last: a reader that sees the layout sees the tensors
+        except Exception as exc:  # noqa: BLE001 - reported to the actor (which joins the hub again)
             self.error = exc
-            return
-        self.receive_s = time.perf_counter() - start
-        self.named = named
-        self.layout = layout  # last: a reader that sees the layout sees the tensors
+        _notify(notify_address, self.outcome())
+
+    def outcome(self) -> list:
+        """``[stage_id, version, epoch, receive_s, load_s, worker, error]`` (version -1 unless it all arrived)."""
+        if self.error is not None:
+            return [self.stage_id, -1, -1, 0.0, 0.0, self.worker, f"{type(self.error).__name__}: {self.error}"]
+        if self.layout is None:
+            return [self.stage_id, -1, -1, 0.0, 0.0, self.worker, ""]
+        return [self.stage_id, self.layout.version, self.layout.epoch, self.receive_s, 0.0, self.worker, ""]
+
+
+NOTIFY_TIMEOUT_MS = 5000
+
+
+def _notify(address: str, outcome: list) -> None:
+    """One small message to the actor; if it cannot be delivered the actor's wait times out and it rejoins."""
+    import msgspec
+    import zmq
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, NOTIFY_TIMEOUT_MS)
+        sock.setsockopt(zmq.SNDTIMEO, NOTIFY_TIMEOUT_MS)
+        sock.connect(address)
+        try:
+            sock.send(msgspec.msgpack.encode(outcome))
+        except zmq.Again:
+            pass
+        sock.close()
+    finally:
+        context.term()
 
 
 def _view(data: torch.Tensor, entry) -> torch.Tensor:

@@ -320,9 +320,10 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                                            checkpoint=checkpoint if saved_step == step else ""))
         if not send_now:
             continue
-        # Collective: every rank gathers, bucket by bucket; rank 0 sends each bucket as it fills.
+        # Collective: every rank gathers, bucket by bucket; rank 0 sends (on gloo in the background, while the
+        # next step trains: the time engines take to start receiving is not the learner's).
         sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
-                               dtype=engine_dtype, stop=stop)
+                               dtype=engine_dtype, stop=stop, background=True)
         published = step
         if not is_main:
             continue
@@ -341,6 +342,10 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
         )
 
+    if is_main and not res.weight_hub_abandoned and not res.weight_hub.wait_for_send(
+            _abandon_after(stop, STOP_SEND_GRACE_S)):
+        log.warning("stopping: abandoned the background send of the last version (the engines may be gone)")
+        res.weight_hub_abandoned = True
     # Ended early between two updates (eval.stop_after_plateau): the final evaluation plays the last weights. Not
     # after a stop signal (it ends at once); rank 0 decides for all (the publish is collective).
     if published < step and _from_rank_zero(int(is_main and not stop.is_set() and not res.weight_hub_abandoned),
@@ -428,19 +433,21 @@ def weight_bucket_bytes(bucket_mb: float) -> int:
 
 
 def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
-                    stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S) -> dict[str, float] | None:
+                    stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S,
+                    background: bool = False) -> dict[str, float] | None:
     """Collective (every rank calls it; ``hub`` is rank 0's, None elsewhere): the model's weights go to
     every engine bucket by bucket, gathered from the FSDP shards on the learner's device in ``dtype``
-    (weight_broadcast.py). Rank 0 returns the hub's statistics, or None when a stop was requested and
-    the engines still had not taken the version ``grace_s`` later (they may have exited already; the
-    checkpoint matters more than this version). Other ranks return None."""
+    (weight_broadcast.py; ``background``: see ``WeightHub.publish``). Rank 0 returns the hub's statistics,
+    or None when a stop was requested and the engines still had not taken the version ``grace_s`` later
+    (they may have exited already; the checkpoint matters more than this version). Other ranks return None."""
     from horizonrl.learner.weight_broadcast import publish_from_other_rank
 
     named = weights_to_send(model.config, model.state_dict())  # sharded DTensors: nothing gathered yet
     if hub is None:
         publish_from_other_rank(named, bucket_bytes=weight_bucket_bytes(bucket_mb), dtype=dtype)
         return None
-    return hub.publish(version, epoch, named, dtype=dtype, should_abandon=_abandon_after(stop, grace_s))
+    return hub.publish(version, epoch, named, dtype=dtype, should_abandon=_abandon_after(stop, grace_s),
+                       background=background)
 
 
 def _abandon_after(stop: threading.Event, grace_s: float):

@@ -191,6 +191,9 @@ class WeightHub:
         self._waiting: dict[int, float] = {}  # join numbers whose record has not appeared yet -> since
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._admit_forever, name="weight-hub", daemon=True)
+        self._sending: threading.Thread | None = None  # publish(background=True)'s send of the newest version
+        self.last_send: dict[str, float] | None = None  # what the last background send measured (None: abandoned)
+        self._send_error: Exception | None = None
 
     def start(self) -> "WeightHub":
         """Admit joiners from now on (give it a version before, so every joiner gets one)."""
@@ -253,15 +256,26 @@ class WeightHub:
                 "members": float(members), "dropped": float(dropped)}
 
     def publish(self, version: int, epoch: int, named: list[tuple[str, torch.Tensor]], *,
-                dtype: torch.dtype | None = None,
-                should_abandon: Callable[[], bool] | None = None) -> dict[str, float] | None:
+                dtype: torch.dtype | None = None, should_abandon: Callable[[], bool] | None = None,
+                background: bool = False) -> dict[str, float] | None:
         """Rank 0's half of a collective update (the other ranks call :func:`publish_from_other_rank`):
         gather ``named`` (FSDP-sharded parameters) bucket by bucket on the learner's device, in ``dtype``,
         and broadcast each bucket to every member as it fills; the admission copy is filled on the way.
 
         Returns :meth:`send`'s statistics with ``gather_s`` (time in the gathers) in place of ``pack_s``,
         or None when ``should_abandon()`` turned true while members were still receiving (the gathers
-        still run to the end: the other ranks are in them)."""
+        still run to the end: the other ranks are in them).
+
+        ``background`` (gloo, where the gathers fill the admission copy in host memory): gather the whole
+        version, then send it from the admission copy in a thread and return at once, so the learner trains
+        its next step while the engines take this version. The next publish first waits for that send.
+        Returns the gather's time and the statistics of the *previous* background send (None if it was
+        abandoned). On NCCL the buckets stream from device memory as they are gathered, so it sends in the
+        caller's thread as without ``background``."""
+        if not self.wait_for_send(should_abandon):
+            return None  # a background send is still reading the admission copy after a stop: leave it alone
+        if background and self.device.type == "cpu":
+            return self._publish_in_background(version, epoch, named, dtype, should_abandon)
         start = time.perf_counter()
         names, dtypes, shapes = layout_of(named, dtype)
         plan = plan_buckets(names, dtypes, shapes, self.bucket_bytes)
@@ -297,6 +311,50 @@ class WeightHub:
         return {"gather_s": gather_s[0], "send_s": total_s - gather_s[0], "total_s": total_s,
                 "bytes": float(self.latest.nbytes), "tensors": float(len(names)), "buckets": float(len(plan)),
                 "members": float(members), "dropped": float(dropped)}
+
+    def _publish_in_background(self, version: int, epoch: int, named: list[tuple[str, torch.Tensor]],
+                               dtype: torch.dtype | None, should_abandon: Callable[[], bool] | None) -> dict:
+        previous, self.last_send = self.last_send, None
+        start = time.perf_counter()
+        names, dtypes, shapes = layout_of(named, dtype)
+        plan = plan_buckets(names, dtypes, shapes, self.bucket_bytes)
+        with self._lock:
+            buckets = self._admission_copy(plan)
+            self.latest = None  # being rewritten: no joiner may read it until the end
+            for _ in gather_buckets(named, plan, device=self.device, fill=True, into=buckets):
+                pass
+            gather_s = time.perf_counter() - start
+            self.latest = PackedWeights(version, epoch, self._layout(version, epoch, names, dtypes, shapes, plan),
+                                        self.bucket_bytes, plan, buckets, len(names), gather_s)
+            packed = self.latest
+        self._sending = threading.Thread(target=self._send_in_background, args=(packed, should_abandon),
+                                         name=f"weights-v{version}", daemon=True)
+        self._sending.start()
+        previous = previous or {"send_s": 0.0, "members": float(len(self.members)), "dropped": 0.0}
+        return {"gather_s": gather_s, "send_s": previous["send_s"], "total_s": gather_s + previous["send_s"],
+                "bytes": float(packed.nbytes), "tensors": float(len(names)), "buckets": float(len(plan)),
+                "members": previous["members"], "dropped": previous["dropped"]}
+
+    def _send_in_background(self, packed: PackedWeights, should_abandon: Callable[[], bool] | None) -> None:
+        try:
+            self.last_send = self.send(packed, should_abandon)
+        except Exception as exc:  # noqa: BLE001 - raised again in the learner's thread by wait_for_send
+            self._send_error = exc
+
+    def wait_for_send(self, should_abandon: Callable[[], bool] | None = None) -> bool:
+        """Until the background send, if one runs, has ended (``last_send`` then holds its statistics, None
+        when it abandoned its members); True then. False, with the send still running, once
+        ``should_abandon()`` turned true first. A send that failed raises its error here."""
+        thread = self._sending
+        while thread is not None and thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive() and should_abandon is not None and should_abandon():
+                return False
+        self._sending = None
+        error, self._send_error = self._send_error, None
+        if error is not None:
+            raise error
+        return True
 
     def _settle(self, targets: list[Member], key: tuple[int, int], failures: list[tuple[Member, Exception]]) -> int:
         failed = {id(member) for member, _ in failures}

@@ -106,6 +106,45 @@ def test_round_trip_is_exact_and_a_late_joiner_gets_the_newest_version_at_once()
         _stop(first, *([late] if late else []))
 
 
+def _gated_receiver(port: int, go, versions: int, queue) -> None:
+    """Takes its first version at once, then each next one only once ``go`` is released (an engine that
+    starts receiving late)."""
+    receiver = join_weight_hub("127.0.0.1", port, actor=0, run_id=RUN_ID, timeout_s=60)
+    receive_weights(receiver)
+    for _ in range(versions):
+        assert go.acquire(timeout=120)
+        layout, named = receive_weights(receiver)
+        queue.put((layout.version, [(name, tensor.clone()) for name, tensor in named]))
+    time.sleep(60)
+
+
+def test_a_background_publish_returns_before_the_engine_receives_and_the_next_one_waits_for_that_send():
+    ctx = mp.get_context("spawn")
+    hub = _hub(0)
+    queue, go = ctx.Queue(), ctx.Semaphore(0)
+    member = ctx.Process(target=_gated_receiver, args=(_port(hub), go, 2, queue), daemon=True)
+    member.start()
+    try:
+        wait_until(lambda: len(hub.members) == 1, 120, "the member to join")
+        first = hub.publish(1, 0, list(_state_dict(2).items()), background=True)
+        # returned while the member has not started to receive (a foreground publish would wait for it)
+        assert queue.empty() and first["bytes"] > 0 and first["send_s"] == 0.0  # no earlier send to report
+        go.release()
+        second = hub.publish(2, 0, list(_state_dict(3).items()), background=True)  # waits for version 1's send
+        got, named = queue.get(timeout=60)
+        assert got == 1
+        _assert_exact(named, 1)
+        assert second["members"] == 1 and second["dropped"] == 0 and second["send_s"] > 0  # version 1's send
+        go.release()
+        assert hub.wait_for_send() and hub.last_send["members"] == 1 and hub.last_send["dropped"] == 0
+        got, named = queue.get(timeout=60)
+        assert got == 2
+        _assert_exact(named, 2)
+    finally:
+        hub.close()
+        _stop(member)
+
+
 def test_a_member_that_stops_receiving_is_dropped_and_the_others_get_the_version():
     ctx = mp.get_context("spawn")
     hub = _hub(0)
