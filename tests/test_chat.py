@@ -207,3 +207,22 @@ def test_tokenizer_without_template_is_rejected(base_tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(ChatTemplateError, match="no chat_template"):
         ChatTokenizer(tokenizer)
+
+
+def test_the_rust_tokenizer_and_the_continuation_cache_give_the_wrappers_ids(base_tokenizer, monkeypatch):
+    import horizonrl.core.chat as chat_module
+
+    chat = ChatTokenizer(_with_template(base_tokenizer, CHATML_TEMPLATE))
+    assert chat._backend is not None  # a fast tokenizer: its Rust tokenizer is called directly
+    texts = ["A sign points left.", " two  spaces\nand a line", "naïve café 東京", chat.end_of_turn_token + "x"]
+    for text in texts:
+        assert chat.encode(text) == list(chat.tokenizer.encode(text, add_special_tokens=False))
+    monkeypatch.setattr(chat_module, "CONTINUATION_CACHE_SIZE", 2)
+    first = chat.continuation_ids("A sign points left.", [5])
+    assert chat.continuation_ids("A sign points left.", [5]) == first  # from the cache
+    uncached = ChatTokenizer(_with_template(base_tokenizer, CHATML_TEMPLATE))
+    uncached._backend = None
+    assert uncached.continuation_ids("A sign points left.", [5]) == first
+    for text in texts:
+        chat.continuation_ids(text, [chat.end_of_turn_id])
+    assert len(chat._continuations) == 2  # bounded: the least recently used are dropped

@@ -20,6 +20,7 @@ stall share comes from the same training runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -99,7 +100,8 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     steps, warmup, repeats = (12, 3, 3) if quick else (30, 4, 3)
     overrides = [f"model.path={model}", *partition.overrides()]
     cfg = load_config(training.CONFIG, overrides)
-    spec = bare_spec(quick, model, partition.overrides())
+    # Several seconds of bare generation per repeat (a second or less is noise on a shared host).
+    spec = dataclasses.replace(bare_spec(quick, model, partition.overrides()), episodes=256 if quick else 512)
     progress("engine", f"partition: {partition.describe()}")
     everywhere = os.sched_getaffinity(0)
     train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}"]
@@ -151,5 +153,5 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
               paired_ratio([m["tokens_per_s"] for m in trained], bare),
               "actor wall time stalled by weight updates": summarize([m["weight_stall_share"] for m in trained])}
     settings = {"model": model, "partition": partition.describe(), "learner_steps": steps, "clock_from_step": warmup,
-                "repeats": repeats, "overrides": train_extra, **spec.__dict__}
+                "overrides": train_extra, **spec.__dict__, "repeats": repeats}
     return make_result("engine", rows, ratios, settings, chart={"metric": "tokens_per_s", "ylabel": "generated tokens/s"})

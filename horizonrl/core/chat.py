@@ -23,12 +23,14 @@ not append-only (one that rewrites earlier turns when a new one is added) raises
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Sequence
 
 # Placeholders for the probe conversation. They are plain words so that every template
 # renders them unchanged (some templates trim or escape content).
 _PROBE_USER = "horizonrlprobeuser"
 _PROBE_ASSISTANT = "horizonrlprobeassistant"
+CONTINUATION_CACHE_SIZE = 4096  # observations whose ids are kept, per kind (most recently used first)
 
 
 class ChatTemplateError(ValueError):
@@ -75,6 +77,12 @@ class ChatTokenizer:
         self.end_of_turn_id: int = int(eot_id)
         self._history_text = history_text
         self._turn_close_text = after_content[len(end_of_turn_token):]
+        # The actor tokenizes every observation on its event loop, beside the engine's client: the Rust
+        # tokenizer directly (when it gives the same ids as the transformers wrapper around it, which adds
+        # Python work per call), and each observation's continuation once (environments repeat them).
+        self._backend = self._same_ids_backend(history_text)
+        self._continuations: OrderedDict[str, list[int]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str, str | None], list[int]] = OrderedDict()
         self._check_prompt_is_prefix()
 
     # ------------------------------------------------------------------ public API
@@ -95,9 +103,17 @@ class ChatTokenizer:
 
     def prompt_ids(self, first_observation: str, system_prompt: str | None = None) -> list[int]:
         """The episode's first prompt: [system?, user(first_observation)] + assistant header."""
-        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        messages.append({"role": "user", "content": first_observation})
-        return self.encode(self._render(messages, add_generation_prompt=True))
+        key = (first_observation, system_prompt)
+        cached = self._prompts.get(key)
+        if cached is not None:
+            self._prompts.move_to_end(key)
+        else:  # a group's n episodes start from the same observation
+            messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+            messages.append({"role": "user", "content": first_observation})
+            cached = self._prompts[key] = self.encode(self._render(messages, add_generation_prompt=True))
+            if len(self._prompts) > CONTINUATION_CACHE_SIZE:
+                self._prompts.popitem(last=False)
+        return list(cached)
 
     def continuation_ids(self, observation: str, generated_ids: Sequence[int]) -> list[int]:
         """Ids to append after a generated assistant turn: turn end + user(observation) + header.
@@ -106,6 +122,14 @@ class ChatTokenizer:
         by max_tokens, or stopped on eos), the returned list starts with that token, so the
         sequence always closes the assistant turn the way the template does.
         """
+        ids = [] if generated_ids and generated_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]
+        return ids + self._observation_ids(observation)
+
+    def _observation_ids(self, observation: str) -> list[int]:
+        cached = self._continuations.get(observation)
+        if cached is not None:
+            self._continuations.move_to_end(observation)
+            return cached
         full = self._render(
             [*self._probe_history, {"role": "user", "content": observation}], add_generation_prompt=True
         )
@@ -114,8 +138,11 @@ class ChatTokenizer:
                 "the chat template is not append-only: adding a user message changed the rendering "
                 "of the earlier turns, so the sequence cannot be built incrementally"
             )
-        ids = [] if generated_ids and generated_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]
-        return ids + self.encode(self._turn_close_text + full[len(self._history_text):])
+        ids = self.encode(self._turn_close_text + full[len(self._history_text):])
+        self._continuations[observation] = ids
+        if len(self._continuations) > CONTINUATION_CACHE_SIZE:
+            self._continuations.popitem(last=False)
+        return ids
 
     def assistant_ids(self, reply: str) -> list[int]:
         """A reply's ids as the model would generate them: tokenize(reply) + end-of-turn.
@@ -126,6 +153,8 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Plain tokenization, no BOS/EOS added (special tokens written in text are recognised)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -133,6 +162,21 @@ class ChatTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ internals
+
+    def _same_ids_backend(self, sample: str):
+        """The wrapped ``tokenizers.Tokenizer`` if it tokenizes like the wrapper on sample texts (chat markup,
+        special tokens, spaces, newlines, unicode), else None (the wrapper is used)."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if backend is None or not callable(getattr(backend, "encode", None)):
+            return None
+        samples = [sample, " leading space", "two\n\nlines  and\ttabs", "naïve café 東京 🙂", "",
+                   self.end_of_turn_token + "x" + self.end_of_turn_token]
+        try:
+            same = all(backend.encode(t, add_special_tokens=False).ids
+                       == list(self.tokenizer.encode(t, add_special_tokens=False)) for t in samples)
+        except Exception:  # noqa: BLE001 - any other backend: keep the wrapper
+            return None
+        return backend if same else None
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
