@@ -135,3 +135,10 @@ async def test_a_cancelled_generation_aborts_its_request():
     request.cancel()
     await asyncio.gather(request, return_exceptions=True)
     assert len(llm.aborted) == 1 and not llm.running and engine.clock.in_flight == 0
+
+
+async def test_keeping_the_old_keys_and_values_skips_the_prefix_cache_reset():
+    llm = FakeLLM()
+    engine = RolloutEngine(llm, on_gpu=False, recompute_kv_on_update=False)
+    await engine.load_staged()
+    assert engine.weights == (0, 1) and llm.prefix_resets == 0

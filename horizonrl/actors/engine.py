@@ -96,12 +96,15 @@ class RolloutEngine:
     request in flight during an update finishes, and every token is known to come from exactly one
     version (``Generation.version_spans``) — which vLLM's own pause with requests kept cannot tell the
     client. Continuing costs one prefill of the request's context, as a pause that drops the running
-    requests' keys and values (they were computed with the old weights) would.
+    requests' keys and values (they were computed with the old weights) would; with
+    ``recompute_kv_on_update=False`` the prefix cache keeps them and the continuation reuses them.
     """
 
-    def __init__(self, llm, on_gpu: bool) -> None:
+    def __init__(self, llm, on_gpu: bool, recompute_kv_on_update: bool = True) -> None:
         self._llm = llm
         self.on_gpu = on_gpu
+        # rollout.engine.recompute_kv_on_update: drop the old weights' keys and values at every swap.
+        self.recompute_kv_on_update = recompute_kv_on_update
         self.weights: tuple[int, int] = (0, 0)  # (epoch, version): version 0 is the checkpoint it started from
         # Time with no request in the engine: the engine's idle share (rollout/engine_idle_share).
         self.clock = BusyClock()
@@ -175,7 +178,7 @@ class RolloutEngine:
             distributed_executor_backend="mp" if tp > 1 else None,
             disable_log_stats=True,
         )
-        return cls(AsyncLLM.from_engine_args(args), on_gpu)
+        return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.recompute_kv_on_update)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
@@ -327,8 +330,9 @@ class RolloutEngine:
                     # reaches the engine before the RPC below, so nothing of theirs runs on the new weights.
                     await self._llm.abort(cut_off)
                 update = await change()
-                # Cached prefixes hold keys/values computed with the old weights.
-                await self._llm.reset_prefix_cache(reset_running_requests=True)
+                if self.recompute_kv_on_update:
+                    # Cached prefixes hold keys/values computed with the old weights.
+                    await self._llm.reset_prefix_cache(reset_running_requests=True)
                 self.weights = (update.epoch, update.version)
                 self.swaps += 1
             finally:

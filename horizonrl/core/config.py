@@ -53,6 +53,12 @@ class EngineConfig(_Frozen):
     enforce_eager: bool = True
     max_num_seqs: int = Field(128, ge=1)
     enable_prefix_caching: bool = True
+    recompute_kv_on_update: bool = Field(
+        True, description="after a weight update, drop the keys and values computed with the old weights (the "
+                          "prefix cache, and those of the requests in flight, which then prefill again), so that every "
+                          "token after the update comes from the new weights alone. false: keep them (as PipelineRL "
+                          "does): no re-prefill, but tokens right after an update attend to old-weight keys and values "
+                          "(their logprobs are still the ones sampled, which the learner's ratio uses)")
     tensor_parallel_size: int = Field(1, ge=1, description="devices each engine shards the model over (vLLM's "
                                       "tensor_parallel_size); resources.actor_gpus gives each engine this many GPUs")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
