@@ -23,6 +23,7 @@ from horizonrl.core.runtime import BusyClock
 log = logging.getLogger("horizonrl.actors.engine")
 
 WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
+SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,10 @@ class RolloutEngine:
             self.clock.enter()
             try:
                 queue = await self._llm.add_request(request_id, prompt, params)
-            except BaseException:
+            except BaseException as exc:
                 self.clock.exit()
+                if isinstance(exc, asyncio.CancelledError):  # it may have reached the engine: end it there
+                    await asyncio.shield(self._llm.abort(request_id))
                 raise
             self._in_flight.add(request_id)
             return weights, queue
@@ -322,7 +325,11 @@ class RolloutEngine:
             start = time.perf_counter()
             self._gate_open.clear()
             try:
-                await self._submitted.wait()
+                try:
+                    await asyncio.wait_for(self._submitted.wait(), SUBMIT_WAIT_S)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"a request submitted to the engine did not get in within {SUBMIT_WAIT_S:.0f} s "
+                                       "(is the engine's core process alive?)") from None
                 cut_off = list(self._in_flight)
                 if cut_off:
                     self._cut_off.update(cut_off)

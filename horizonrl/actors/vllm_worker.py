@@ -10,8 +10,9 @@ only vLLM-specific modules.
 Two ways to take a version. *Staged* (what the actor does): ``horizonrl_stage_weights`` starts a
 thread that receives the whole version into a staging buffer (the model's size in the engine's
 dtype, reused) and acknowledges it to the learner, while this worker keeps running the model; the
-thread tells the actor when it is there; ``horizonrl_load_staged`` loads it between two engine steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket
-straight into the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
+thread tells the actor when it is there; ``horizonrl_load_staged`` loads it between two engine
+steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket straight into
+the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
 """
 
 from __future__ import annotations

@@ -318,29 +318,28 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step if send_now else published,
                                            weight_epoch=epoch, metrics=metrics,
                                            checkpoint=checkpoint if saved_step == step else ""))
-        if not send_now:
-            continue
-        # Collective: every rank gathers, bucket by bucket; rank 0 sends (on gloo in the background, while the
-        # next step trains: the time engines take to start receiving is not the learner's).
-        sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
-                               dtype=engine_dtype, stop=stop, background=True)
-        published = step
-        if not is_main:
-            continue
-        if sync is None:
-            log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
-                        "checkpoint comes next", step)
-            res.weight_hub_abandoned = True
-            continue
-        weight_sync_s, gather_s = sync["total_s"], sync["gather_s"]
-        log.info(
-            "step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs gather %.2fs sync %.3fs "
-            "(%.1f MB in %d buckets to %d engine workers%s)",
-            step, metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
-            metrics["batch/staleness_mean"], times["batch_wait"], times["step"], gather_s, weight_sync_s,
-            sync["bytes"] / 1e6, sync["buckets"], sync["members"],
-            f", {sync['dropped']:.0f} dropped" if sync["dropped"] else "",
-        )
+        sent = ""
+        if send_now:
+            # Collective: every rank gathers, bucket by bucket; rank 0 sends (on gloo in the background, while
+            # the next step trains: the time engines take to start receiving is not the learner's).
+            sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
+                                   dtype=engine_dtype, stop=stop, background=True)
+            published = step
+            if is_main and sync is None:
+                log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
+                            "checkpoint comes next", step)
+                res.weight_hub_abandoned = True
+                continue
+            if is_main:
+                weight_sync_s, gather_s = sync["total_s"], sync["gather_s"]
+                sent = (f"gather {gather_s:.2f}s sync {weight_sync_s:.3f}s ({sync['bytes'] / 1e6:.1f} MB in "
+                        f"{sync['buckets']:.0f} buckets to {sync['members']:.0f} engine workers"
+                        + (f", {sync['dropped']:.0f} dropped)" if sync["dropped"] else ")"))
+        if is_main:
+            log.info("step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs %s", step,
+                     metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
+                     metrics["batch/staleness_mean"], times["batch_wait"], times["step"],
+                     sent or f"weights not sent (every {sync_every} steps)")
 
     if is_main and not res.weight_hub_abandoned and not res.weight_hub.wait_for_send(
             _abandon_after(stop, STOP_SEND_GRACE_S)):
