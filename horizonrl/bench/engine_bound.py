@@ -14,7 +14,9 @@ With ``--partition`` (``partition.py``) the comparison is the fair one: the lear
 each actor run on cores of their own, as on separate GPUs, and the bare engines run on the same
 actor cores. Each repeat then measures one async training run and the bare engines back to back
 (alternating which goes first), so the ratio is paired within a repeat; the actors' weight-update
-stall share comes from the same training runs.
+stall share comes from the same training runs. The buffer does not push back in those runs (no
+capacity or staleness bound): the question is whether the actors keep their engines busy while
+the learner trains and sends weights, not how fast one learner core trains.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     spec = dataclasses.replace(bare_spec(quick, model, partition.overrides()), episodes=256 if quick else 512)
     progress("engine", f"partition: {partition.describe()}")
     everywhere = os.sched_getaffinity(0)
-    train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}"]
+    # The buffer never pushes back here: on a partitioned host the learner (one core of two) may train slower
+    # than the engine generates, and a paused actor would measure the learner, not the actor. Groups too stale
+    # to train on are dropped (counted); what is measured is generation while training and updates go on.
+    train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}",
+                   "buffer.capacity_groups=100000", "buffer.max_staleness=100000"]
     trained: list[dict[str, float]] = []
     bare: list[float] = []
 
