@@ -42,6 +42,8 @@ from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
 from horizonrl.protocol import (
+    ENDPOINT_TRAJECTORIES,
+    ENDPOINT_WEIGHTS,
     FAILURE_ENVIRONMENT,
     FAILURE_TIMEOUT,
     MAX_CONTROL_BYTES,
@@ -57,7 +59,8 @@ from horizonrl.protocol import (
     encode,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
-from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.protocol.registry import FollowedEndpoint
+from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
 
@@ -192,7 +195,9 @@ class Actor:
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
         self.intake = make_socket(self.ctx, zmq.DEALER, hwm=max(4, r.n), max_message_bytes=MAX_ACK_BYTES,
                                   security=self.security)
-        self.intake.connect(net.endpoint(net.trajectory_port))
+        # The buffer at its configured port, or wherever it registered (followed when it restarts elsewhere).
+        self.buffer_endpoint = FollowedEndpoint(self.intake, ENDPOINT_TRAJECTORIES,
+                                                net.endpoint(net.trajectory_port) if net.trajectory_port else None)
         self.delivery = TrajectoryDelivery(self.intake, state_dir / f"outbox_{index}", self.run_id,
                                            ack_timeout_s=r.ack_timeout_s, max_unacked=r.max_unacked)
         self.sub = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
@@ -207,7 +212,10 @@ class Actor:
         return self.weights[1]
 
     async def run(self) -> None:
-        log.info("joining the learner's weight hub at %s", self.config.network.endpoint(self.config.network.weight_port))
+        if not await self._unless_stopped(self._resolve_endpoints()):
+            return
+        host, port = self._weight_hub_address()
+        log.info("joining the learner's weight hub at %s:%d", host, port)
         if not await self._unless_stopped(self._join_weights()):
             return
         services = [asyncio.create_task(self._follow_control(), name="control"),
@@ -281,10 +289,40 @@ class Actor:
         log.info("started: learner step %d, turn budget %d, weights %s (epoch, version)", self.control.learner_step,
                  self.control.max_turns, self.weights)
 
+    async def _resolve_endpoints(self) -> None:
+        """Where the buffer and the weight hub are, when their ports are not configured: the first Control
+        that names both (they register with the coordinator once they are up; the weight hub once the
+        learner has its model, which may take minutes: the join would wait as long)."""
+        net = self.config.network
+        if net.trajectory_port and net.weight_port:
+            return
+        wanted = [name for name, port in ((ENDPOINT_TRAJECTORIES, net.trajectory_port),
+                                          (ENDPOINT_WEIGHTS, net.weight_port)) if not port]
+        timeout_s = max(CONTROL_WAIT_S, self.config.learner.weight_sync_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.control is None or any(name not in self.control.endpoints for name in wanted):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the coordinator did not publish {', '.join(wanted)} within {timeout_s:.0f} s "
+                                   f"(registered: {sorted(self.control.endpoints) if self.control else 'no Control'})")
+            if not await self.sub.poll(200):
+                continue
+            try:
+                self.control = decode_as(await self.sub.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
+            except ProtocolError as exc:
+                self._bad_log.warning("rejected control message: %s", exc)
+        self.buffer_endpoint.update(self.control.endpoints)
+
+    def _weight_hub_address(self) -> tuple[str, int]:
+        """The learner's weight hub: its configured port on network.host, or the newest registered one."""
+        net = self.config.network
+        if net.weight_port:
+            return net.host, net.weight_port
+        return split_endpoint(self.control.endpoints[ENDPOINT_WEIGHTS])
+
     async def _join_weights(self) -> None:
         """Join the learner's weight hub; its newest weights are in the engine when this returns."""
-        net = self.config.network
-        update = await self.engine.join_weights(net.host, net.weight_port, actor=self.index, run_id=self.run_id,
+        host, port = self._weight_hub_address()
+        update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
                                                 timeout_s=self.config.learner.weight_sync_timeout_s)
         self._took(update)
         self.counters["weight_joins"] += 1
@@ -299,6 +337,7 @@ class Actor:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
             self.control = control
+            self.buffer_endpoint.update(control.endpoints)
             self.delivery.backpressure = control.pause_rollout
             # The hub sends every member each version once, in order. A newer weight epoch is a
             # restarted learner, hence a new hub: join that one, which answers with its newest weights.

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from horizonrl.protocol.transport import tcp_endpoint
+from horizonrl.protocol.transport import advertise_host, tcp_endpoint
 
 
 class _Frozen(BaseModel):
@@ -198,24 +198,42 @@ class BufferConfig(_Frozen):
 
 
 class NetworkConfig(_Frozen):
-    host: str = "127.0.0.1"  # every socket binds here; loopback unless configured
+    """Where the processes of a run find each other.
+
+    The coordinator's address (``host``, ``control_port``, ``report_port``) is the one every process is
+    given. Every other server socket binds on its own host at its port here, or, where that port is 0
+    once the run has started, at a free port it registers with the coordinator (protocol/registry.py);
+    its clients follow the registration, also when it restarts elsewhere. ``launcher.type=local``
+    resolves every port before it starts anything (one machine, loopback); the cluster launchers
+    resolve only the coordinator's."""
+
+    host: str = "127.0.0.1"  # the coordinator's address (and, on one machine, everyone's); loopback unless configured
     control_port: int = Field(0, ge=0, le=65535)  # 0: the launcher picks a free port
     report_port: int = Field(0, ge=0, le=65535)
     trajectory_port: int = Field(0, ge=0, le=65535)
     batch_port: int = Field(0, ge=0, le=65535)
     weight_port: int = Field(0, ge=0, le=65535)
     dist_port: int = Field(0, ge=0, le=65535)  # the learner's own FSDP process group
+    bind_host: str | None = Field(None, description="the address every process other than the coordinator binds "
+                                  "its server sockets on (e.g. 0.0.0.0); None: the address it advertises (its "
+                                  "launcher's HORIZONRL_ADVERTISE_HOST, else its address on the route to host)")
     curve_keys_dir: str | None = Field(None, description="CurveZMQ keys (`horizonrl keys DIR` makes them); required "
                                        "when host is not a loopback address")
 
     def endpoint(self, port: int) -> str:
         return tcp_endpoint(self.host, port)
 
+    def advertised_host(self) -> str:
+        """The address this process gives the others for what it binds (loopback on one machine)."""
+        return advertise_host(self.host)
+
+    def bind_address(self) -> str:
+        return self.bind_host or self.advertised_host()
+
     @property
     def resolved(self) -> bool:
-        return all(
-            (self.control_port, self.report_port, self.trajectory_port, self.batch_port, self.weight_port, self.dist_port)
-        )
+        """The coordinator's ports are known: every process can start (the rest registers)."""
+        return bool(self.control_port and self.report_port)
 
 
 class WandbConfig(_Frozen):
