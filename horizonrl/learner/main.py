@@ -53,6 +53,7 @@ from horizonrl.learner.train_step import AdvantageSettings, LossSettings, Update
 from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import (ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch, LearnerReport, decode_as,
                                 learner_rendezvous_name)
+from horizonrl.protocol.registry import LEARNER_GANG_ENV
 from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
 
@@ -64,7 +65,6 @@ PROCESS_GROUP_SLACK_S = 300.0
 STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
 
 
-GANG_ENV = "HORIZONRL_LEARNER_GANG"
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class RankInfo:
             local_rank=int(env.get("LOCAL_RANK", "0")),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT") or 0),
-            gang=env.get(GANG_ENV, "0"),
+            gang=env.get(LEARNER_GANG_ENV, "0"),
         )
 
 

@@ -30,6 +30,9 @@ from horizonrl.protocol.transport import make_socket
 log = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.2
+# One learner incarnation's id, set by its launcher for every rank: the rank-0 rendezvous it registers is named
+# after it (messages.learner_rendezvous_name), so a restarted learner's ranks never meet at the old address.
+LEARNER_GANG_ENV = "HORIZONRL_LEARNER_GANG"
 
 
 def registration(run_id: str, name: str, endpoints: Mapping[str, str]) -> bytes:
