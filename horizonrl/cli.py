@@ -59,6 +59,16 @@ def _cmd_train(args) -> int:
         from horizonrl.launcher import resolve_placement
 
         print(dump_config(config), end="")
+        if config.launcher.type != "local":
+            # On a cluster the scheduler picks the GPUs: show the bundles it is asked for.
+            from horizonrl.core.placement import cluster_bundles
+
+            gpus = config.resources.device != "cpu" and config.launcher.ray.gpus is not False
+            bundles = cluster_bundles(config, gpus=gpus, cpus_per_process=config.launcher.ray.cpus_per_process)
+            print(f"\n# {config.launcher.type}: one bundle per process" + (" (GPU bundles where the cluster has GPUs)"
+                                                                         if gpus else ""))
+            print("\n".join(f"#   {b.name}: {b.resources}" for b in bundles))
+            return 0
         # The device plan as `train` would use it on this host, as YAML comments (the output stays loadable
         # YAML); a plan `train` would refuse is shown, then refused the same way.
         plan = resolve_placement(config)

@@ -67,6 +67,7 @@ from horizonrl.core.schedule import TurnBudgetSchedule
 log = logging.getLogger("horizonrl.actors")
 
 CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
+HUB_PROBE_S = 1.0  # a registered weight hub that refuses connections is looked up again this often
 STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
 UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
@@ -304,20 +305,23 @@ class Actor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the coordinator did not publish {', '.join(wanted)} within {timeout_s:.0f} s "
                                    f"(registered: {sorted(self.control.endpoints) if self.control else 'no Control'})")
-            if not await self.sub.poll(200):
-                continue
-            # Everything queued, keeping the newest: the subscription was made before the engine started
-            # (minutes, on a loaded machine), and what queued meanwhile may name a learner that has restarted since.
-            while True:
-                try:
-                    data = await self.sub.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
-                except ProtocolError as exc:
-                    self._bad_log.warning("rejected control message: %s", exc)
-        self.buffer_endpoint.update(self.control.endpoints)
+            if await self.sub.poll(200):
+                await self._read_queued_control()
+
+    async def _read_queued_control(self) -> None:
+        """Every Control queued on the subscription, keeping the newest: it was made before the engine started
+        (minutes, on a loaded machine), and what queued meanwhile may name a learner that has restarted since."""
+        while True:
+            try:
+                data = await self.sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+            except ProtocolError as exc:
+                self._bad_log.warning("rejected control message: %s", exc)
+        if self.control is not None:
+            self.buffer_endpoint.update(self.control.endpoints)
 
     def _weight_hub_address(self) -> tuple[str, int]:
         """The learner's weight hub: its configured port on network.host, or the newest registered one."""
@@ -326,9 +330,30 @@ class Actor:
             return net.host, net.weight_port
         return split_endpoint(self.control.endpoints[ENDPOINT_WEIGHTS])
 
+    async def _reachable_weight_hub(self) -> tuple[str, int]:
+        """The registered weight hub, once it accepts connections. A hub that does not is one of a learner
+        that has died: its successor registers a new one, which the next Control names — so look again
+        there, rather than wait in the join until the timeout for a hub that will never come back."""
+        deadline = time.monotonic() + self.config.learner.weight_sync_timeout_s
+        while True:
+            host, port = self._weight_hub_address()
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), HUB_PROBE_S)
+                writer.close()
+                return host, port
+            except (OSError, asyncio.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no weight hub answered at {host}:{port} (the newest registered) within "
+                                       f"learner.weight_sync_timeout_s={self.config.learner.weight_sync_timeout_s:.0f} s")
+                await asyncio.sleep(HUB_PROBE_S)
+                await self._read_queued_control()
+
     async def _join_weights(self) -> None:
         """Join the learner's weight hub; its newest weights are in the engine when this returns."""
-        host, port = self._weight_hub_address()
+        if self.config.network.weight_port:
+            host, port = self._weight_hub_address()  # a configured hub: the join waits for it to be up
+        else:
+            host, port = await self._reachable_weight_hub()
         update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
                                                 timeout_s=self.config.learner.weight_sync_timeout_s)
         self._took(update)

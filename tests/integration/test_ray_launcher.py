@@ -53,10 +53,21 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def role_of(process: psutil.Process) -> str:
-    cmd = process.cmdline()
+def role_of(process: psutil.Process) -> str | None:
+    """``coordinator``, ``buffer``, ``learner``, ``actor-I``; None for a process that is gone."""
+    try:
+        cmd = process.cmdline()
+    except psutil.Error:
+        return None
     role = cmd[cmd.index("horizonrl") + 1]
     return f"{role}-{cmd[cmd.index('--index') + 1]}" if "--index" in cmd else role
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def assert_nothing_left(run_dir: Path, tree: list[psutil.Process]) -> None:
@@ -76,10 +87,13 @@ def test_a_ray_run_places_every_process_and_trains_to_the_end(tiny_model, tmp_pa
                                        *SMALL, "learner.num_ranks=2", "rollout.num_actors=2",
                                        f"learner.total_steps={total}"), log)
     seen: dict[int, psutil.Process] = {}
+    roles: set[str] = set()
     try:
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline:
-            seen.update((p.pid, p) for p in run_processes(run_dir) + psutil.Process(proc.pid).children(recursive=True))
+            ours = run_processes(run_dir)
+            roles.update(filter(None, map(role_of, ours)))
+            seen.update((p.pid, p) for p in ours + descendants(proc.pid))
             time.sleep(1)
         rc = proc.wait(timeout=5)
     finally:
@@ -98,19 +112,11 @@ def test_a_ray_run_places_every_process_and_trains_to_the_end(tiny_model, tmp_pa
         assert name in coordinator, name
     config = (run_dir / "config.yaml").read_text()
     assert "trajectory_port: 0" in config and "weight_port: 0" in config and "type: ray" in config
-    roles = {role_of(p) for p in seen.values() if "--config" in " ".join(_cmdline(p))}
     assert {"coordinator", "buffer", "learner", "actor-0", "actor-1"} <= roles, roles
     # each learner rank and engine saw the GPU Ray gave it, found no GPU behind it, and trained on gloo
     learner_log = (run_dir / "logs" / "learner-0.log").read_text()
     assert "sharded over 2 ranks (gloo)" in learner_log
     assert_nothing_left(run_dir, list(seen.values()))
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
 
 
 def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishes(tiny_model, tmp_path):
