@@ -106,7 +106,10 @@ def _cmd_slurm(args) -> int:
             return 2
         print(prepare_slurm_run(config, args.coordinator_host))
         return 0
-    sys.stdout.write(sbatch_script(config))
+    script = sbatch_script(config)
+    # Slurm opens the job's output file (#SBATCH --output=<output_dir>/logs/...) before the script runs.
+    (config.output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    sys.stdout.write(script)
     return 0
 
 

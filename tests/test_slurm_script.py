@@ -9,7 +9,6 @@ torchrun with gang restarts from the newest checkpoint, the coordinator on the f
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +69,6 @@ def test_the_embedded_settings_are_the_resolved_config(tmp_path):
     assert "horizonrl keys" not in script
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")  # always there on Linux
 def test_the_script_is_valid_bash(tmp_path):
     path = tmp_path / "job.sbatch"
     path.write_text(sbatch_script(config_for(tmp_path, "launcher.slurm.nodes=3", "launcher.slurm.gpus_per_node=8",

@@ -16,7 +16,8 @@ newest checkpoint (``--resume auto``); a dead coordinator ends the job. Slurm's 
 (``--requeue``) with ``resume=auto`` continues a job that lost its node.
 
 The generated script embeds the resolved settings (the config with its overrides applied) so that
-it is the whole record of what ran; at start it writes them to ``<output_dir>/submitted.yaml`` and
+it is the whole record of what ran (``horizonrl slurm`` creates ``<output_dir>/logs``: Slurm opens the
+job's output file there before the script runs); at start it writes them to ``<output_dir>/submitted.yaml`` and
 runs ``horizonrl slurm --prepare`` to fix the coordinator's address, the run id and the resume
 point in ``<output_dir>/config.yaml``, the file every step reads (``output_dir`` must be on a file
 system every node shares).
@@ -175,7 +176,8 @@ def sbatch_script(config: TrainConfig) -> str:
             f'--rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:{s.torchrun_port}" --rdzv-id="$SLURM_JOB_ID"')
     body += [
         "# The learner: its ranks under torchrun, which restarts them all (a gang) from the newest checkpoint.",
-        f"srun --exact --nodes={layout.learner_nodes} --ntasks-per-node=1 "
+        # --ntasks explicitly: a step inherits the job's SLURM_NTASKS, which would ask for every task's CPUs.
+        f"srun --exact --nodes={layout.learner_nodes} --ntasks={layout.learner_nodes} --ntasks-per-node=1 "
         f"--cpus-per-task={s.cpus_per_process * layout.ranks_per_node} "
         f"--mem={s.mem_per_process_gb * layout.ranks_per_node}G {learner_gres} "
         '--output="$RUN_DIR/logs/learner.log" \\',
