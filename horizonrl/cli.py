@@ -2,7 +2,9 @@
 ``--help`` answers at once.
 
 Commands:
-  train CONFIG [key=value ...]   launch a whole run (coordinator, buffer, learner ranks, actors)
+  train CONFIG [key=value ...]   launch a whole run (coordinator, buffer, learner ranks, actors); launcher.type=
+                                 local (subprocesses here) or ray (a Ray cluster)
+  slurm CONFIG [key=value ...]   the run as a Slurm batch script (horizonrl slurm CONFIG > job.sbatch)
   demo                           build the tiny model, evaluate, train on the CPU, evaluate again
   eval                           success rate of a model on held-out tasks
   make-tiny-model OUT_DIR        a tiny Qwen2 model + tokenizer, format-warmed on random episodes
@@ -58,6 +60,16 @@ def _cmd_train(args) -> int:
         from horizonrl.launcher import resolve_placement
 
         print(dump_config(config), end="")
+        if config.launcher.type != "local":
+            # On a cluster the scheduler picks the GPUs: show the bundles it is asked for.
+            from horizonrl.core.placement import cluster_bundles
+
+            gpus = config.resources.device != "cpu" and config.launcher.ray.gpus is not False
+            bundles = cluster_bundles(config, gpus=gpus, cpus_per_process=config.launcher.ray.cpus_per_process)
+            print(f"\n# {config.launcher.type}: one bundle per process" + (" (GPU bundles where the cluster has GPUs)"
+                                                                         if gpus else ""))
+            print("\n".join(f"#   {b.name}: {b.resources}" for b in bundles))
+            return 0
         # The device plan as `train` would use it on this host, as YAML comments (the output stays loadable
         # YAML); a plan `train` would refuse is shown, then refused the same way.
         plan = resolve_placement(config)
@@ -65,6 +77,41 @@ def _cmd_train(args) -> int:
         plan.require_runnable()
         return 0
     return launch(config, tensorboard=args.tensorboard, verbose=args.verbose)
+
+
+def _add_slurm(sub) -> None:
+    p = sub.add_parser("slurm", help="the run as a Slurm batch script: horizonrl slurm CONFIG > job.sbatch",
+                       description="Write the run as one Slurm batch job to stdout: one `srun --exact` step per "
+                                   "process (the learner's ranks under torchrun), restarts of actors and the buffer, "
+                                   "the coordinator on the job's first node (docs/cluster.md). Submit it with "
+                                   "`sbatch job.sbatch`. Settings: launcher.slurm.* (nodes, gpus_per_node, partition, "
+                                   "time, setup lines...).")
+    p.add_argument("config", type=Path)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
+    p.add_argument("--prepare", action="store_true",
+                   help="(run by the job itself) write <output_dir>/config.yaml for the coordinator at "
+                        "--coordinator-host and print its path")
+    p.add_argument("--coordinator-host", default=None, help="with --prepare: the first node's address")
+    p.set_defaults(func=_cmd_slurm)
+
+
+def _cmd_slurm(args) -> int:
+    from horizonrl.core.config import load_config
+    from horizonrl.launcher.slurm import prepare_slurm_run, sbatch_script
+
+    overrides = [f"learner.{o}" if o.startswith("resume=") else o for o in args.overrides]
+    config = load_config(args.config, ["launcher.type=slurm", *overrides])
+    if args.prepare:
+        if not args.coordinator_host:
+            print("error: --prepare needs --coordinator-host", file=sys.stderr)
+            return 2
+        print(prepare_slurm_run(config, args.coordinator_host))
+        return 0
+    script = sbatch_script(config)
+    # Slurm opens the job's output file (#SBATCH --output=<output_dir>/logs/...) before the script runs.
+    (config.output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    sys.stdout.write(script)
+    return 0
 
 
 def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
@@ -396,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_slurm(sub)
     _add_demo(sub)
     _add_eval(sub)
     _add_tiny(sub)

@@ -3,9 +3,13 @@ and shutdown, and is the one writer of TensorBoard scalars.
 
 Inputs (PULL): ``LearnerReport`` after each learner step, ``Heartbeat`` from every
 process, ``ProcessEvent`` from the launcher (a process died, was restarted, or the launcher
-gave up on it). Output (PUB): ``Control`` — completed learner steps, the max-turn budget for
-episodes started now, the newest weight version, and the stop flag — sent at once on
-every change and republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
+gave up on it), ``Registration`` from every process that serves something. Output (PUB):
+``Control`` — completed learner steps, the max-turn budget for episodes started now, the newest
+weight version, the stop flag, and every registered endpoint — sent at once on every change and
+republished every ``CONTROL_PERIOD_S`` so late subscribers catch up.
+
+The coordinator is the registry (protocol/registry.py): its address is the one every process is
+given; the others bind where they run, register there, and find each other in ``Control.endpoints``.
 
 Held-out evaluation during training (``eval.every``): at step 0 (or the step a run resumes
 from), every ``eval.every`` steps and at the learner's last step, ``Control.eval_step`` asks actor 0
@@ -54,6 +58,7 @@ from horizonrl.protocol import (
     LearnerReport,
     ProcessEvent,
     ProtocolError,
+    Registration,
     decode,
     encode,
 )
@@ -174,6 +179,7 @@ class Coordinator:
         self.evaluated_steps: set[int] = set()
         self._final_eval_deadline: float | None = None
         self.plateau = HeldOutPlateau(config.eval.stop_after_plateau, config.eval.plateau_min_delta)
+        self.endpoints: dict[str, str] = {}  # the registry: the newest registration of each name
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
                  net.endpoint(net.report_port), self.max_turns)
 
@@ -223,6 +229,7 @@ class Coordinator:
             stop=self.done,
             eval_step=self.eval_step,
             end_training=self.plateau.reached,
+            endpoints=dict(self.endpoints),
         )
 
     def run(self) -> None:
@@ -271,6 +278,8 @@ class Coordinator:
                 self.on_process_event(message)
             elif isinstance(message, HeldOutEval):
                 self.on_held_out_eval(message)
+            elif isinstance(message, Registration):
+                self.on_registration(message)
             else:
                 self.bad_messages["UnexpectedMessage"] += 1
                 self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
@@ -292,6 +301,17 @@ class Coordinator:
                 self._recovered(name)
         if self.rollout_paused != paused:
             self.publish()  # pause or resume the actors at once
+
+    def on_registration(self, registration: Registration) -> None:
+        """A process serves ``endpoints`` now (a restarted one: somewhere new). Published at once, so
+        its clients reconnect within one Control."""
+        changed = {k: v for k, v in registration.endpoints.items() if self.endpoints.get(k) != v}
+        if not changed:
+            return
+        self.endpoints.update(changed)
+        log.info("%s (pid %d) registered %s", registration.name, registration.pid,
+                 ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+        self.publish()
 
     def on_process_event(self, event: ProcessEvent) -> None:
         """The launcher's supervision decisions: counted, written to faults.jsonl, and timed to recovery."""

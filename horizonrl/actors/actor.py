@@ -45,6 +45,8 @@ from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
 from horizonrl.protocol import (
+    ENDPOINT_TRAJECTORIES,
+    ENDPOINT_WEIGHTS,
     FAILURE_ENVIRONMENT,
     FAILURE_TIMEOUT,
     MAX_CONTROL_BYTES,
@@ -60,13 +62,15 @@ from horizonrl.protocol import (
     encode,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
-from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.protocol.registry import FollowedEndpoint
+from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
 
 log = logging.getLogger("horizonrl.actors")
 
 CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
+HUB_PROBE_S = 1.0  # a registered weight hub that refuses connections is looked up again this often
 STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
 UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
@@ -186,6 +190,7 @@ class Actor:
                                   {name: env.task_ids("train") for name, env in probe.items()})
         self.control: Control | None = None
         self._new_control = asyncio.Event()
+        self._control_reader_running = False
         self.counters: Counter[str] = Counter()
         self._last_sample: dict[str, float] = {}  # env -> when its last episode sample was sent
         r = config.rollout
@@ -196,7 +201,9 @@ class Actor:
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
         self.intake = make_socket(self.ctx, zmq.DEALER, hwm=max(4, r.n), max_message_bytes=MAX_ACK_BYTES,
                                   security=self.security)
-        self.intake.connect(net.endpoint(net.trajectory_port))
+        # The buffer at its configured port, or wherever it registered (followed when it restarts elsewhere).
+        self.buffer_endpoint = FollowedEndpoint(self.intake, ENDPOINT_TRAJECTORIES,
+                                                net.endpoint(net.trajectory_port) if net.trajectory_port else None)
         self.delivery = TrajectoryDelivery(self.intake, state_dir / f"outbox_{index}", self.run_id,
                                            ack_timeout_s=r.ack_timeout_s, max_unacked=r.max_unacked)
         self.sub = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
@@ -216,9 +223,13 @@ class Actor:
         return self.weights[1]
 
     async def run(self) -> None:
-        log.info("joining the learner's weight hub at %s", self.config.network.endpoint(self.config.network.weight_port))
+        if not await self._unless_stopped(self._resolve_endpoints()):
+            return
+        host, port = self._weight_hub_address()
+        log.info("joining the learner's weight hub at %s:%d", host, port)
         if not await self._unless_stopped(self._join_weights()):
             return
+        self._control_reader_running = True  # from here on, only _read_control reads the subscription
         services = [asyncio.create_task(self._read_control(), name="control"),
                     asyncio.create_task(self._follow_weights(), name="weights"),
                     asyncio.create_task(self._heartbeat(), name="heartbeat"),
@@ -292,10 +303,72 @@ class Actor:
         log.info("started: learner step %d, turn budget %d, weights %s (epoch, version)", self.control.learner_step,
                  self.control.max_turns, self.weights)
 
+    async def _resolve_endpoints(self) -> None:
+        """Where the buffer and the weight hub are, when their ports are not configured: the first Control
+        that names both (they register with the coordinator once they are up; the weight hub once the
+        learner has its model, which may take minutes: the join would wait as long)."""
+        net = self.config.network
+        if net.trajectory_port and net.weight_port:
+            return
+        wanted = [name for name, port in ((ENDPOINT_TRAJECTORIES, net.trajectory_port),
+                                          (ENDPOINT_WEIGHTS, net.weight_port)) if not port]
+        timeout_s = max(CONTROL_WAIT_S, self.config.learner.weight_sync_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.control is None or any(name not in self.control.endpoints for name in wanted):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the coordinator did not publish {', '.join(wanted)} within {timeout_s:.0f} s "
+                                   f"(registered: {sorted(self.control.endpoints) if self.control else 'no Control'})")
+            if await self.sub.poll(200):
+                await self._read_queued_control()
+
+    async def _read_queued_control(self) -> None:
+        """Every Control queued on the subscription, keeping the newest: it was made before the engine started
+        (minutes, on a loaded machine), and what queued meanwhile may name a learner that has restarted since."""
+        while True:
+            try:
+                data = await self.sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+            except ProtocolError as exc:
+                self._bad_log.warning("rejected control message: %s", exc)
+        if self.control is not None:
+            self.buffer_endpoint.update(self.control.endpoints)
+
+    def _weight_hub_address(self) -> tuple[str, int]:
+        """The learner's weight hub: its configured port on network.host, or the newest registered one."""
+        net = self.config.network
+        if net.weight_port:
+            return net.host, net.weight_port
+        return split_endpoint(self.control.endpoints[ENDPOINT_WEIGHTS])
+
+    async def _reachable_weight_hub(self) -> tuple[str, int]:
+        """The registered weight hub, once it accepts connections. A hub that does not is one of a learner
+        that has died: its successor registers a new one, which the next Control names — so look again
+        there, rather than wait in the join until the timeout for a hub that will never come back."""
+        deadline = time.monotonic() + self.config.learner.weight_sync_timeout_s
+        while True:
+            host, port = self._weight_hub_address()
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), HUB_PROBE_S)
+                writer.close()
+                return host, port
+            except (OSError, asyncio.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no weight hub answered at {host}:{port} (the newest registered) within "
+                                       f"learner.weight_sync_timeout_s={self.config.learner.weight_sync_timeout_s:.0f} s")
+                await asyncio.sleep(HUB_PROBE_S)
+                if not self._control_reader_running:  # else _read_control keeps self.control current
+                    await self._read_queued_control()
+
     async def _join_weights(self) -> None:
         """Join the learner's weight hub; its newest weights are in the engine when this returns."""
-        net = self.config.network
-        update = await self.engine.join_weights(net.host, net.weight_port, actor=self.index, run_id=self.run_id,
+        if self.config.network.weight_port:
+            host, port = self._weight_hub_address()  # a configured hub: the join waits for it to be up
+        else:
+            host, port = await self._reachable_weight_hub()
+        update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
                                                 timeout_s=self.config.learner.weight_sync_timeout_s)
         self._took(update)
         self.counters["weight_joins"] += 1
@@ -310,6 +383,7 @@ class Actor:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
             self.control = control
+            self.buffer_endpoint.update(control.endpoints)
             self.delivery.backpressure = control.pause_rollout
             self._new_control.set()
 

@@ -52,6 +52,8 @@ from horizonrl.protocol import (
     ACK_ACCEPTED,
     ACK_DUPLICATE,
     ACK_REJECTED,
+    ENDPOINT_BATCHES,
+    ENDPOINT_TRAJECTORIES,
     MAX_CONTROL_BYTES,
     Batch,
     BatchRequest,
@@ -64,7 +66,8 @@ from horizonrl.protocol import (
     decode_as,
     encode,
 )
-from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.protocol.registry import registration
+from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
 from horizonrl.protocol.validation import trajectory_problem
 
 log = logging.getLogger("horizonrl.buffer")
@@ -128,16 +131,21 @@ class BufferServer:
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
         self.intake = make_socket(self.ctx, zmq.ROUTER, hwm=cfg.capacity_groups * config.rollout.n,
                                   max_message_bytes=MAX_TRAJECTORY_BYTES, security=self.security, server=True)
-        self.intake.bind(net.endpoint(net.trajectory_port))
+        # Bound at the configured ports, or at free ones (port 0) registered with the coordinator, which
+        # tells actors and learner where this incarnation is (a restarted buffer may be somewhere new).
+        bind, advertised = net.bind_address(), net.advertised_host()
+        self.endpoints = {
+            ENDPOINT_TRAJECTORIES: bind_endpoint(self.intake, bind, net.trajectory_port, advertised)}
         self.router = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=MAX_REQUEST_BYTES, security=self.security,
                                   server=True)
-        self.router.bind(net.endpoint(net.batch_port))
+        self.endpoints[ENDPOINT_BATCHES] = bind_endpoint(self.router, bind, net.batch_port, advertised)
         self.control = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
         self.control.connect(net.endpoint(net.control_port))
         self.reports = make_socket(self.ctx, zmq.PUSH, security=self.security)
         self.reports.connect(net.endpoint(net.report_port))
-        log.info("trajectories in on %s, batches out on %s; write-ahead log %s", net.endpoint(net.trajectory_port),
-                 net.endpoint(net.batch_port), self.wal.directory if self.wal else "off")
+        self._register()
+        log.info("trajectories in on %s, batches out on %s; write-ahead log %s", self.endpoints[ENDPOINT_TRAJECTORIES],
+                 self.endpoints[ENDPOINT_BATCHES], self.wal.directory if self.wal else "off")
 
     # ------------------------------------------------------------------ recovery
 
@@ -414,6 +422,13 @@ class BufferServer:
             self.reports.send(encode(beat), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the coordinator is not reading; liveness is also watched by the launcher
+        self._register()  # again with every beat: the coordinator publishes only changes, so a lost one heals
+
+    def _register(self) -> None:
+        try:
+            self.reports.send(registration(self.run_id, "buffer", self.endpoints), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the next heartbeat sends it again
 
     def _send(self, sock: zmq.Socket, identity: bytes, message) -> None:
         self._send_bytes(sock, identity, encode(message))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from horizonrl.protocol.transport import tcp_endpoint
+from horizonrl.protocol.transport import advertise_host, tcp_endpoint
 
 
 class _Frozen(BaseModel):
@@ -211,24 +211,42 @@ class BufferConfig(_Frozen):
 
 
 class NetworkConfig(_Frozen):
-    host: str = "127.0.0.1"  # every socket binds here; loopback unless configured
+    """Where the processes of a run find each other.
+
+    The coordinator's address (``host``, ``control_port``, ``report_port``) is the one every process is
+    given. Every other server socket binds on its own host at its port here, or, where that port is 0
+    once the run has started, at a free port it registers with the coordinator (protocol/registry.py);
+    its clients follow the registration, also when it restarts elsewhere. ``launcher.type=local``
+    resolves every port before it starts anything (one machine, loopback); the cluster launchers
+    resolve only the coordinator's."""
+
+    host: str = "127.0.0.1"  # the coordinator's address (and, on one machine, everyone's); loopback unless configured
     control_port: int = Field(0, ge=0, le=65535)  # 0: the launcher picks a free port
     report_port: int = Field(0, ge=0, le=65535)
     trajectory_port: int = Field(0, ge=0, le=65535)
     batch_port: int = Field(0, ge=0, le=65535)
     weight_port: int = Field(0, ge=0, le=65535)
     dist_port: int = Field(0, ge=0, le=65535)  # the learner's own FSDP process group
+    bind_host: str | None = Field(None, description="the address every process other than the coordinator binds "
+                                  "its server sockets on (e.g. 0.0.0.0); None: the address it advertises (its "
+                                  "launcher's HORIZONRL_ADVERTISE_HOST, else its address on the route to host)")
     curve_keys_dir: str | None = Field(None, description="CurveZMQ keys (`horizonrl keys DIR` makes them); required "
                                        "when host is not a loopback address")
 
     def endpoint(self, port: int) -> str:
         return tcp_endpoint(self.host, port)
 
+    def advertised_host(self) -> str:
+        """The address this process gives the others for what it binds (loopback on one machine)."""
+        return advertise_host(self.host)
+
+    def bind_address(self) -> str:
+        return self.bind_host or self.advertised_host()
+
     @property
     def resolved(self) -> bool:
-        return all(
-            (self.control_port, self.report_port, self.trajectory_port, self.batch_port, self.weight_port, self.dist_port)
-        )
+        """The coordinator's ports are known: every process can start (the rest registers)."""
+        return bool(self.control_port and self.report_port)
 
 
 class WandbConfig(_Frozen):
@@ -328,6 +346,63 @@ class ResourcesConfig(_Frozen):
         return groups
 
 
+class RayLauncherConfig(_Frozen):
+    """``launcher.type=ray`` (docs/cluster.md): the run's processes as Ray actors in one placement group."""
+
+    address: str | None = Field(None, description="the Ray cluster to attach to (ray.init(address=...): 'auto', "
+                                "'HEAD:6379', 'ray://HEAD:10001'); None: start a Ray instance on this machine for "
+                                "the run and stop it after (tests, one machine)")
+    num_cpus: float | None = Field(None, gt=0, description="a started instance's logical CPUs (default: what the "
+                                   "run's bundles need, at least this machine's cores)")
+    num_gpus: int | None = Field(None, ge=0, description="a started instance's GPUs; logical ones work on a CPU "
+                                 "machine (each process then sees a CUDA_VISIBLE_DEVICES but no GPU, and runs on "
+                                 "the CPU): how the tests place GPU bundles without GPUs. Default: Ray's count")
+    gpus: bool | None = Field(None, description="give learner ranks and engines GPU bundles; None: when the "
+                              "cluster has GPUs (and resources.device is not cpu)")
+    cpus_per_process: float = Field(1.0, gt=0, description="the CPUs of each process's bundle")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="the placement group's strategy over the bundles; each engine is one bundle, so its "
+                            "tensor-parallel GPUs are on one node whatever this says")
+    ready_timeout_s: float = Field(600.0, gt=0, description="how long the placement group may wait for resources "
+                                   "before the run fails with what it asked for")
+
+
+class SlurmLauncherConfig(_Frozen):
+    """``horizonrl slurm CONFIG > job.sbatch`` (docs/cluster.md): one allocation, one ``srun --exact`` step per
+    process, the learner's ranks under torchrun."""
+
+    nodes: int = Field(1, ge=1, description="nodes of the allocation (the steps are placed on them by Slurm)")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node to allocate (--gres=gpu:N); 0: a CPU run")
+    partition: str | None = None
+    account: str | None = None
+    time: str = Field("24:00:00", description="the job's time limit (--time)")
+    cpus_per_process: int = Field(2, ge=1, description="--cpus-per-task of each step")
+    mem_per_process_gb: int = Field(16, ge=1, description="--mem of each step (one process; an engine or learner "
+                                    "rank on a GPU node needs host memory for its weights)")
+    control_port: int = Field(29400, ge=1, le=65535, description="the coordinator's ports on the first node "
+                              "(control_port and control_port + 1): fixed, since nothing can pick them for "
+                              "processes that start on other nodes")
+    torchrun_port: int = Field(29402, ge=1, le=65535, description="the learner's torchrun rendezvous port")
+    max_restarts: int | None = Field(None, ge=0, description="restarts of an actor or buffer step, and of the "
+                                     "learner under torchrun (default: supervision.max_restarts)")
+    setup: list[str] = Field([], description="shell lines run before the steps, e.g. `source .venv/bin/activate` or "
+                             "`module load cuda`")
+    python: str = Field("python", description="the interpreter on the nodes")
+    sbatch: list[str] = Field([], description="extra #SBATCH options, e.g. ['--qos=high']")
+
+
+class LauncherConfig(_Frozen):
+    """What starts and restarts the run's processes (docs/cluster.md). Whatever does, they find each other by
+    registering with the coordinator (network)."""
+
+    type: Literal["local", "ray", "slurm"] = Field(
+        "local", description="local: subprocesses of `horizonrl train` on this machine, supervised by it; ray: Ray "
+                             "actors in one placement group (Ray restarts actors and the buffer, the launcher the "
+                             "learner as a gang); slurm: `horizonrl slurm CONFIG > job.sbatch`, then sbatch it")
+    ray: RayLauncherConfig = RayLauncherConfig()
+    slurm: SlurmLauncherConfig = SlurmLauncherConfig()
+
+
 class EvalConfig(_Frozen):
     episodes: int = Field(100, ge=0, description="held-out episodes before and after training (0: skip)")
     max_turns: int | None = Field(None, ge=1, description="turn budget of held-out episodes (default: the "
@@ -363,6 +438,7 @@ class TrainConfig(_Frozen):
     eval: EvalConfig = EvalConfig()
     resources: ResourcesConfig = Field(ResourcesConfig(), description="devices of the learner ranks and the actors' "
                                        "engines (docs/gpu.md); default: the visible GPUs split in order")
+    launcher: LauncherConfig = LauncherConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -353,3 +353,41 @@ def vllm_cpu_binding(cpus: Sequence[int], tensor_parallel_size: int) -> str:
         return "nobind"
     share = len(cpus) // tensor_parallel_size
     return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share]) for i in range(tensor_parallel_size))
+
+
+@dataclass(frozen=True)
+class ClusterBundle:
+    """One process's share of a cluster scheduler's reservation (a Ray placement-group bundle)."""
+
+    name: str  # "coordinator", "buffer", "learner-0", "actor-1"
+    cpus: float
+    gpus: int = 0
+
+    @property
+    def resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": float(self.gpus)} if self.gpus else {})}
+
+
+def cluster_bundles(config: TrainConfig, *, gpus: bool, cpus_per_process: float = 1.0) -> tuple[ClusterBundle, ...]:
+    """The run as one reservation on a cluster: a bundle per process, the same plan as on one host.
+
+    The coordinator and the buffer get CPU bundles; with ``gpus`` each learner rank gets one GPU and
+    each engine ``rollout.engine.tensor_parallel_size`` of them, in one bundle — a bundle never spans
+    nodes, so an engine's tensor-parallel workers always share a node (vLLM's workers need that). The
+    GPUs' identities are the scheduler's business (Ray sets each process's ``CUDA_VISIBLE_DEVICES``),
+    so ``resources.learner_gpus`` / ``resources.actor_gpus`` (positions on one host) do not apply."""
+    res = config.resources
+    if res.learner_gpus is not None or res.actor_gpus is not None:
+        raise ConfigError("resources.learner_gpus / resources.actor_gpus name GPUs of one host; on a cluster the "
+                          "scheduler picks them (each learner rank gets one, each engine "
+                          "rollout.engine.tensor_parallel_size): remove them")
+    if gpus and res.device == "cpu":
+        raise ConfigError("resources.device=cpu but GPU bundles were asked for (launcher.ray.gpus=true)")
+    ranks, actors = config.learner.num_ranks, config.rollout.num_actors
+    tp = config.rollout.engine.tensor_parallel_size
+    # The same rules as one host: plan as if exactly the GPUs the run needs were visible.
+    plan = plan_placement(config, tuple(str(i) for i in range(ranks + actors * tp)) if gpus else ())
+    plan.require_runnable()
+    bundles = [ClusterBundle("coordinator", cpus_per_process), ClusterBundle("buffer", cpus_per_process)]
+    bundles += [ClusterBundle(p.name, cpus_per_process, len(p.gpus)) for p in (*plan.learner, *plan.actors)]
+    return tuple(bundles)

@@ -10,14 +10,15 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from horizonrl.protocol import (MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat, LearnerReport,
-                                ProtocolError, decode_as, encode)
+from horizonrl.protocol import (ENDPOINT_BATCHES, MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat,
+                                LearnerReport, ProtocolError, decode_as, encode)
+from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket
 from horizonrl.protocol.validation import trajectory_problem
 
@@ -46,15 +47,25 @@ class BatchClient:
     in a row something is wrong beyond chance: an error.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, run_id: str, vocab_size: int | None = None,
-                 security=None) -> None:
-        self.endpoint = endpoint
+    def __init__(self, context: zmq.Context, endpoint: str | None, run_id: str, vocab_size: int | None = None,
+                 security=None, registry: Callable[[], Mapping[str, str]] | None = None) -> None:
+        """``endpoint``: the buffer's configured address; None: wherever it registered, as ``registry()``
+        (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves."""
         self.run_id = run_id
         self.vocab_size = vocab_size
         self.socket = make_socket(context, zmq.DEALER, max_message_bytes=MAX_BATCH_BYTES, security=security)
-        self.socket.connect(endpoint)
+        self.buffer = FollowedEndpoint(self.socket, ENDPOINT_BATCHES, endpoint)
+        self.registry = registry or (lambda: {})
         self.next_request_id = 1
         self.counters: Counter[str] = Counter()
+
+    @property
+    def endpoint(self) -> str:
+        return self.buffer.current or "(not registered yet)"
+
+    def _buffer_moved(self) -> bool:
+        """The buffer registered somewhere new (it restarted): reconnected, and the request must go again."""
+        return self.buffer.update(self.registry())
 
     def request(self, learner_version: int, num_groups: int, timeout_s: float, should_stop: Callable[[], bool], *,
                 lineage: list[tuple[int, int]], committed_step: int, resend_s: float) -> bytes | None:
@@ -62,6 +73,7 @@ class BatchClient:
         start = last_log = time.monotonic()
         bad_in_a_row = 0
         while not should_stop():
+            self._buffer_moved()
             request_id = self.next_request_id
             self.next_request_id += 1
             self.socket.send(encode(BatchRequest(run_id=self.run_id, request_id=request_id,
@@ -78,6 +90,8 @@ class BatchClient:
                 if now - last_log >= WAITING_LOG_EVERY_S:
                     log.info("waiting for batch %d from %s (%.0f s)", request_id, self.endpoint, now - start)
                     last_log = now
+                if self._buffer_moved():
+                    break  # a restarted buffer never saw the request: ask it again at once
                 if not self.socket.poll(int(POLL_SLICE_S * 1000)):
                     continue
                 payload = self.socket.recv(copy=False).bytes
@@ -154,6 +168,15 @@ class ReportSender:
                 f"within {REPORT_SEND_TIMEOUT_S:.0f} s"
             ) from None
 
+    def register(self, run_id: str, name: str, endpoints: Mapping[str, str]) -> None:
+        """Register endpoints with the coordinator, in order with the reports (a weight hub is registered
+        before the startup report that announces its epoch)."""
+        try:
+            self.socket.send(registration(run_id, name, endpoints))
+        except zmq.Again:
+            raise TimeoutError(f"could not register {sorted(endpoints)} with the coordinator at {self.endpoint} "
+                               f"within {REPORT_SEND_TIMEOUT_S:.0f} s") from None
+
     def close(self) -> None:
         self.socket.close(linger=0)
 
@@ -195,22 +218,25 @@ class HeartbeatThread(threading.Thread):
         self.join(timeout=5)
 
 
-class EndTrainingWatch(threading.Thread):
-    """Rank 0 subscribes to the coordinator's ``Control``; when it says ``end_training`` (held-out success
-    has plateaued: ``eval.stop_after_plateau``) it sets ``end_training``, which the training loop checks
-    at each step boundary as it checks a stop signal: all ranks stop there, save, and send the final
-    report. Other Control fields are not the learner's business; malformed or foreign messages are
-    ignored (the coordinator counts its own)."""
+class ControlWatch(threading.Thread):
+    """Rank 0 subscribes to the coordinator's ``Control`` for two things. When it says ``end_training``
+    (held-out success has plateaued: ``eval.stop_after_plateau``) it sets ``end_training``, which the
+    training loop checks at each step boundary as it checks a stop signal: all ranks stop there, save,
+    and send the final report. And it keeps the newest registered endpoints (``endpoints``, replaced
+    whole, so a reader on another thread sees one consistent map): where the buffer is. Other Control
+    fields are not the learner's business; malformed or foreign messages are ignored (the coordinator
+    counts its own)."""
 
     def __init__(self, context: zmq.Context, endpoint: str, run_id: str, end_training: threading.Event,
                  security=None) -> None:
-        super().__init__(name="learner-end-training-watch", daemon=True)
+        super().__init__(name="learner-control-watch", daemon=True)
         self.context = context
         self.endpoint = endpoint
         self.run_id = run_id
         self.end_training = end_training
         self.security = security
         self.stopped = threading.Event()
+        self.endpoints: Mapping[str, str] = {}
 
     def run(self) -> None:
         socket = make_socket(self.context, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
@@ -223,6 +249,7 @@ class EndTrainingWatch(threading.Thread):
                     control = decode_as(socket.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
                 except ProtocolError:
                     continue
+                self.endpoints = control.endpoints
                 if control.end_training and not self.end_training.is_set():
                     log.info("the coordinator ends training at step %d (held-out success has plateaued): "
                              "stopping after this step", control.learner_step)
@@ -233,3 +260,6 @@ class EndTrainingWatch(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join(timeout=5)
+
+
+EndTrainingWatch = ControlWatch  # its first name, when ending training early was all it watched for

@@ -51,8 +51,10 @@ from horizonrl.learner.model import (
 )
 from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, lr_multiplier, train_on_batch
 from horizonrl.core.schedule import TurnBudgetSchedule
-from horizonrl.protocol import Batch, LearnerReport, decode_as
-from horizonrl.protocol.transport import wire_security
+from horizonrl.protocol import (ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch, LearnerReport, decode_as,
+                                learner_rendezvous_name)
+from horizonrl.protocol.registry import LEARNER_GANG_ENV
+from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
 
 log = logging.getLogger("horizonrl.learner")
@@ -63,13 +65,16 @@ PROCESS_GROUP_SLACK_S = 300.0
 STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
 
 
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
     world_size: int
     local_rank: int
     master_addr: str
-    master_port: int
+    master_port: int  # 0: rendezvous through the coordinator (rank 0 registers its store; see _init_process_group)
+    gang: str = "0"  # this learner incarnation's id (the launcher's $HORIZONRL_LEARNER_GANG), for that rendezvous
 
     @classmethod
     def from_environ(cls) -> "RankInfo":
@@ -79,7 +84,8 @@ class RankInfo:
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env["MASTER_PORT"]),
+            master_port=int(env.get("MASTER_PORT") or 0),
+            gang=env.get(LEARNER_GANG_ENV, "0"),
         )
 
 
@@ -178,7 +184,7 @@ def main(config: TrainConfig) -> int:
 def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Resources) -> None:
     import zmq
 
-    from horizonrl.learner.channels import BatchClient, EndTrainingWatch, HeartbeatThread, ReportSender, share_bytes
+    from horizonrl.learner.channels import BatchClient, ControlWatch, HeartbeatThread, ReportSender, share_bytes
     from horizonrl.learner.weight_broadcast import WeightHub
 
     lc, net = config.learner, config.network
@@ -194,14 +200,6 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # Every wait on the learner's own ranks is bounded by this: a rank may wait for rank 0 through a
     # whole batch wait and a weight update.
     control_timeout_s = lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S
-    dist.init_process_group(
-        # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
-        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
-        init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        timeout=timedelta(seconds=control_timeout_s),
-    )
     counters: dict[str, float] = defaultdict(float)
     run_id = config.run.run_id
     # The coordinator's request to end early (eval.stop_after_plateau): like a stop signal at the step
@@ -211,14 +209,20 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         res.context = zmq.Context()
         security = wire_security(res.context, net.host, net.curve_keys_dir)
         res.security = security
+        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
+    _init_process_group(config, ranks, backend, control_timeout_s, res, stop)
+    if is_main:
         res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, security)
         res.heartbeat.start()
-        res.batches = BatchClient(res.context, net.endpoint(net.batch_port), run_id, config.model.vocab_size, security)
-        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
-        if config.eval.stop_after_plateau:
-            res.end_training_watch = EndTrainingWatch(res.context, net.endpoint(net.control_port), run_id,
-                                                      end_training, security)
+        if config.eval.stop_after_plateau or not net.batch_port:
+            # Also where the buffer is, when it registers instead of having a configured port.
+            res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id,
+                                                  end_training, security)
             res.end_training_watch.start()
+        watch = res.end_training_watch
+        res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
+                                  config.model.vocab_size, security,
+                                  registry=(lambda: watch.endpoints) if watch is not None else None)
 
     start = time.perf_counter()
     tr = build_trainables(config, device)
@@ -241,15 +245,20 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     engine_dtype = torch_dtype(learner_precision(config, device).engine_dtype)  # weights go in the engine's dtype
     if is_main:
         # The hub before the announcement: actors that see this epoch in Control join it at once.
-        res.weight_hub = WeightHub(net.host, net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
+        res.weight_hub = WeightHub(net.bind_address(), net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
                                    timeout_s=lc.weight_sync_timeout_s, run_id=run_id,
                                    bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
+        # Registered before the startup report announces the epoch: an engine that sees the new epoch
+        # in Control finds the new hub in the same Control.
+        res.reports.register(run_id, "learner-0", {
+            ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
+            ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
     # Collective: every joining engine gets these weights first (no members yet: only gathers).
     publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb, dtype=engine_dtype,
                     stop=stop)
     if is_main:
         res.weight_hub.start()
-        log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", net.weight_port,
+        log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", res.weight_hub.port,
                  (epoch, step))
         res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch, startup=True))
 
@@ -501,6 +510,49 @@ def _all_agree_to_stop(reasons: tuple[threading.Event, ...], timeout_s: float) -
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, timeout_s: float, res: Resources,
+                        stop: threading.Event) -> None:
+    """The learner's own process group. With MASTER_PORT (the local launcher, torchrun) at
+    MASTER_ADDR:MASTER_PORT, as torchrun does; without it through the coordinator: rank 0 hosts the
+    rendezvous store on a free port of its host and registers it under this incarnation's gang id, the
+    other ranks (on any node) find it in Control. A restarted learner is a new gang: its ranks never
+    meet at the address of the one before."""
+    timeout = timedelta(seconds=timeout_s)
+    # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
+    kind = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+    if ranks.master_port:
+        dist.init_process_group(backend=kind, init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
+                                rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
+        return
+    import zmq
+
+    from horizonrl.protocol.registry import wait_for_endpoints
+
+    net, name = config.network, learner_rendezvous_name(ranks.gang)
+    if ranks.rank == 0:
+        store = dist.TCPStore(net.bind_address(), 0, ranks.world_size, True, timeout, wait_for_workers=False)
+        endpoint = tcp_endpoint(net.advertised_host(), store.port)
+        res.reports.register(config.run.run_id, "learner-0", {name: endpoint})
+    else:
+        context = zmq.Context()
+        security = wire_security(context, net.host, net.curve_keys_dir)
+        try:
+            found = wait_for_endpoints(context, net.endpoint(net.control_port), config.run.run_id,
+                                       lambda endpoints: name in endpoints, timeout_s, security=security,
+                                       should_stop=stop.is_set)
+        finally:
+            if security is not None:
+                security.stop()
+            context.term()
+        if found is None:
+            raise RuntimeError("stopped while waiting for learner rank 0's rendezvous")
+        endpoint = found[name]
+        host, port = split_endpoint(endpoint)
+        store = dist.TCPStore(host, port, ranks.world_size, False, timeout)
+    log.info("learner rank %d of %d: rendezvous at %s (gang %s)", ranks.rank, ranks.world_size, endpoint, ranks.gang)
+    dist.init_process_group(backend=kind, store=store, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
 
 
 def _backend_and_device(config: TrainConfig, local_rank: int) -> tuple[str, torch.device]:

@@ -179,9 +179,12 @@ class WeightHub:
         if backend == "nccl":
             use_blocking_nccl_waits()
         try:
+            # port 0: a free port (the learner registers the one it got with the coordinator)
             self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         except RuntimeError as exc:
             raise WeightSyncError(f"weight hub: cannot host the weight store at {self.address}: {exc}") from exc
+        self.port = self.store.port
+        self.address = f"{host}:{self.port}"
         self._joins = dist.PrefixStore(STORE_PREFIX, self.store)
         self.members: dict[tuple[int, int], Member] = {}  # by (actor index, engine worker)
         self.latest: PackedWeights | None = None

@@ -128,6 +128,39 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     stop: bool = False
     eval_step: int = -1  # the newest learner step whose held-out evaluation actor 0 should run (-1: none; eval.every)
     end_training: bool = False  # held-out success has plateaued (eval.stop_after_plateau): the learner saves and stops
+    # The registry (see Registration): every endpoint registered so far, by name, the newest registration of a name
+    # winning. A process that connects to a registered endpoint follows it here, and reconnects when it changes.
+    endpoints: dict[str, str] = {}
+
+
+# Endpoint names (Registration.endpoints, Control.endpoints).
+ENDPOINT_TRAJECTORIES = "trajectories"  # the buffer's ROUTER for actors' trajectories: tcp://HOST:PORT
+ENDPOINT_BATCHES = "batches"  # the buffer's ROUTER for the learner's batch requests: tcp://HOST:PORT
+ENDPOINT_WEIGHTS = "weights"  # the learner's weight hub (a TCPStore): tcp://HOST:PORT
+ENDPOINT_WEIGHTS_EPOCH = "weights_epoch"  # the weight epoch of the hub at ENDPOINT_WEIGHTS (a number, as text)
+ENDPOINT_LEARNER_RENDEZVOUS = "learner_rendezvous/"  # + the gang's id: learner rank 0's TCPStore for its process group
+
+
+def learner_rendezvous_name(gang: str) -> str:
+    """The endpoint name of one learner incarnation's rendezvous: a restarted learner (a new gang) never
+    finds its predecessor's address."""
+    return f"{ENDPOINT_LEARNER_RENDEZVOUS}{gang}"
+
+
+class Registration(msgspec.Struct, tag="registration", kw_only=True):
+    """Any process -> coordinator (on its report socket): "my endpoints are here".
+
+    The coordinator is the registry: it is the one address every process is given; the others
+    bind wherever they run (a port of 0: any free port of their host) and register what they bound.
+    The coordinator publishes every registered endpoint in ``Control.endpoints``, so a process that
+    restarts on a new port (or node) re-wires the others by registering again.
+    """
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    name: str  # the registering process, e.g. "buffer", "learner-0"
+    pid: int
+    endpoints: dict[str, str]  # ENDPOINT_* -> "tcp://HOST:PORT" (or a plain value such as an epoch)
 
 
 class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
@@ -288,4 +321,4 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
 
 
 Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
-           | TrajectoryAck | ProcessEvent | HeldOutEval)
+           | TrajectoryAck | ProcessEvent | HeldOutEval | Registration)

@@ -16,6 +16,11 @@ Sockets close with ``linger=0``: shutting down never waits for unsent messages. 
 socket gets ``max_message_bytes`` as ZMQ's MAXMSGSIZE: a peer sending a bigger message is
 disconnected before the message is ever read whole.
 
+Addresses: the coordinator's (``network.host``, its two ports) is the one every process is given.
+Every other process binds its own (:func:`bind_endpoint`: a configured port, or any free one) on
+its own host, advertises it as :func:`advertise_host` says, and registers it with the coordinator
+(``protocol/registry.py``). On one machine all of it is loopback.
+
 Security: endpoints are ``tcp://127.0.0.1:PORT`` unless configured otherwise. Off loopback
 every socket uses CurveZMQ (encryption, and the servers accept only clients holding the run's
 client key): :class:`WireSecurity`, keys made by ``horizonrl keys DIR``.
@@ -128,6 +133,50 @@ def wire_security(context: zmq.Context, host: str, keys_dir: str | None) -> Wire
 
 def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (HOST, PORT)."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not a tcp://HOST:PORT endpoint: {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+ADVERTISE_HOST_ENV = "HORIZONRL_ADVERTISE_HOST"
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to ``host``: loopback for a loopback ``host``; otherwise the
+    source address the kernel picks to reach it (a UDP socket's connect sends no packet)."""
+    if is_loopback(host):
+        return "127.0.0.1" if host == "localhost" else host
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def advertise_host(coordinator_host: str, environ=None) -> str:
+    """The address this process gives the others for the endpoints it binds: ``$HORIZONRL_ADVERTISE_HOST``
+    when its launcher set it (Ray: the node's address; Slurm: the node's), else this machine's address on
+    the route to the coordinator — which is loopback when the coordinator is (a single-machine run)."""
+    explicit = (os.environ if environ is None else environ).get(ADVERTISE_HOST_ENV)
+    return explicit or route_address(coordinator_host)
+
+
+def bind_endpoint(sock: zmq.Socket, bind_host: str, port: int, advertised: str) -> str:
+    """Bind ``sock`` on ``bind_host`` at ``port`` (0: a free port the OS picks, with no race) and return
+    the endpoint the others connect to: ``tcp://advertised:PORT``."""
+    if port:
+        sock.bind(tcp_endpoint(bind_host, port))
+    else:
+        port = sock.bind_to_random_port(f"tcp://{bind_host}")
+    return tcp_endpoint(advertised, port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

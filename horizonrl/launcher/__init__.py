@@ -359,21 +359,9 @@ class Launcher:
 
     def _report(self, name: str, event: str, **fields) -> None:
         """Tell the coordinator (it counts faults/ and writes faults.jsonl); never blocks."""
-        import zmq
-
         if self._events is None:
-            from horizonrl.protocol.transport import make_socket, wire_security
-
-            context = zmq.Context.instance()
-            security = wire_security(context, self.config.network.host, self.config.network.curve_keys_dir)
-            self._events = make_socket(context, zmq.PUSH, security=security)
-            self._events.connect(self.config.network.endpoint(self.config.network.report_port))
-        message = ProcessEvent(run_id=self.config.run.run_id, name=name, role=name.split("-")[0], event=event,
-                               at=time.time(), **fields)
-        try:
-            self._events.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("could not tell the coordinator that %s %s", name, event)
+            self._events = CoordinatorEvents(self.config)
+        self._events.report(name, event, **fields)
 
     # ------------------------------------------------------------------ stopping
 
@@ -421,7 +409,37 @@ class Launcher:
             for t in child.threads:
                 t.join(timeout=5)
         if self._events is not None:
-            self._events.close(linger=0)
+            self._events.close()
+
+
+class CoordinatorEvents:
+    """A launcher's supervision decisions to the coordinator (``ProcessEvent`` on its report socket), which
+    counts them under faults/ and writes faults.jsonl. Sending never blocks: a full queue loses the event
+    (logged), never the launcher's attention."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        import zmq
+
+        from horizonrl.protocol.transport import make_socket, wire_security
+
+        self.config = config
+        context = zmq.Context.instance()
+        self.security = wire_security(context, config.network.host, config.network.curve_keys_dir)
+        self.socket = make_socket(context, zmq.PUSH, security=self.security)
+        self.socket.connect(config.network.endpoint(config.network.report_port))
+
+    def report(self, name: str, event: str, **fields) -> None:
+        import zmq
+
+        message = ProcessEvent(run_id=self.config.run.run_id, name=name, role=name.split("-")[0], event=event,
+                               at=time.time(), **fields)
+        try:
+            self.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not tell the coordinator that %s %s", name, event)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
 
 
 def _stop_group_members(children: list[Child], grace_s: float) -> None:
@@ -558,6 +576,46 @@ def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     return config, path
 
 
+AUTO_HOST = "auto"  # network.host for a cluster launcher: the coordinator's node address, found at start
+REGISTERED_PORTS = ("trajectory_port", "batch_port", "weight_port", "dist_port")
+
+
+def check_cluster_network(config: TrainConfig) -> None:
+    """What a cluster launcher (ray, slurm) cannot run: a fixed port for a process other than the coordinator
+    (it would bind it on whatever node it lands on, while its clients look for it on the coordinator's), and
+    environment servers the launcher would have to start (start them yourself; give their url)."""
+    fixed = [key for key in REGISTERED_PORTS if getattr(config.network, key)]
+    if fixed:
+        raise ConfigError(f"launcher.type={config.launcher.type}: network.{fixed[0]} is set, but on a cluster only the "
+                          "coordinator has fixed ports (network.control_port, network.report_port); every other "
+                          "process binds a free port where it runs and registers it: remove " +
+                          ", ".join(f"network.{k}" for k in fixed))
+    managed = [spec.settings.get("env") for spec in config.envs if spec.name == "http" and spec.settings.get("managed")]
+    if managed:
+        raise ConfigError(f"launcher.type={config.launcher.type} does not start environment servers (managed: true, "
+                          f"{managed[0]}): run `horizonrl env serve` on a node yourself and give its settings.url")
+
+
+def prepare_cluster_run(config: TrainConfig, host: str, control_port: int, report_port: int) -> Path:
+    """A cluster launcher's resolved config: the coordinator at ``host`` with its two ports, every other port 0
+    (registered), resume, run id and vocabulary as for a local run; written to ``<output_dir>/config.yaml``,
+    which every node reads (the output directory is on a shared file system)."""
+    check_cluster_network(config)
+    if config.network.curve_keys_dir is None and not is_loopback(host):
+        raise ConfigError(f"the coordinator's address {host} is not loopback: CurveZMQ keys are required (make them "
+                          "with `horizonrl keys DIR` on the shared file system, then network.curve_keys_dir=DIR)")
+    network = config.network.model_copy(update={"host": host, "control_port": control_port,
+                                                "report_port": report_port})
+    config = config.model_copy(update={"network": network})
+    resuming = config.learner.resume is not None
+    config = resolve_resume_setting(config)
+    config = resolve_run_identity(config, resuming)
+    config = resolve_vocab_size(config)
+    path = config.output_dir / "config.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
 def _nvidia_driver_present() -> bool:
     """A GPU of the NVIDIA driver is here (/proc/driver/nvidia/gpus/<bus id>, or a /dev/nvidiaN device node)."""
     gpus = Path("/proc/driver/nvidia/gpus")
@@ -583,7 +641,20 @@ def resolve_placement(config: TrainConfig, environ: dict[str, str] | None = None
 
 def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = False) -> int:
     """Run training to the end; returns the exit code (0 on success). ``verbose``: the console shows every
-    line every process writes, not only what goes wrong."""
+    line every process writes, not only what goes wrong. ``launcher.type`` says what starts the processes."""
+    if config.launcher.type == "ray":
+        from horizonrl.launcher.ray_cluster import launch_ray
+
+        if tensorboard:
+            log.warning("--tensorboard is not started by launcher.type=ray: run tensorboard --logdir %s",
+                        config.output_dir / "tensorboard")
+        return launch_ray(config, verbose=verbose)
+    if config.launcher.type == "slurm":
+        raise ConfigError("launcher.type=slurm runs as a batch job: write it with `horizonrl slurm CONFIG > job.sbatch` "
+                          "and submit it with `sbatch job.sbatch` (docs/cluster.md)")
+    if config.network.host == AUTO_HOST:
+        raise ConfigError("network.host=auto is for the cluster launchers (the coordinator's node address); a local "
+                          "run binds loopback (the default) or the address you give")
     # Placement first: a plan that cannot run is refused before anything is written or started.
     plan = resolve_placement(config)
     plan.require_runnable()

@@ -1,0 +1,184 @@
+"""``launcher.type=ray``: the same CPU training run, its processes Ray actors in one placement group.
+
+A Ray instance on this machine (started by the launcher, or a ``ray.cluster_utils.Cluster`` of two
+simulated nodes the test starts and the launcher attaches to), with logical GPUs: the learner ranks
+and the engines get GPU bundles, see a ``CUDA_VISIBLE_DEVICES`` but no GPU, and run on the CPU over
+gloo. Every process other than the coordinator binds a free port and registers it; nothing is left
+running afterwards. Needs Ray (the ``ray`` extra, which ``make test`` installs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "signpost_test.yaml"
+# A few learner steps of small batches; logical GPUs for the bundles (one per learner rank and engine).
+SMALL = ["rollout.n=4", "learner.groups_per_step=2", "buffer.capacity_groups=4", "rollout.groups_in_flight=1",
+         "launcher.type=ray", "launcher.ray.num_gpus=4", "rollout.ack_timeout_s=5", "learner.batch_resend_s=10",
+         "learner.batch_timeout_s=1800"]  # engines start slowly on a loaded machine
+STEP = re.compile(r"^step (\d+)/\d+", re.M)
+
+
+def steps_in(log: Path) -> list[int]:
+    return [int(n) for n in STEP.findall(log.read_text(errors="replace"))]
+
+
+def faults(run_dir: Path) -> list[dict]:
+    path = run_dir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every process of the run, wherever Ray started it: ``horizonrl ROLE --config <run_dir>/config.yaml``."""
+    marker = str(run_dir / "config.yaml")
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def role_of(process: psutil.Process) -> str | None:
+    """``coordinator``, ``buffer``, ``learner``, ``actor-I``; None for a process that is gone."""
+    try:
+        cmd = process.cmdline()
+    except psutil.Error:
+        return None
+    role = cmd[cmd.index("horizonrl") + 1]
+    return f"{role}-{cmd[cmd.index('--index') + 1]}" if "--index" in cmd else role
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def assert_nothing_left(run_dir: Path, tree: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert alive == [], [" ".join(p.cmdline())[:120] for p in alive if p.is_running()]
+    assert run_processes(run_dir) == []
+
+
+def registered(run_dir: Path) -> str:
+    return (run_dir / "logs" / "coordinator.log").read_text(errors="replace")
+
+
+def test_a_ray_run_places_every_process_and_trains_to_the_end(tiny_model, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    total = 3
+    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
+                                       *SMALL, "learner.num_ranks=2", "rollout.num_actors=2",
+                                       f"learner.total_steps={total}"), log)
+    seen: dict[int, psutil.Process] = {}
+    roles: set[str] = set()
+    try:
+        deadline = time.monotonic() + 1500
+        while proc.poll() is None and time.monotonic() < deadline:
+            ours = run_processes(run_dir)
+            roles.update(filter(None, map(role_of, ours)))
+            seen.update((p.pid, p) for p in ours + descendants(proc.pid))
+            time.sleep(1)
+        rc = proc.wait(timeout=5)
+    finally:
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert max(steps_in(log)) == total
+    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
+    # one placement group: CPU bundles for coordinator and buffer, a logical GPU for each rank and engine
+    assert "learner-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log and "actor-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log
+    assert "buffer {'CPU': 1.0}" in launcher_log
+    # every server registered a free port with the coordinator; the learner met through it
+    coordinator = registered(run_dir)
+    for name in ("trajectories=tcp://127.0.0.1:", "batches=tcp://127.0.0.1:", "weights=tcp://127.0.0.1:",
+                 "learner_rendezvous/"):
+        assert name in coordinator, name
+    config = (run_dir / "config.yaml").read_text()
+    assert "trajectory_port: 0" in config and "weight_port: 0" in config and "type: ray" in config
+    assert {"coordinator", "buffer", "learner", "actor-0", "actor-1"} <= roles, roles
+    # each learner rank and engine saw the GPU Ray gave it, found no GPU behind it, and trained on gloo
+    learner_log = (run_dir / "logs" / "learner-0.log").read_text()
+    assert "sharded over 2 ranks (gloo)" in learner_log
+    assert_nothing_left(run_dir, list(seen.values()))
+
+
+def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishes(tiny_model, tmp_path):
+    """One actor, and runs longer than what the buffer holds: the learner cannot finish without the replacement.
+    The actor's Ray worker (its host) is killed with SIGKILL, as a lost process would be: Ray ends the actor's
+    process tree and restarts it; the new incarnation registers nothing (the buffer and the hub did not move),
+    finds them in Control, joins the weight hub at the current weights and the run goes on."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    total = 5
+    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
+                                       *SMALL, "learner.num_ranks=1", "rollout.num_actors=1",
+                                       "buffer.capacity_groups=2", "learner.save_every=2",
+                                       f"learner.total_steps={total}"), log)
+    tree: list[psutil.Process] = []
+    try:
+        wait_until(lambda: max(steps_in(log), default=0) >= 1, 1200, "learner step 1")
+        [actor] = [p for p in run_processes(run_dir) if role_of(p) == "actor-0"]
+        host = actor.parent()
+        assert host.name().startswith("ray::RoleHost") or "RoleHost" in " ".join(host.cmdline()), host.cmdline()
+        tree = [host, actor, *actor.children(recursive=True)]
+        host.send_signal(signal.SIGKILL)
+        wait_until(lambda: any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
+                   "actor-0 to be restarted by Ray and rejoin the weight hub")
+        rc = proc.wait(timeout=1200)
+    finally:
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert max(steps_in(log)) == total
+    events = [(f["name"], f["event"]) for f in faults(run_dir)]
+    for event in ("died", "restarted", "recovered"):
+        assert events.count(("actor-0", event)) == 1, events
+    # the killed incarnation's process tree (the role process and its engine) went with its host
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert alive == []
+    assert run_processes(run_dir) == []
+
+
+def test_two_simulated_nodes_each_run_processes_of_the_run(tiny_model, tmp_path):
+    """``ray.cluster_utils.Cluster``: a head and a second node on this machine; the launcher attaches to it
+    (launcher.ray.address) and spreads the placement group over both (SPREAD)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 2, "include_dashboard": False})
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = None
+    try:
+        cluster.add_node(num_cpus=3, num_gpus=2)
+        cluster.wait_for_nodes()
+        overrides = [o for o in SMALL if not o.startswith("launcher.ray.num_gpus")]
+        proc = start_process(horizonrl_cmd(
+            "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", *overrides,
+            "learner.num_ranks=2", "rollout.num_actors=2", "learner.total_steps=2",
+            f"launcher.ray.address={cluster.address}", "launcher.ray.strategy=SPREAD"), log)
+        rc = proc.wait(timeout=1500)
+    finally:
+        if proc is not None:
+            stop_process(proc)
+        cluster.shutdown()
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    placed = dict(re.findall(r"(\S+) runs on node ([0-9a-f]+)", (run_dir / "logs" / "launcher.log").read_text()))
+    assert {"coordinator", "buffer", "learner-0", "learner-1", "actor-0", "actor-1"} <= set(placed), placed
+    assert len(set(placed.values())) == 2, placed
+    assert run_processes(run_dir) == []
