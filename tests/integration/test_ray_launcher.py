@@ -80,45 +80,6 @@ def registered(run_dir: Path) -> str:
     return (run_dir / "logs" / "coordinator.log").read_text(errors="replace")
 
 
-def test_a_ray_run_places_every_process_and_trains_to_the_end(tiny_model, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    total = 3
-    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
-                                       *SMALL, "learner.num_ranks=2", "rollout.num_actors=2",
-                                       f"learner.total_steps={total}"), log)
-    seen: dict[int, psutil.Process] = {}
-    roles: set[str] = set()
-    try:
-        deadline = time.monotonic() + 1500
-        while proc.poll() is None and time.monotonic() < deadline:
-            ours = run_processes(run_dir)
-            roles.update(filter(None, map(role_of, ours)))
-            seen.update((p.pid, p) for p in ours + descendants(proc.pid))
-            time.sleep(1)
-        rc = proc.wait(timeout=5)
-    finally:
-        stop_process(proc)
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-5000:]
-    assert max(steps_in(log)) == total
-    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
-    # one placement group: CPU bundles for coordinator and buffer, a logical GPU for each rank and engine
-    assert "learner-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log and "actor-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log
-    assert "buffer {'CPU': 1.0}" in launcher_log
-    # every server registered a free port with the coordinator; the learner met through it
-    coordinator = registered(run_dir)
-    for name in ("trajectories=tcp://127.0.0.1:", "batches=tcp://127.0.0.1:", "weights=tcp://127.0.0.1:",
-                 "learner_rendezvous/"):
-        assert name in coordinator, name
-    config = (run_dir / "config.yaml").read_text()
-    assert "trajectory_port: 0" in config and "weight_port: 0" in config and "type: ray" in config
-    assert {"coordinator", "buffer", "learner", "actor-0", "actor-1"} <= roles, roles
-    # each learner rank and engine saw the GPU Ray gave it, found no GPU behind it, and trained on gloo
-    learner_log = (run_dir / "logs" / "learner-0.log").read_text()
-    assert "sharded over 2 ranks (gloo)" in learner_log
-    assert_nothing_left(run_dir, list(seen.values()))
-
-
 def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishes(tiny_model, tmp_path):
     """One actor, and runs longer than what the buffer holds: the learner cannot finish without the replacement.
     The actor's Ray worker (its host) is killed with SIGKILL, as a lost process would be: Ray ends the actor's
@@ -155,30 +116,55 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishe
     assert run_processes(run_dir) == []
 
 
-def test_two_simulated_nodes_each_run_processes_of_the_run(tiny_model, tmp_path):
+def test_a_ray_run_on_two_simulated_nodes_places_every_process_and_trains_to_the_end(tiny_model, tmp_path):
     """``ray.cluster_utils.Cluster``: a head and a second node on this machine; the launcher attaches to it
-    (launcher.ray.address) and spreads the placement group over both (SPREAD)."""
+    (launcher.ray.address) and spreads one placement group over both (SPREAD): buffer + 2 actors + 2 learner
+    ranks, a logical GPU for each rank and engine, every server on a registered free port, the learner's
+    ranks meeting through the coordinator from two nodes, trained to the end, nothing left running."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 2, "include_dashboard": False})
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    total = 2
     proc = None
+    seen: dict[int, psutil.Process] = {}
+    roles: set[str] = set()
     try:
         cluster.add_node(num_cpus=3, num_gpus=2)
         cluster.wait_for_nodes()
         overrides = [o for o in SMALL if not o.startswith("launcher.ray.num_gpus")]
         proc = start_process(horizonrl_cmd(
             "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", *overrides,
-            "learner.num_ranks=2", "rollout.num_actors=2", "learner.total_steps=2",
+            "learner.num_ranks=2", "rollout.num_actors=2", f"learner.total_steps={total}",
             f"launcher.ray.address={cluster.address}", "launcher.ray.strategy=SPREAD"), log)
-        rc = proc.wait(timeout=1500)
+        deadline = time.monotonic() + 1500
+        while proc.poll() is None and time.monotonic() < deadline:
+            ours = run_processes(run_dir)
+            roles.update(filter(None, map(role_of, ours)))
+            seen.update((p.pid, p) for p in ours + descendants(proc.pid))
+            time.sleep(1)
+        rc = proc.wait(timeout=5)
     finally:
         if proc is not None:
             stop_process(proc)
         cluster.shutdown()
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
-    placed = dict(re.findall(r"(\S+) runs on node ([0-9a-f]+)", (run_dir / "logs" / "launcher.log").read_text()))
+    assert max(steps_in(log)) == total
+    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
+    placed = dict(re.findall(r"(\S+) runs on node ([0-9a-f]+)", launcher_log))
     assert {"coordinator", "buffer", "learner-0", "learner-1", "actor-0", "actor-1"} <= set(placed), placed
     assert len(set(placed.values())) == 2, placed
-    assert run_processes(run_dir) == []
+    # one placement group: CPU bundles for coordinator and buffer, a logical GPU for each rank and engine
+    assert "learner-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log and "actor-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log
+    assert "buffer {'CPU': 1.0}" in launcher_log
+    # every server registered a free port with the coordinator; the learner met through it
+    coordinator = registered(run_dir)
+    for name in ("trajectories=tcp://", "batches=tcp://", "weights=tcp://", "learner_rendezvous/"):
+        assert name in coordinator, name
+    config = (run_dir / "config.yaml").read_text()
+    assert "trajectory_port: 0" in config and "weight_port: 0" in config and "type: ray" in config
+    assert {"coordinator", "buffer", "learner", "actor-0", "actor-1"} <= roles, roles
+    # each learner rank and engine saw the GPU Ray gave it, found no GPU behind it, and trained on gloo
+    assert "sharded over 2 ranks (gloo)" in (run_dir / "logs" / "learner-0.log").read_text()
+    assert_nothing_left(run_dir, list(seen.values()))
