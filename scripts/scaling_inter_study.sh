@@ -5,7 +5,7 @@
 #   scripts/scaling_inter_study.sh [OUT_DIR] [ARM:SEED ...]
 #
 # OUT_DIR (default runs/scaling-inter) gets the tiny model (built once: warm-up on random-policy episodes
-# only), one training run per ARM:SEED (default: fixed_short, fixed_long and scaling, seeds 0 and 1), a
+# only), one training run per ARM:SEED (default: fixed_short, fixed_long and scaling, seeds 0, 1 and 2), a
 # 200-episode held-out evaluation of the starting model and of each run's last checkpoint at 8, 4 and 2
 # turns (eval-*.json), and the report (report/learning.png, learning.md). Runs one process tree at a time;
 # a run whose directory already holds a checkpoint at its last step is not trained again. ARM is the
@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/scaling-inter}
 shift || true
 RUNS=("$@")
-[ ${#RUNS[@]} -gt 0 ] || RUNS=(fixed_short:0 fixed_long:0 scaling:0 fixed_short:1 fixed_long:1 scaling:1)
+[ ${#RUNS[@]} -gt 0 ] || RUNS=(fixed_short:0 fixed_long:0 scaling:0 fixed_short:1 fixed_long:1 scaling:1
+                              fixed_short:2 fixed_long:2 scaling:2)
 PY=${PYTHON:-python}
 HRL=("$PY" -m horizonrl)
 LEVELS='["BabyAI-GoToRedBallGrey-v0", "BabyAI-GoToRedBall-v0", "BabyAI-GoToRedBallNoDists-v0"]'
@@ -54,8 +55,14 @@ for spec in "${RUNS[@]}"; do
             run.name="babyai-budget-$arm-s$seed" > "$OUT/$arm-s$seed.out" 2>&1
     fi
     evaluate "$run/checkpoints/$last" "$arm-s$seed"
-    labels+=(--label "$arm s$seed")
-    dirs+=("$run")
+done
+for arm in fixed_short fixed_long scaling; do  # the report's runs grouped by arm, whatever order they ran in
+    case $arm in fixed_short) name="fixed 2";; fixed_long) name="fixed 8";; scaling) name="2→4→8";; esac
+    for spec in "${RUNS[@]}"; do
+        [ "${spec%%:*}" = "$arm" ] || continue
+        labels+=(--label "$name, s${spec##*:}")
+        dirs+=("$OUT/$arm-s${spec##*:}")
+    done
 done
 "${HRL[@]}" report "${dirs[@]}" "${labels[@]}" --smooth 5 --out "$OUT/report" > /dev/null
 echo "report: $OUT/report/learning.png, $OUT/report/learning.md"
