@@ -66,8 +66,11 @@ def test_supervision_settings_from_the_command_line():
     assert load_config(REPO / "configs" / "signpost_test.yaml").supervision.recover == "auto"
 
 
+SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_long.yaml", "babyai_budget_scaling.yaml"]
+
+
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
-                                  "dpo_signpost.yaml"])
+                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -80,4 +83,17 @@ def test_shipped_configs_load(name):
 
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
-        ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml"])
+        ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
+         *SCALING_INTER_ARMS])
+
+
+def test_scaling_inter_arms_differ_only_in_the_turn_schedule():
+    # docs/learning.md, "ScalingInter-RL in miniature": same environment, model, learner steps and evaluation
+    configs = [load_config(REPO / "configs" / name).model_dump() for name in SCALING_INTER_ARMS]
+    for config in configs:
+        config.pop("run")  # name and output_dir
+        assert config["eval"]["max_turns"] == 8 and config["eval"]["stop_after_plateau"] == 0
+    schedules = [config["algorithm"].pop("rounds_ctrl") for config in configs]
+    assert configs[0] == configs[1] == configs[2]
+    assert [(s["type"], s["rounds"]) for s in schedules] == [
+        ("fixed", [2]), ("fixed", [8]), ("scaling_inter_stepwise", [2, 4, 8])]
