@@ -35,6 +35,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="where results.json and chart.png go")
     p.add_argument("--model", default=None, help="model for rollout/training/engine (default: the tiny model, "
                                                  "built into .cache/ on first use)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the training runs of the training and engine parts (repeatable), "
+                        "e.g. --set rollout.weight_sync_every=2")
     p.add_argument("--partition", action="store_true",
                    help="training and engine parts on partitioned CPU cores: the learner's side on half of them, "
                         "each actor (and each bare engine) on one core of its own, as on separate GPUs")
@@ -100,11 +103,14 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
 
         partition = args.core_partition
         return training.run(args.quick, args.out, model=args.model,
-                            extra_overrides=partition.overrides() if partition else None,
+                            extra_overrides=(partition.overrides() if partition else []) + args.overrides,
                             settings_note=partition.describe() if partition else None)
     from horizonrl.bench import engine_bound
 
     training_result = next((r for r in done if r["part"] == "training"), None)
     rollout_result = next((r for r in done if r["part"] == "rollout"), None)
+    if args.overrides and args.core_partition is None and training_result is None:
+        raise SystemExit("error: --set applies to the engine part's own training runs, which it makes only with "
+                         "--partition (without it, it reuses the training part's)")
     return engine_bound.run(args.quick, args.out, model=args.model, training_result=training_result,
-                            rollout_result=rollout_result, partition=args.core_partition)
+                            rollout_result=rollout_result, partition=args.core_partition, overrides=args.overrides)

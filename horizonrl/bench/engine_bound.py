@@ -46,14 +46,15 @@ def bare_spec(quick: bool, model: str, overrides: list[str] | None = None) -> Ba
 
 
 def run(quick: bool, out_dir: Path, *, model: str | None = None, training_result: dict | None = None,
-        rollout_result: dict | None = None, partition: CorePartition | None = None) -> dict:
+        rollout_result: dict | None = None, partition: CorePartition | None = None,
+        overrides: list[str] | None = None) -> dict:
     """Part 3. Reuses part 2's async runs and part 1's bare-engine measurement when they ran (not with a
     partition: then it measures both itself, on the partition's cores)."""
     from horizonrl.bench.rollout import bare_engine_tokens_per_s, tiny_model
 
     model = tiny_model(model)
     if partition is not None:
-        return run_partitioned(quick, out_dir, model, partition)
+        return run_partitioned(quick, out_dir, model, partition, overrides or [])
     spec = bare_spec(quick, model)
     if training_result is None:
         progress("engine", "no training part in this run: one short async training run for the numerator")
@@ -89,7 +90,8 @@ def _single_mode_training(quick: bool, out_dir: Path, model: str) -> dict:
     return {"rows": [{"label": "async", "tokens_per_s": summarize([m["tokens_per_s"]])}]}
 
 
-def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition) -> dict:
+def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition,
+                    extra: list[str] | None = None) -> dict:
     """Paired repeats on a partitioned host: an async training run (one actor per actor core) and the bare
     engines (one per actor core, the same requests in flight) — tokens/s, and the training run's shares of
     actor wall time stalled by weight updates and of engine time idle."""
@@ -110,7 +112,7 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     # than the engine generates, and a paused actor would measure the learner, not the actor. Groups too stale
     # to train on are dropped (counted); what is measured is generation while training and updates go on.
     train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}",
-                   "buffer.capacity_groups=100000", "buffer.max_staleness=100000"]
+                   "buffer.capacity_groups=100000", "buffer.max_staleness=100000", *(extra or [])]
     trained: list[dict[str, float]] = []
     bare: list[float] = []
 
