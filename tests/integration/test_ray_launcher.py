@@ -86,7 +86,10 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishe
     process tree and restarts it; the new incarnation registers nothing (the buffer and the hub did not move),
     finds them in Control, joins the weight hub at the current weights and the run goes on."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    total = 5
+    # Room after the kill: while the learner waits for its first batch the actor fills the buffer and its own
+    # send queue, and the learner can take several steps from those in a second (on a loaded machine it was
+    # at step 5 before the kill landed). Afterwards each step needs groups only the replacement can make.
+    total = 12
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
                                        *SMALL, "learner.num_ranks=1", "rollout.num_actors=1",
                                        "buffer.capacity_groups=2", "learner.save_every=2",
@@ -99,7 +102,9 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishe
         assert host.name().startswith("ray::RoleHost") or "RoleHost" in " ".join(host.cmdline()), host.cmdline()
         tree = [host, actor, *actor.children(recursive=True)]
         host.send_signal(signal.SIGKILL)
-        wait_until(lambda: any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
+        # Ends early should the run end without the replacement (it then fails below, saying so).
+        wait_until(lambda: proc.poll() is not None
+                   or any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
                    "actor-0 to be restarted by Ray and rejoin the weight hub")
         rc = proc.wait(timeout=1200)
     finally:
@@ -107,6 +112,8 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishe
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
     assert max(steps_in(log)) == total
+    [died] = [f for f in faults(run_dir) if f["event"] == "died"]
+    assert died["learner_step"] < total - 2, f"the kill came too late to need the replacement: {died}"
     events = [(f["name"], f["event"]) for f in faults(run_dir)]
     for event in ("died", "restarted", "recovered"):
         assert events.count(("actor-0", event)) == 1, events

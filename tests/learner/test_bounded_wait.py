@@ -42,7 +42,7 @@ def _learner_rank(rank: int, port: int, queue, mode: str) -> None:
         if mode == "stop":
             _all_agree_to_stop((threading.Event(),), BOUND_S)
         else:
-            _from_rank_zero(0, BOUND_S)
+            _from_rank_zero(0, BOUND_S, "weight epoch")
         queue.put(("returned", time.monotonic() - start))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         queue.put((type(exc).__name__ + ": " + str(exc), time.monotonic() - start))

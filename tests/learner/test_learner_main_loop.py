@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from horizonrl.protocol import Batch, BatchRequest, Heartbeat, LearnerReport, decode, encode
+from horizonrl.protocol import Batch, BatchRequest, Heartbeat, LearnerReport, Registration, decode, encode
 from horizonrl.protocol.transport import free_ports, make_socket
 
 from learner_fixtures import build_tiny_model, groups
@@ -128,14 +128,18 @@ def _stop_all(context, buffer, coordinator, processes) -> None:
     context.term()
 
 
-def _collect(coordinator, until, timeout_s: float):
+def _collect(coordinator, until, timeout_s: float, registrations: list | None = None):
     reports, heartbeats = [], []
+    registrations = [] if registrations is None else registrations
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not until(reports):
         if coordinator.poll(200):
             message = decode(coordinator.recv())
             if isinstance(message, LearnerReport) and message.startup:
                 continue  # the learner announcing its weight epoch: not a step
+            if isinstance(message, Registration):
+                registrations.append(message)  # the weight hub's address and epoch, for the registry
+                continue
             (reports if isinstance(message, LearnerReport) else heartbeats).append(message)
     return reports, heartbeats
 
@@ -147,12 +151,15 @@ def test_learner_trains_reports_broadcasts_and_saves(tmp_path):
 
     model_dir, context, buffer, coordinator, actor, learner = _start(tmp_path, total_steps=2, replies=2)
     try:
-        reports, heartbeats = _collect(coordinator, lambda r: any(x.final for x in r), timeout_s=150)
+        registrations: list[Registration] = []
+        reports, heartbeats = _collect(coordinator, lambda r: any(x.final for x in r), timeout_s=150,
+                                       registrations=registrations)
         learner.join(60)
         actor.join(30)
         assert learner.exitcode == 0
         assert [r.step for r in reports] == [1, 2, 2] and [r.final for r in reports] == [False, False, True]
         assert heartbeats and all(isinstance(h, Heartbeat) and h.role == "learner" for h in heartbeats)
+        assert registrations and {"weights", "weights_epoch"} <= set(registrations[0].endpoints), registrations
         assert [r.learner_version for r in buffer.requests] == [0, 1]
         metrics = reports[1].metrics
         for key in (
