@@ -335,8 +335,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                                    dtype=engine_dtype, stop=stop, background=True)
             published = step
             if is_main and sync is None:
-                log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the "
-                            "checkpoint comes next", step)
+                _log_abandoned(res.weight_hub, step)
                 res.weight_hub_abandoned = True
                 continue
             if is_main:
@@ -350,9 +349,9 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                      metrics["batch/staleness_mean"], times["batch_wait"], times["step"],
                      sent or f"weights not sent (every {sync_every} steps)")
 
-    if is_main and not res.weight_hub_abandoned and not res.weight_hub.wait_for_send(
-            _abandon_after(stop, STOP_SEND_GRACE_S)):
-        log.warning("stopping: abandoned the background send of the last version (the engines may be gone)")
+    if is_main and not res.weight_hub_abandoned and (
+            not res.weight_hub.wait_for_send(_abandon_after(stop, STOP_SEND_GRACE_S)) or res.weight_hub.abandoned):
+        _log_abandoned(res.weight_hub, published)
         res.weight_hub_abandoned = True
     # Ended early between two updates (eval.stop_after_plateau): the final evaluation plays the last weights. Not
     # after a stop signal (it ends at once); rank 0 decides for all (the publish is collective).
@@ -456,6 +455,13 @@ def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, d
         return None
     return hub.publish(version, epoch, named, dtype=dtype, should_abandon=_abandon_after(stop, grace_s),
                        background=background)
+
+
+def _log_abandoned(hub, version: int) -> None:
+    """``version``: the one being sent, unless the hub knows which send it abandoned."""
+    version = hub.abandoned[1] if hub.abandoned is not None else version
+    log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the checkpoint "
+                "comes next", version)
 
 
 def _abandon_after(stop: threading.Event, grace_s: float):

@@ -196,6 +196,8 @@ class WeightHub:
         self._poller = threading.Thread(target=self._admit_forever, name="weight-hub", daemon=True)
         self._sending: threading.Thread | None = None  # publish(background=True)'s send of the newest version
         self.last_send: dict[str, float] | None = None  # what the last background send measured (None: abandoned)
+        # (epoch, version) of a send abandoned after a stop: its members may be mid-version, nothing more is sent
+        self.abandoned: tuple[int, int] | None = None
         self._send_error: Exception | None = None
 
     def start(self) -> "WeightHub":
@@ -250,6 +252,7 @@ class WeightHub:
             outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes, iter(packed.buckets),
                                    should_abandon)
             if outcome is None:
+                self.abandoned = packed.key
                 return None
             dropped = self._settle(targets, packed.key, outcome)
             members = len(self.members)
@@ -275,8 +278,11 @@ class WeightHub:
         Returns the gather's time and the statistics of the *previous* background send (None if it was
         abandoned). On NCCL the buckets stream from device memory as they are gathered, so it sends in the
         caller's thread as without ``background``."""
-        if not self.wait_for_send(should_abandon):
-            return None  # a background send is still reading the admission copy after a stop: leave it alone
+        if not self.wait_for_send(should_abandon) or self.abandoned is not None:
+            # After a stop: a background send still reads the admission copy, or one abandoned its members
+            # mid-version. Nothing more is sent; the gathers still run (every rank is in them).
+            publish_from_other_rank(named, bucket_bytes=self.bucket_bytes, dtype=dtype)
+            return None
         if background and self.device.type == "cpu":
             return self._publish_in_background(version, epoch, named, dtype, should_abandon)
         start = time.perf_counter()
@@ -307,6 +313,7 @@ class WeightHub:
             self.latest = PackedWeights(version, epoch, layout_bytes, self.bucket_bytes, plan, buckets, len(names),
                                         gather_s[0])
             if outcome is None:
+                self.abandoned = key
                 return None
             dropped = self._settle(targets, key, outcome)
             members = len(self.members)

@@ -144,9 +144,11 @@ def freeze_until_a_broadcast_blocks(log: Path, learner_log: Path, engines: list[
     """Freeze the engines (SIGSTOP) until the learner reports a step whose broadcast then does not finish.
 
     A step is reported (the launcher's ``step n/N`` line) before its weights are sent, and the
-    learner logs ``step n: loss ...`` only after every engine acknowledged them; a frozen engine never
-    does. With the engines frozen the actors produce nothing, so the learner may have no batch for a
-    next step: then the engines run for a moment to produce one, and are frozen again."""
+    learner logs ``step n: loss ...`` only once the previous version's send has ended (each version is
+    sent in the background while the next step trains, and the next publish waits for it): every engine
+    acknowledged it, which a frozen engine never does. With the engines frozen the actors produce
+    nothing, so the learner may have no batch for a next step: then the engines run for a moment to
+    produce one, and are frozen again."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         reached = max(steps_in(log), default=0)

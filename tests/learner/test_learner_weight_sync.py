@@ -145,6 +145,38 @@ def test_a_background_publish_returns_before_the_engine_receives_and_the_next_on
         _stop(member)
 
 
+def test_after_a_stop_a_background_send_the_engine_never_takes_is_abandoned_and_nothing_more_is_sent():
+    """A stop while a member does not receive (a frozen engine): the background send gives up once the
+    grace is over, the hub remembers which version it abandoned, and the next publish sends nothing."""
+    ctx = mp.get_context("spawn")
+    hub = _hub(0)
+    queue, go = ctx.Queue(), ctx.Semaphore(0)
+    member = ctx.Process(target=_gated_receiver, args=(_port(hub), go, 1, queue), daemon=True)
+    member.start()
+    stopped_at: list[float] = []
+
+    def after_a_stop() -> bool:  # as the learner's should_abandon: true 1 s after the stop
+        return bool(stopped_at) and time.monotonic() - stopped_at[0] > 1.0
+
+    try:
+        wait_until(lambda: len(hub.members) == 1, 120, "the member to join")
+        assert hub.publish(1, 0, list(_state_dict(2).items()), background=True, should_abandon=after_a_stop)
+        time.sleep(1.0)
+        assert hub.abandoned is None  # no stop yet: the send waits for the member
+        stopped_at.append(time.monotonic())
+        assert hub.publish(2, 0, list(_state_dict(3).items()), background=True, should_abandon=after_a_stop) is None
+        # the send's own thread gives up too (either may notice the grace first)
+        wait_until(lambda: hub.abandoned == (0, 1), 30, "the background send to give up")
+        assert hub.wait_for_send() and hub.last_send is None
+        assert hub.publish(3, 0, list(_state_dict(4).items()), should_abandon=after_a_stop) is None
+        go.release()
+        time.sleep(1.0)
+        assert queue.empty()  # version 1 was cut off mid-send; neither 2 nor 3 was sent
+    finally:
+        hub.close()
+        _stop(member)
+
+
 def test_a_member_that_stops_receiving_is_dropped_and_the_others_get_the_version():
     ctx = mp.get_context("spawn")
     hub = _hub(0)
