@@ -80,11 +80,13 @@ def registered(run_dir: Path) -> str:
     return (run_dir / "logs" / "coordinator.log").read_text(errors="replace")
 
 
-def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishes(tiny_model, tmp_path):
+def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and_the_run_finishes(tiny_model,
+                                                                                                   tmp_path):
     """One actor, and runs longer than what the buffer holds: the learner cannot finish without the replacement.
     The actor's Ray worker (its host) is killed with SIGKILL, as a lost process would be: Ray ends the actor's
     process tree and restarts it; the new incarnation registers nothing (the buffer and the hub did not move),
-    finds them in Control, joins the weight hub at the current weights and the run goes on."""
+    finds them in Control, joins the weight hub at the current weights and the run goes on. Then the learner is
+    killed: the launcher starts it again as a new gang from its newest checkpoint, and the run finishes."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     # Room after the kill: while the learner waits for its first batch the actor fills the buffer and its own
     # send queue, and the learner can take several steps from those in a second (on a loaded machine it was
@@ -106,17 +108,29 @@ def test_an_actor_killed_mid_run_is_restarted_by_ray_rejoins_and_the_run_finishe
         wait_until(lambda: proc.poll() is not None
                    or any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
                    "actor-0 to be restarted by Ray and rejoin the weight hub")
+        # A checkpoint (save_every=2) past the actor's death, then the learner's process dies.
+        wait_until(lambda: proc.poll() is not None or max(steps_in(log)) >= 4, 600, "learner step 4")
+        learner_killed_after = max(steps_in(log))
+        [learner] = [p for p in run_processes(run_dir) if role_of(p) == "learner"]
+        learner.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=1200)
     finally:
         stop_process(proc)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
-    assert max(steps_in(log)) == total
-    [died] = [f for f in faults(run_dir) if f["event"] == "died"]
+    [died] = [f for f in faults(run_dir) if f["event"] == "died" and f["name"] == "actor-0"]
     assert died["learner_step"] < total - 2, f"the kill came too late to need the replacement: {died}"
     events = [(f["name"], f["event"]) for f in faults(run_dir)]
     for event in ("died", "restarted", "recovered"):
         assert events.count(("actor-0", event)) == 1, events
+    assert learner_killed_after < total, "the learner was killed after the last step"
+    assert ("learner-0", "died") in events and ("learner", "restarted") in events, events
+    # the new gang goes on from its newest checkpoint (an even step, 4 or later), to the end
+    learner_log = (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
+    [checkpoint] = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", learner_log)]
+    assert checkpoint % 2 == 0 and 4 <= checkpoint <= learner_killed_after + 1, (checkpoint, learner_killed_after)
+    steps = steps_in(log)
+    assert steps[-(total - checkpoint):] == list(range(checkpoint + 1, total + 1)), steps
     # the killed incarnation's process tree (the role process and its engine) went with its host
     _, alive = psutil.wait_procs(tree, timeout=30)
     assert alive == []
