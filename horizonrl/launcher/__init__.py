@@ -664,20 +664,27 @@ def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = Fa
     stop = StopFlag().install()
     print(f"run {config.run.name}: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner rank(s), "
           f"{config.learner.total_steps} steps; logs in {launcher.log_dir}", flush=True)
-    rc = 1
     with logging_to_console(console, launcher.log_dir / "launcher.log", verbose=verbose):
         log.info("%s", plan.table())  # which GPUs each process got, for the record
-        try:
-            launcher.start_all()
-            console.set_phase("starting")
-            rc = launcher.watch(stop)
-            if rc == 130:
-                console.line("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again "
-                             "to force)")
-            console.set_phase("stopping")
-        finally:
-            launcher.stop_all(stop)
-            console.close({0: "finished", 130: "stopped"}.get(rc, "failed"))
+        return run_to_the_end(launcher, console, stop, launcher.start_all)
+
+
+def run_to_the_end(launcher, console: RunConsole, stop: StopFlag, start: Callable[[], None]) -> int:
+    """Every launcher's life: ``start()`` its processes, ``launcher.watch(stop)`` until the run ends, then
+    ``launcher.stop_all(stop)`` whatever happened (a failed start too). The exit code: 0 finished, 130
+    stopped, 1 failed."""
+    rc = 1
+    try:
+        start()
+        console.set_phase("starting")
+        rc = launcher.watch(stop)
+        if rc == 130:
+            console.line("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again "
+                         "to force)")
+        console.set_phase("stopping")
+    finally:
+        launcher.stop_all(stop)
+        console.close({0: "finished", 130: "stopped"}.get(rc, "failed"))
     return rc
 
 

@@ -571,7 +571,7 @@ class RayLauncher:
 
 def launch_ray(config: TrainConfig, *, verbose: bool = False) -> int:
     """``horizonrl train CONFIG launcher.type=ray``: the run on a Ray cluster (or a Ray instance started here)."""
-    from horizonrl.launcher import logging_to_console, prepare_cluster_run
+    from horizonrl.launcher import logging_to_console, prepare_cluster_run, run_to_the_end
 
     try:
         import ray  # noqa: F401
@@ -584,20 +584,12 @@ def launch_ray(config: TrainConfig, *, verbose: bool = False) -> int:
     log_dir = config.output_dir / "logs"
     print(f"run {config.run.name} on Ray: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner "
           f"rank(s), {config.learner.total_steps} steps; logs in {log_dir}", flush=True)
-    rc = 1
-    with logging_to_console(console, log_dir / "launcher.log", verbose=verbose):
+
+    def start() -> None:
         started = time.monotonic()
-        try:
-            launcher.connect()
-            launcher.start_all(lambda host, control, report: prepare_cluster_run(config, host, control, report))
-            log.info("every process placed in %.1f s", time.monotonic() - started)
-            console.set_phase("starting")
-            rc = launcher.watch(stop)
-            if rc == 130:
-                console.line("stopping: actors start no new episodes, the learner saves a checkpoint (Ctrl-C again "
-                             "to force)")
-            console.set_phase("stopping")
-        finally:
-            launcher.stop_all(stop)
-            console.close({0: "finished", 130: "stopped"}.get(rc, "failed"))
-    return rc
+        launcher.connect()
+        launcher.start_all(lambda host, control, report: prepare_cluster_run(config, host, control, report))
+        log.info("every process placed in %.1f s", time.monotonic() - started)
+
+    with logging_to_console(console, log_dir / "launcher.log", verbose=verbose):
+        return run_to_the_end(launcher, console, stop, start)
