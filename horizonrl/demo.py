@@ -19,14 +19,15 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from horizonrl.core.config import TrainConfig, load_config
+from horizonrl.core.config import TinyModelRecipe, TrainConfig, load_config
 from horizonrl.core.console import output_to_file
 from horizonrl.core.run_dirs import latest_checkpoint
 from horizonrl.core.schedule import TurnBudgetSchedule
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-# The recipe the integration tests use too: 1,500 random-policy episodes, 200 warm-up steps.
-TINY_MODEL_RECIPE = dict(episodes_per_env=1500, warmup_steps=200, max_turns=6)
+# The default recipe (model.tiny), which the integration tests use too: 1,500 random-policy episodes,
+# 200 warm-up steps.
+TINY_MODEL_RECIPE = TinyModelRecipe().model_dump()
 
 
 def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
@@ -38,7 +39,7 @@ def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
     for spec in config.envs:
         results[spec.name] = evaluate(model_path, EvalSpec(
             env=spec.name, env_settings=spec.settings, split="test", episodes=config.eval.episodes,
-            max_turns=max_turns, temperature=config.eval.temperature,
+            max_turns=max_turns, temperature=config.eval.temperature, samples=config.eval.samples_per_task,
             max_tokens_per_turn=config.rollout.max_tokens_per_turn,
             max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed), make_env,
             config.rollout.engine)
@@ -74,7 +75,7 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     model_dir = Path(config.model.path)
     print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
     ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),
-                      env_settings={s.name: dict(s.settings) for s in config.envs}, **TINY_MODEL_RECIPE)
+                      env_settings={s.name: dict(s.settings) for s in config.envs}, **config.model.tiny.model_dump())
 
     print(f"[demo] held-out success of the starting policy ({config.eval.episodes} episodes per env)...", flush=True)
     with _quiet_unless(verbose, config.output_dir / "logs" / "eval-before.log"):

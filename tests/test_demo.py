@@ -1,6 +1,10 @@
 """The demo's before -> after table (the run itself is tests/integration and `make demo`)."""
 
+from pathlib import Path
+
 from horizonrl.demo import before_after_table
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def result(rate, episodes, categories=None):
@@ -19,3 +23,30 @@ def test_one_row_per_environment_and_per_category_when_there_are_several():
     assert lines[2].split() == ["GoToDoor", "0.40", "->", "0.95", "(66)"]
     assert lines[3].split() == ["GoToRedBall", "0.20", "->", "0.87", "(132)"]
     assert lines[4].split() == ["signpost", "0.11", "->", "0.97", "(100)"]
+
+
+def test_held_out_evaluation_plays_each_task_samples_per_task_times(monkeypatch):
+    """eval.samples_per_task reaches the evaluation: TextCraft's depth-1 goals hold 25 held-out goals, played
+    8 times each."""
+    import horizonrl.actors.evaluate as evaluate_module
+    from horizonrl.core.config import load_config
+    from horizonrl.demo import held_out_success
+
+    config = load_config(CONFIGS / "textcraft.yaml", [])
+    specs = []
+    monkeypatch.setattr(evaluate_module, "evaluate", lambda model, spec, make_env, engine: specs.append(spec) or {})
+    held_out_success("unused", config)
+    [spec] = specs
+    assert (spec.env, spec.split, spec.episodes, spec.samples_per_task) == ("textcraft", "test", 25, 8)
+    assert spec.env_settings == {"max_depth": 1} and spec.max_turns == 6
+
+
+def test_the_tiny_model_recipe_comes_from_the_config_and_defaults_to_the_tests_recipe():
+    from horizonrl.core.config import load_config
+    from horizonrl.demo import TINY_MODEL_RECIPE
+
+    config = load_config(CONFIGS / "demo.yaml", [])
+    assert config.model.tiny.model_dump() == TINY_MODEL_RECIPE == {"episodes_per_env": 1500, "warmup_steps": 200,
+                                                                  "max_turns": 6}
+    config = load_config(CONFIGS / "demo.yaml", ["model.tiny.warmup_steps=50"])
+    assert config.model.tiny.warmup_steps == 50 and config.model.tiny.episodes_per_env == 1500

@@ -31,8 +31,19 @@ class RunConfig(_Frozen):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class TinyModelRecipe(_Frozen):
+    """How ``horizonrl demo`` builds the tiny model at ``model.path`` when it is missing (horizonrl/tiny_model.py):
+    a format-only warm-up on random-policy episodes of the run's environments."""
+
+    episodes_per_env: int = Field(1500, ge=1, description="random-policy episodes per environment")
+    warmup_steps: int = Field(200, ge=1, description="language-model optimizer steps on those episodes")
+    max_turns: int = Field(6, ge=1, description="turn cap of a random-policy episode")
+
+
 class ModelConfig(_Frozen):
     path: str = Field(..., description="Hugging Face model directory on local disk")
+    tiny: TinyModelRecipe = Field(TinyModelRecipe(), description="horizonrl demo only: the recipe of the tiny "
+                                  "model it builds at path when missing (rebuilt when the recipe changes)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="deprecated (one dtype for learner and engine): when set (not None/auto), it is the "
                           "engine's dtype where rollout.engine.dtype is auto; the learner uses learner.param_dtype / "
@@ -405,6 +416,9 @@ class LauncherConfig(_Frozen):
 
 class EvalConfig(_Frozen):
     episodes: int = Field(100, ge=0, description="held-out episodes before and after training (0: skip)")
+    samples_per_task: int = Field(1, ge=1, description="episodes per held-out task before and after training: "
+                                  "the first eval.episodes test-split tasks are each played this many times (for "
+                                  "an environment with fewer test tasks than the episodes wanted, e.g. TextCraft)")
     max_turns: int | None = Field(None, ge=1, description="turn budget of held-out episodes (default: the "
                                   "schedule's last value)")
     temperature: float = Field(1.0, gt=0)

@@ -95,6 +95,7 @@ class SearchQAEnv:
                 self.retriever = _RETRIEVERS[corpus_key]
         self.topk = topk
         self.row: dict[str, Any] | None = None
+        self.last_documents: list[Any] = []  # the latest search's results (the random policy's answer candidates)
         self._done = True
         self._success = False
 
@@ -120,6 +121,7 @@ class SearchQAEnv:
 
     async def reset(self, task_id: int) -> str:
         self.row = self._row(task_id)
+        self.last_documents = []
         self._done = False
         self._success = False
         return INSTRUCTION.format(question=self.row["question"])
@@ -136,6 +138,7 @@ class SearchQAEnv:
             if not content or len(content) > MAX_QUERY_CHARS:
                 return StepResult(INVALID, 0.0, False, info={"invalid_action": True})
             documents = await self.retriever.search(content, self.topk)
+            self.last_documents = documents
             return StepResult(f"\n\n<information>{format_information(documents)}</information>\n\n", 0.0, False,
                               info={"invalid_action": False, "search": True})
         if exact_match(content, self.row["golden_answers"]):
@@ -147,11 +150,18 @@ class SearchQAEnv:
         self._done = True
 
     def random_action(self, rng: random.Random) -> str:
-        words = re.findall(r"[A-Za-z]+", self.row["question"] if self.row else "the answer")
-        picked = " ".join(rng.sample(words, min(len(words), rng.randint(1, 3))))
+        """Half the time a search for 1-3 random words of the question or names in the latest search's
+        results; otherwise an answer: one capitalised word seen (in the question or those results), drawn
+        uniformly. It names the answer only by chance, with no skill."""
+        question = self.row["question"] if self.row else "the answer"
+        words = re.findall(r"[A-Za-z]+", question)
+        found = " ".join(f"{d.title} {d.text}" for d in self.last_documents)
+        names = sorted(set(re.findall(r"\b[A-Z][a-z]+\b", question + " " + found))) or words
         if rng.random() < 0.5:
+            pool = sorted(set(words) | set(re.findall(r"\b[A-Z][a-z]+\b", found)))
+            picked = " ".join(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
             return f"<think>I should look this up.</think>\n<search> {picked} </search>"
-        return f"<think>I will guess.</think>\n<answer> {picked} </answer>"
+        return f"<think>I will guess.</think>\n<answer> {rng.choice(names)} </answer>"
 
     def expert_plan(self) -> list[str]:
         """The oracle: search each supporting page in order, then answer (needs supporting_titles)."""

@@ -447,11 +447,11 @@ def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, d
     (weight_broadcast.py; ``background``: see ``WeightHub.publish``). Rank 0 returns the hub's statistics,
     or None when a stop was requested and the engines still had not taken the version ``grace_s`` later
     (they may have exited already; the checkpoint matters more than this version). Other ranks return None."""
-    from horizonrl.learner.weight_broadcast import publish_from_other_rank
+    from horizonrl.learner.weight_broadcast import gather_without_sending
 
     named = weights_to_send(model.config, model.state_dict())  # sharded DTensors: nothing gathered yet
     if hub is None:
-        publish_from_other_rank(named, bucket_bytes=weight_bucket_bytes(bucket_mb), dtype=dtype)
+        gather_without_sending(named, bucket_bytes=weight_bucket_bytes(bucket_mb), dtype=dtype)
         return None
     return hub.publish(version, epoch, named, dtype=dtype, should_abandon=_abandon_after(stop, grace_s),
                        background=background)

@@ -51,7 +51,7 @@ from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
 __all__ = ["Member", "PackedWeights", "WeightHub", "WeightSyncError", "gather_buckets", "layout_of",
-           "publish_from_other_rank", "use_blocking_nccl_waits"]
+           "gather_without_sending", "use_blocking_nccl_waits"]
 
 log = logging.getLogger("horizonrl.learner.weights")
 
@@ -264,7 +264,7 @@ class WeightHub:
     def publish(self, version: int, epoch: int, named: list[tuple[str, torch.Tensor]], *,
                 dtype: torch.dtype | None = None, should_abandon: Callable[[], bool] | None = None,
                 background: bool = False) -> dict[str, float] | None:
-        """Rank 0's half of a collective update (the other ranks call :func:`publish_from_other_rank`):
+        """Rank 0's half of a collective update (the other ranks call :func:`gather_without_sending`):
         gather ``named`` (FSDP-sharded parameters) bucket by bucket on the learner's device, in ``dtype``,
         and broadcast each bucket to every member as it fills; the admission copy is filled on the way.
 
@@ -281,7 +281,7 @@ class WeightHub:
         if not self.wait_for_send(should_abandon) or self.abandoned is not None:
             # After a stop: a background send still reads the admission copy, or one abandoned its members
             # mid-version. Nothing more is sent; the gathers still run (every rank is in them).
-            publish_from_other_rank(named, bucket_bytes=self.bucket_bytes, dtype=dtype)
+            gather_without_sending(named, bucket_bytes=self.bucket_bytes, dtype=dtype)
             return None
         if background and self.device.type == "cpu":
             return self._publish_in_background(version, epoch, named, dtype, should_abandon)
@@ -543,10 +543,12 @@ class WeightHub:
             self.members.clear()
 
 
-def publish_from_other_rank(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+def gather_without_sending(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,
                             dtype: torch.dtype | None = None) -> None:
-    """A learner rank other than 0 during :meth:`WeightHub.publish`: the same gathers, in the same order,
-    nothing kept (the plan is computed from the same names, dtypes and shapes as rank 0's)."""
+    """A learner rank's part in :meth:`WeightHub.publish` when it sends nothing: the same gathers, in the same
+    order, nothing kept (the plan is computed from the same names, dtypes and shapes as rank 0's). Every rank
+    other than 0 calls it, and rank 0 too once a stop has abandoned the sending (the other ranks are still
+    in the gathers)."""
     names, dtypes, shapes = layout_of(named, dtype)
     plan = plan_buckets(names, dtypes, shapes, bucket_bytes)
     for _ in gather_buckets(named, plan, device=torch.device("cpu"), fill=False):

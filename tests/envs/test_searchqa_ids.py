@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from aiohttp import web
@@ -46,6 +47,42 @@ async def test_protocol_and_oracle():
         wins += final.success and final.reward == 1.0 and final.done
         assert env.task_category(task_id) in ("hops-1", "hops-2")
     assert wins == 30
+
+
+async def test_random_policy_searches_question_words_and_guesses_names_it_has_seen():
+    """The warm-up's random policy: a search for words of the question or names in the latest search
+    results, or an answer naming one capitalised word from the question or those results; it knows no
+    answer, so it is right only by chance, and only after a search that found the supporting page."""
+    env = SearchQAEnv()
+    rng = random.Random(0)
+    task_id = env.task_ids("test")[0]
+    await env.reset(task_id)
+    question = env.row["question"]
+    guesses_before, guesses_after = set(), set()
+    for _ in range(200):
+        reply = env.random_action(rng)
+        kind = "search" if "<search>" in reply else "answer"
+        content = reply.split(f"<{kind}>")[1].split(f"</{kind}>")[0].split()
+        if kind == "search":
+            assert set(content) <= set(question.rstrip("?").split())
+        else:
+            guesses_before.add(content[0])
+    assert guesses_before <= set(question.rstrip("?").split())
+    await env.step(env.expert_plan()[0])  # the supporting page is now among the latest results
+    page_words = {w for d in env.last_documents for w in f"{d.title} {d.text}".replace(".", " ").split()}
+    searched_after = set()
+    for _ in range(400):
+        reply = env.random_action(rng)
+        if "<answer>" in reply:
+            guesses_after.add(reply.split("<answer>")[1].split("</answer>")[0].strip())
+        else:
+            searched_after.update(reply.split("<search>")[1].split("</search>")[0].split())
+    assert guesses_after <= page_words | set(question.rstrip("?").split())
+    assert searched_after <= page_words | set(question.rstrip("?").split())
+    assert searched_after - set(question.rstrip("?").split())  # a name the page gave (the next hop's search)
+    assert guesses_after - guesses_before  # names from the page, which the question does not hold
+    if env.row["hops"] == 1:
+        assert env.row["golden_answers"][0] in guesses_after  # the page names the answer: a guess can hit it
 
 
 async def test_bad_input():

@@ -111,7 +111,11 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
         # A checkpoint (save_every=2) past the actor's death, then the learner's process dies.
         wait_until(lambda: proc.poll() is not None or max(steps_in(log)) >= 4, 600, "learner step 4")
         learner_killed_after = max(steps_in(log))
-        [learner] = [p for p in run_processes(run_dir) if role_of(p) == "learner"]
+        learners = [p for p in run_processes(run_dir) if role_of(p) == "learner"]
+        assert proc.poll() is None and len(learners) == 1, (
+            f"the run ended (exit code {proc.poll()}) or has {len(learners)} learner processes before the learner "
+            f"kill, at step {learner_killed_after}:\n{log.read_text(errors='replace')[-3000:]}")
+        [learner] = learners
         learner.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=1200)
     finally:

@@ -107,7 +107,7 @@ def _learner_rank(rank: int, dist_port: int, hub_port: int, versions: int, queue
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from horizonrl.learner.weight_broadcast import WeightHub, publish_from_other_rank
+    from horizonrl.learner.weight_broadcast import WeightHub, gather_without_sending
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=2)
     module = nn.Module()
@@ -141,7 +141,7 @@ def _learner_rank(rank: int, dist_port: int, hub_port: int, versions: int, queue
             else:
                 queue.put(("stats", stats))
         else:
-            publish_from_other_rank(named, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16)
+            gather_without_sending(named, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16)
         dist.barrier()
     queue.put((f"done{rank}", None))
     time.sleep(30)  # keep the hub up while the test reads the queue
