@@ -544,7 +544,7 @@ class WeightHub:
 
 
 def gather_without_sending(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,
-                            dtype: torch.dtype | None = None) -> None:
+                           dtype: torch.dtype | None = None) -> None:
     """A learner rank's part in :meth:`WeightHub.publish` when it sends nothing: the same gathers, in the same
     order, nothing kept (the plan is computed from the same names, dtypes and shapes as rank 0's). Every rank
     other than 0 calls it, and rank 0 too once a stop has abandoned the sending (the other ranks are still
