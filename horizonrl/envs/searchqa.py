@@ -42,6 +42,7 @@ INVALID = ("Invalid reply: put a search query between <search> and </search>, or
 _RETRIEVERS: dict[Any, Retriever] = {}
 _RETRIEVERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 1000
+CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")  # the names the random policy can search for or answer with
 
 
 def normalize_answer(text: str) -> str:
@@ -95,7 +96,7 @@ class SearchQAEnv:
                 self.retriever = _RETRIEVERS[corpus_key]
         self.topk = topk
         self.row: dict[str, Any] | None = None
-        self.last_documents: list[Any] = []  # the latest search's results (the random policy's answer candidates)
+        self.last_documents: list[Any] = []  # the latest search's results (names the random policy can use)
         self._done = True
         self._success = False
 
@@ -155,10 +156,10 @@ class SearchQAEnv:
         uniformly. It names the answer only by chance, with no skill."""
         question = self.row["question"] if self.row else "the answer"
         words = re.findall(r"[A-Za-z]+", question)
-        found = " ".join(f"{d.title} {d.text}" for d in self.last_documents)
-        names = sorted(set(re.findall(r"\b[A-Z][a-z]+\b", question + " " + found))) or words
+        found = set(re.findall(CAPITALISED, " ".join(f"{d.title} {d.text}" for d in self.last_documents)))
+        names = sorted(set(re.findall(CAPITALISED, question)) | found) or words
         if rng.random() < 0.5:
-            pool = sorted(set(words) | set(re.findall(r"\b[A-Z][a-z]+\b", found)))
+            pool = sorted(set(words) | found)
             picked = " ".join(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
             return f"<think>I should look this up.</think>\n<search> {picked} </search>"
         return f"<think>I will guess.</think>\n<answer> {rng.choice(names)} </answer>"
