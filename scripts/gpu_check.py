@@ -75,6 +75,8 @@ class Context:
     large: bool
     workdir: Path
     gpus: int
+    large_size: str = "0.5B"  # a key of learner/sizing.py's QWEN25: the random model of the large checks
+    checkpointing: bool = False  # peak_memory with activation checkpointing
 
     @property
     def cuda(self) -> bool:
@@ -119,15 +121,16 @@ def qwen_config(key: str):
                        tie_word_embeddings=s.tied, use_sliding_window=False, dtype="float32")
 
 
-def large_model_dir(workdir: Path) -> Path:
-    """A random Qwen2.5-0.5B-shaped model on disk (float32, ~2 GB), built once per run."""
+def large_model_dir(workdir: Path, size: str = "0.5B") -> Path:
+    """A random Qwen2.5-shaped model on disk (float32: ~2 GB for 0.5B, ~6 GB for 1.5B), built once per
+    work directory."""
     import torch
     from transformers import Qwen2ForCausalLM
 
-    path = workdir / "qwen0.5b-random"
-    if not (path / "model.safetensors").is_file():
+    path = workdir / f"qwen{size.lower()}-random"
+    if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         torch.manual_seed(0)
-        Qwen2ForCausalLM(qwen_config("0.5B")).save_pretrained(path)
+        Qwen2ForCausalLM(qwen_config(size)).save_pretrained(path)
     return path
 
 
@@ -214,7 +217,8 @@ def check_mixed_precision_step(ctx: Context) -> CheckResult:
     device = torch.device(ctx.device)
     runs = {"tiny": _mixed_step(tiny_model_dir(ctx.workdir), device, 320, 64)}
     if ctx.cuda and ctx.large:
-        runs["0.5B"] = _mixed_step(large_model_dir(ctx.workdir), device, QWEN25["0.5B"].vocab, ctx.tokens)
+        runs[ctx.large_size] = _mixed_step(large_model_dir(ctx.workdir, ctx.large_size), device,
+                                           QWEN25[ctx.large_size].vocab, ctx.tokens)
     ok = all(f["compute_weight_dtype"] == "torch.bfloat16" and f["compute_input_dtype"] == "torch.bfloat16"
              and f["param_dtypes"] == ["torch.float32"] and f["moment_dtypes"] == ["torch.float32"]
              and f["norm_weights_moved_fraction_min"] > 0.9 and f["update_below_bf16_resolution"]
@@ -260,7 +264,7 @@ def check_activation_formula(ctx: Context) -> CheckResult:
     shapes = {"tiny": ModelShape("tiny", 320, 128, 256, 2, 2, 1, 64, True),
               "mid": ModelShape("mid", 1000, 512, 1408, 4, 8, 2, 64, True)}
     if ctx.cuda and ctx.large:
-        shapes["0.5B"] = QWEN25["0.5B"]
+        shapes[ctx.large_size] = QWEN25[ctx.large_size]
     device = torch.device(ctx.device)
     figures, ok = {}, True
     for key, shape in shapes.items():
@@ -320,12 +324,13 @@ def check_peak_memory(ctx: Context) -> CheckResult:
 
     init_single_rank(True)
     device = torch.device("cuda")
-    shape = QWEN25["0.5B"]
-    path = large_model_dir(ctx.workdir)
+    shape = QWEN25[ctx.large_size]
+    path = large_model_dir(ctx.workdir, ctx.large_size)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    model = build_sharded_model(str(path), kind="policy", policy=precision(True), device=device)
+    model = build_sharded_model(str(path), kind="policy", policy=precision(True), device=device,
+                                activation_checkpointing=ctx.checkpointing)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated() - base
     optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_LR, weight_decay=0.0)
@@ -351,7 +356,7 @@ def check_peak_memory(ctx: Context) -> CheckResult:
     torch.cuda.synchronize()
     gather_extra = torch.cuda.max_memory_allocated() - before_gather
 
-    predicted = learner_memory(shape, world_size=1, tokens=ctx.tokens, checkpointing=False)
+    predicted = learner_memory(shape, world_size=1, tokens=ctx.tokens, checkpointing=ctx.checkpointing)
     predicted_gather = broadcast_bytes(shape, 1, bucket_bytes)
     rows = {
         "after_load": (loaded, predicted.params),
@@ -359,7 +364,7 @@ def check_peak_memory(ctx: Context) -> CheckResult:
         "step_peak": (step_peak, predicted.peak),
         "weight_gather_extra": (gather_extra, predicted_gather),
     }
-    figures, ok = {"tokens_per_micro_batch": ctx.tokens}, True
+    figures, ok = {"tokens_per_micro_batch": ctx.tokens, "activation_checkpointing": ctx.checkpointing}, True
     for name, (measured, formula) in rows.items():
         error = abs(measured - formula) / formula
         figures[name] = {"measured_gb": round(measured / GB, 3), "formula_gb": round(formula / GB, 3),
@@ -368,7 +373,8 @@ def check_peak_memory(ctx: Context) -> CheckResult:
     del model, optimizer
     torch.cuda.empty_cache()
     return CheckResult("peak_memory", "PASS" if ok else "FAIL", figures,
-                       f"0.5B random, W=1, bf16 compute, AdamW (foreach); bound {MEMORY_TOLERANCE:.0%}")
+                       f"{ctx.large_size} random, W=1, bf16 compute, AdamW (foreach), "
+                       f"activation checkpointing {'on' if ctx.checkpointing else 'off'}; bound {MEMORY_TOLERANCE:.0%}")
 
 
 def _broadcast_layout(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -619,8 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU; checks that need CUDA are SKIPPED")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--tokens", type=int, default=512, help="padded tokens per micro-batch of the 0.5B steps")
-    parser.add_argument("--no-large", action="store_true", help="leave out the 0.5B model")
+    parser.add_argument("--tokens", type=int, default=512, help="padded tokens per micro-batch of the large model's steps")
+    parser.add_argument("--no-large", action="store_true", help="leave out the large random model")
+    parser.add_argument("--large-size", default="0.5B", choices=["0.5B", "1.5B", "7B"],
+                        help="the Qwen2.5 shape of the large random model (7B: ~28 GB on disk, minutes to build)")
+    parser.add_argument("--checkpointing", action="store_true", help="peak_memory with activation checkpointing")
     parser.add_argument("--only", nargs="*", help="run only these checks (names as printed)")
     parser.add_argument("--sizing", action="store_true", help="print the sizing table (docs/gpu.md) and exit")
     parser.add_argument("--workdir", type=Path, help="where the models are written (default: a temporary directory)")
@@ -640,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         ctx = Context(device="cuda" if cuda else "cpu", tokens=args.tokens, large=not args.no_large, workdir=workdir,
-                      gpus=torch.cuda.device_count() if cuda else 0)
+                      gpus=torch.cuda.device_count() if cuda else 0, large_size=args.large_size,
+                      checkpointing=args.checkpointing)
         checks = [c for c in CHECKS if not args.only or c.__name__.removeprefix("check_") in args.only]
         results = run_checks(ctx, checks)
         import torch.distributed as dist

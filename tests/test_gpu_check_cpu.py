@@ -86,3 +86,17 @@ def test_the_sizing_table_adds_up():
     assert learner_memory(shape, world_size=8, tokens=fits + 1, checkpointing=False).peak > 80 * GB
     table = sizing_table()
     assert table.count("\n") >= 4 and "Qwen2.5-32B" in table
+
+
+def test_the_weight_gather_gathers_a_copy_only_with_several_ranks():
+    """On one rank ``full_tensor()`` returns the cast shard itself: an H200 measured the gather's extra as
+    one bucket plus one bf16 tensor (0.5B: 0.545 GB, 1.5B: 0.933 GB); with W ranks the gathered copy is
+    added beside the shard."""
+    from horizonrl.learner.sizing import QWEN25, broadcast_bytes
+
+    bucket = 256 << 20
+    for key, measured_one_rank in (("0.5B", 0.545e9), ("1.5B", 0.933e9)):
+        largest = 2 * QWEN25[key].largest_tensor  # the embedding in bf16, larger than the bucket
+        assert broadcast_bytes(QWEN25[key], 1, bucket) == pytest.approx(2 * largest)
+        assert broadcast_bytes(QWEN25[key], 1, bucket) == pytest.approx(measured_one_rank, rel=0.01)
+        assert broadcast_bytes(QWEN25[key], 4, bucket) == pytest.approx(largest + largest / 4 + largest)
