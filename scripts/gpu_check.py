@@ -24,6 +24,11 @@ loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED w
     cuda_ipc               a CUDA tensor handed to a second process through torch.multiprocessing's
                            CUDA-IPC reductions: the receiver reads the sender's bytes, and a write by
                            the receiver is seen by the sender (shared memory, not a copy)   [CUDA]
+    colocated_handoff      the one-GPU weight path: learner/weight_ipc.py sends 1 GB of bf16 (0.5B layer
+                           shapes, 256 MiB buckets) over ZeroMQ + CUDA IPC to actors/weight_ipc.py in a
+                           second process, which copies each tensor into its own; GB/s against one
+                           device copy of the same bytes, every byte checked, and a sender whose
+                           receiver is gone fails within its bound                         [CUDA]
 
 Prints a table; ``--out`` writes the JSON. Exit status 1 if any check FAILED (SKIPPED is not a failure).
 """
@@ -580,9 +585,146 @@ def check_cuda_ipc(ctx: Context) -> CheckResult:
             receiver.join(10)
 
 
+def _colocated_sender(port: int, total_bytes: int, bucket_bytes: int, repeats: int, out_path: str) -> None:
+    """The learner's side: learner/weight_ipc.py's send_version_over_ipc, the bytes of 0.5B layer shapes."""
+    import torch
+    import zmq
+
+    from horizonrl.learner.weight_ipc import send_version_over_ipc
+    from horizonrl.protocol.messages import WeightLayout
+    from horizonrl.protocol.transport import make_socket
+    from horizonrl.protocol.weight_buckets import plan_buckets
+    from horizonrl.protocol.weights import WeightSyncError
+
+    result = {}
+    context = zmq.Context()
+    sock = make_socket(context, zmq.PAIR, server=True)
+    try:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        layout = _broadcast_layout(total_bytes)
+        named = [(n, _tensor_for(n, shape, device)) for n, shape in layout]
+        names, shapes = [n for n, _ in layout], [list(shape) for _, shape in layout]
+        dtypes = ["bfloat16"] * len(names)
+        plan = plan_buckets(names, dtypes, shapes, bucket_bytes)
+        nbytes = sum(bucket.nbytes for bucket in plan)
+
+        def version(number: int) -> WeightLayout:
+            return WeightLayout(run_id="gpu-check", version=number, epoch=0, names=names, dtypes=dtypes, shapes=shapes,
+                                total_bytes=nbytes)
+
+        seconds = [send_version_over_ipc(sock, named, version(v), bucket_bytes=bucket_bytes, device=device,
+                                         timeout_s=120.0) for v in range(repeats)]
+        # The reference: one device-to-device copy of the same bytes in one process (what loading costs
+        # at least, with no handoff at all).
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        copies = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            target.copy_(source)
+            torch.cuda.synchronize()
+            copies.append(time.perf_counter() - start)
+        # The receiver has gone (it exits after the last version): the next send must fail, within its bound.
+        bound = 3.0
+        start = time.perf_counter()
+        try:
+            send_version_over_ipc(sock, named, version(repeats), bucket_bytes=bucket_bytes, device=device,
+                                  timeout_s=bound)
+            result["dead_receiver"] = {"raised": False}
+        except WeightSyncError as exc:
+            result["dead_receiver"] = {"raised": True, "after_s": round(time.perf_counter() - start, 2),
+                                       "bound_s": bound, "error": str(exc)}
+        result.update(bytes=nbytes, buckets=len(plan), bucket_bytes=bucket_bytes, version_s=seconds,
+                      copy_s=min(copies))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    finally:
+        sock.close()
+        context.term()
+    Path(out_path).write_text(json.dumps(result))
+    os._exit(0)
+
+
+def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
+    """The engine's side: actors/weight_ipc.py's stream, each tensor copied into the 'model' (as a loader does)."""
+    import torch
+    import zmq
+
+    from horizonrl.actors.weight_ipc import open_ipc_weight_stream
+    from horizonrl.protocol.transport import make_socket
+
+    result = {}
+    context = zmq.Context()
+    sock = make_socket(context, zmq.PAIR)
+    try:
+        torch.cuda.set_device(0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        model: dict[str, torch.Tensor] = {}
+        for _ in range(repeats):
+            stream = open_ipc_weight_stream(sock, run_id="gpu-check", timeout_s=120.0)
+            for name, tensor in stream:
+                if name not in model:
+                    model[name] = torch.empty_like(tensor)
+                model[name].copy_(tensor)
+            stream.finish()
+        result["mismatched"] = [name for name, tensor in model.items()
+                                if not torch.equal(tensor, _tensor_for(name, tuple(tensor.shape), tensor.device))]
+        result["tensors"] = len(model)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    finally:
+        sock.close()
+        context.term()
+    Path(out_path).write_text(json.dumps(result))
+    os._exit(0)
+
+
+def check_colocated_handoff(ctx: Context) -> CheckResult:
+    """The colocated weight path (one GPU): learner/weight_ipc.py -> actors/weight_ipc.py over a real ZeroMQ
+    socket and CUDA IPC, 1 GB of bf16 in 256 MiB buckets, every byte checked; then the receiver is gone
+    and the sender must fail within its 3 s bound."""
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    port = free_port()
+    repeats = 3
+    outputs = [ctx.workdir / f"colocated_{side}.json" for side in ("sender", "receiver")]
+    spawn = mp.get_context("spawn")
+    processes = [spawn.Process(target=_colocated_sender, args=(port, 1 << 30, 256 << 20, repeats, str(outputs[0]))),
+                 spawn.Process(target=_colocated_receiver, args=(port, repeats, str(outputs[1])))]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for process in processes:
+        process.join(max(1.0, deadline - time.monotonic()))
+    hung = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    if hung:
+        return CheckResult("colocated_handoff", "FAIL", {}, f"processes {hung} did not finish in {JOIN_TIMEOUT_S:.0f} s")
+    sender, receiver = (json.loads(p.read_text()) if p.is_file() else {"error": "no result file"} for p in outputs)
+    errors = [r["error"] for r in (sender, receiver) if "error" in r]
+    if errors:
+        return CheckResult("colocated_handoff", "FAIL", {}, errors[0][-2000:])
+    best = min(sender["version_s"])
+    figures = {"bytes": sender["bytes"], "buckets": sender["buckets"], "bucket_bytes": sender["bucket_bytes"],
+               "version_s": [round(t, 4) for t in sender["version_s"]], "handoff_gb_s": round(sender["bytes"] / best / GB, 2),
+               "one_copy_gb_s": round(sender["bytes"] / sender["copy_s"] / GB, 2),
+               "handoff_over_one_copy": round(best / sender["copy_s"], 2), "tensors": receiver["tensors"],
+               "mismatched_tensors": len(receiver["mismatched"]), "dead_receiver": sender["dead_receiver"]}
+    dead = sender["dead_receiver"]
+    ok = not receiver["mismatched"] and dead["raised"] and dead["after_s"] <= dead["bound_s"] + 5
+    return CheckResult("colocated_handoff", "PASS" if ok else "FAIL", figures,
+                       "learner/weight_ipc.py -> actors/weight_ipc.py, best of 3 versions; every tensor compared")
+
+
 CHECKS: list[Callable[[Context], CheckResult]] = [
     check_dtype_policy, check_mixed_precision_step, check_activation_formula, check_loss_parity, check_peak_memory,
-    check_bucket_broadcast, check_cuda_ipc,
+    check_bucket_broadcast, check_cuda_ipc, check_colocated_handoff,
 ]
 
 

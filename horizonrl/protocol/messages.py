@@ -180,6 +180,54 @@ class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
     total_bytes: int
 
 
+class CudaIpcBuffer(msgspec.Struct, kw_only=True):
+    """A CUDA allocation another process on the same GPU can open (torch's CUDA-IPC fields of a
+    ``uint8`` tensor's storage, ``torch.multiprocessing.reductions``): plain bytes and integers, so
+    the handle travels in msgpack like every other message, never pickled."""
+
+    device: int  # the sender's CUDA device index (colocated processes see the same GPU)
+    handle: bytes  # cudaIpcMemHandle of the allocation that holds the storage
+    storage_bytes: int
+    storage_offset: int  # the storage's byte offset inside that allocation
+    ref_counter_handle: bytes  # the producer's shared counter of open handles (keeps the memory alive)
+    ref_counter_offset: int
+    event_handle: bytes | None  # the producer's event: the consumer waits on it before the first read
+    event_sync_required: bool
+    tensor_offset: int  # the tensor's element offset inside the storage
+    nbytes: int
+
+
+class IpcWeights(msgspec.Struct, tag="ipc_weights", kw_only=True):
+    """Learner -> a colocated engine (same GPU, no NCCL group possible): version ``layout.version``
+    will arrive bucket by bucket in ``buffer`` (``learner/weight_ipc.py`` documents the exchange)."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    layout: WeightLayout
+    bucket_bytes: int
+    buffer: CudaIpcBuffer
+
+
+class IpcBucketReady(msgspec.Struct, tag="ipc_bucket_ready", kw_only=True):
+    """Learner -> colocated engine: bucket ``index`` of ``version`` is in the shared buffer, written
+    and synchronized; it stays there until the engine's :class:`IpcBucketAck` of it."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    version: int
+    index: int
+
+
+class IpcBucketAck(msgspec.Struct, tag="ipc_bucket_ack", kw_only=True):
+    """Colocated engine -> learner: done reading bucket ``index`` of ``version`` (the last bucket's
+    ack means the whole version is loaded)."""
+
+    v: int = SCHEMA_VERSION
+    run_id: str
+    version: int
+    index: int
+
+
 class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
     """Engine worker -> learner, through the weight store (``protocol/weights.py``): "admit me"."""
 
@@ -321,4 +369,4 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
 
 
 Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
-           | TrajectoryAck | ProcessEvent | HeldOutEval | Registration)
+           | TrajectoryAck | ProcessEvent | HeldOutEval | Registration | IpcWeights | IpcBucketReady | IpcBucketAck)

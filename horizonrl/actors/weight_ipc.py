@@ -1,0 +1,119 @@
+"""A colocated engine's side of the weight path: versions from the learner on the same GPU, through
+CUDA IPC. The exchange, its guarantees and the handle (:class:`CudaIpcBuffer`) are described in
+``learner/weight_ipc.py``.
+
+:func:`open_ipc_weight_stream` waits for a version's :class:`IpcWeights` and maps the learner's
+staging buffer; iterating the stream yields ``(name, tensor)`` bucket by bucket, each tensor a view
+into the learner's memory that is valid until the next bucket is asked for (a loader copies it into
+the model, as vLLM's does). The ack of a bucket goes back when the next is asked for, the last one
+from :meth:`IpcWeightStream.finish`, which means "loaded".
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import zmq
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from horizonrl.protocol.codec import ProtocolError, decode_as, encode
+from horizonrl.protocol.messages import CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightLayout
+from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
+from horizonrl.protocol.weights import WeightSyncError
+
+__all__ = ["IpcWeightStream", "open_cuda_buffer", "open_ipc_weight_stream"]
+
+
+class IpcWeightStream:
+    """One version arriving through the learner's shared staging buffer."""
+
+    def __init__(self, sock: zmq.Socket, message: IpcWeights, plan: list[Bucket], buffer: torch.Tensor,
+                 timeout_s: float) -> None:
+        self.sock = sock
+        self.layout: WeightLayout = message.layout
+        self.run_id = message.run_id
+        self.plan = plan
+        self.buffer = buffer
+        self.timeout_s = timeout_s
+        self._next_bucket = 0
+        self._announced = -1  # the bucket whose IpcBucketReady was received last
+        self._finished = False
+
+    @property
+    def version(self) -> int:
+        return self.layout.version
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._next_bucket < len(self.plan):
+            bucket = self.plan[self._next_bucket]
+            if self._announced != bucket.index:  # (a stream iterated again after a partial read skips this)
+                ready = _receive(self.sock, IpcBucketReady, self.run_id, self.timeout_s,
+                                 f"bucket {bucket.index} of {len(self.plan)} of version {self.version}")
+                if (ready.version, ready.index) != (self.version, bucket.index):
+                    raise WeightSyncError(f"colocated weight sync: expected bucket {bucket.index} of version "
+                                          f"{self.version}, the learner announced bucket {ready.index} of version "
+                                          f"{ready.version}")
+                self._announced = bucket.index
+            for entry in bucket.entries:
+                dtype = getattr(torch, entry.dtype)
+                yield entry.name, self.buffer[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+            torch.cuda.current_stream(self.buffer.device).synchronize()  # the loader's copies are done
+            self._next_bucket += 1
+            if self._next_bucket < len(self.plan):
+                self._ack(bucket.index)
+
+    def finish(self) -> None:
+        """Read whatever was not iterated, then acknowledge the last bucket: the version is loaded."""
+        if self._finished:
+            return
+        for _ in self:
+            pass
+        if self.plan:
+            self._ack(self.plan[-1].index)
+        self._finished = True
+
+    def _ack(self, index: int) -> None:
+        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+            raise WeightSyncError(f"colocated weight sync: the learner took no acknowledgement of bucket {index} of "
+                                  f"version {self.version} within {self.timeout_s:g} s")
+        self.sock.send(encode(IpcBucketAck(run_id=self.run_id, version=self.version, index=index)), zmq.NOBLOCK)
+
+
+def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float) -> IpcWeightStream:
+    """Wait (at most ``timeout_s``) for the next version's announcement and map its buffer."""
+    message = _receive(sock, IpcWeights, run_id, timeout_s, "the next version")
+    layout = message.layout
+    try:
+        plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, message.bucket_bytes)
+    except ValueError as exc:
+        raise WeightSyncError(f"colocated weight sync: malformed layout of version {layout.version}: {exc}") from exc
+    planned = sum(bucket.nbytes for bucket in plan)
+    if planned != layout.total_bytes or max((b.nbytes for b in plan), default=0) > message.buffer.nbytes:
+        raise WeightSyncError(f"colocated weight sync: version {layout.version} says {layout.total_bytes} bytes in a "
+                              f"buffer of {message.buffer.nbytes}; its buckets hold {planned}")
+    return IpcWeightStream(sock, message, plan, open_cuda_buffer(message.buffer), timeout_s)
+
+
+def open_cuda_buffer(shared: CudaIpcBuffer) -> torch.Tensor:
+    """The producer's buffer in this process: a ``uint8`` tensor on the same memory (writes are seen
+    by both). Opening the same allocation again returns the cached mapping."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("a CUDA-IPC buffer can only be opened in a process that sees a CUDA device "
+                           "(the colocated engine runs on the learner's GPU)")
+    if shared.device >= torch.cuda.device_count():
+        raise RuntimeError(f"the buffer is on cuda:{shared.device}, this process sees {torch.cuda.device_count()} "
+                           "GPU(s): colocated processes must see the GPU under the same index")
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([shared.nbytes]), (1,), shared.tensor_offset, torch.storage.TypedStorage,
+        torch.uint8, shared.device, shared.handle, shared.storage_bytes, shared.storage_offset, False,
+        shared.ref_counter_handle, shared.ref_counter_offset, shared.event_handle, shared.event_sync_required)
+
+
+def _receive(sock: zmq.Socket, expected: type, run_id: str, timeout_s: float, what: str):
+    if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        raise WeightSyncError(f"colocated weight sync: {what} did not arrive within {timeout_s:g} s")
+    try:
+        return decode_as(sock.recv(zmq.NOBLOCK), expected, run_id=run_id)
+    except ProtocolError as exc:
+        raise WeightSyncError(f"colocated weight sync: {what}: {exc}") from exc
