@@ -4,7 +4,9 @@ The agent reasons in ``<think>...</think>``, queries with ``<search>query</searc
 ``<information>Doc 1(Title: ...) ...</information>`` (top ``topk``, default 3), and ends with
 ``<answer>...</answer>``. A right answer (exact match after normalisation: lower case, no
 punctuation, no articles, single spaces) ends the episode with reward 1; a wrong one gets
-"Sorry, your answer is incorrect. Please try again." and the episode goes on.
+"Sorry, your answer is incorrect. Please try again." and the episode goes on (AgentGym's rule), or,
+with ``answer_ends_episode``, ends it with reward 0 (Search-R1's rule: one answer per question, so
+guessing again after a wrong answer cannot pay).
 
 Data: ``data_dir`` holding Search-R1-style ``train.jsonl`` / ``test.jsonl`` (rows with
 ``question`` and ``golden_answers``, optionally ``hops``) and, for BM25, ``corpus.jsonl``;
@@ -37,6 +39,7 @@ INSTRUCTION = (
     "Question: {question}\n"
 )
 WRONG_ANSWER = "Sorry, your answer is incorrect. Please try again."
+FINAL_WRONG_ANSWER = "Sorry, your answer is incorrect."
 INVALID = ("Invalid reply: put a search query between <search> and </search>, or the final answer "
            "between <answer> and </answer>.")
 _RETRIEVERS: dict[Any, Retriever] = {}
@@ -76,7 +79,7 @@ class SearchQAEnv:
     reply_format = "tags"  # the reply carries <search>/<answer> tags, not a ReAct "Action:" line
 
     def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
-                 seed: int = 0) -> None:
+                 seed: int = 0, answer_ends_episode: bool = False) -> None:
         if data_dir is None:
             data = _synthetic(seed)
             self.train, self.test = data["train"], data["test"]
@@ -95,6 +98,7 @@ class SearchQAEnv:
                     _RETRIEVERS[corpus_key] = BM25Retriever(corpus())
                 self.retriever = _RETRIEVERS[corpus_key]
         self.topk = topk
+        self.answer_ends_episode = bool(answer_ends_episode)
         self.row: dict[str, Any] | None = None
         self.last_documents: list[Any] = []  # the latest search's results (names the random policy can use)
         self._done = True
@@ -145,6 +149,9 @@ class SearchQAEnv:
         if exact_match(content, self.row["golden_answers"]):
             self._done = self._success = True
             return StepResult("Your answer is correct.", 1.0, True, True, 1.0, {"invalid_action": False})
+        if self.answer_ends_episode:
+            self._done = True
+            return StepResult(FINAL_WRONG_ANSWER, 0.0, True, False, 0.0, {"invalid_action": False})
         return StepResult(WRONG_ANSWER, 0.0, False, info={"invalid_action": False})
 
     async def close(self) -> None:
@@ -153,12 +160,16 @@ class SearchQAEnv:
     def random_action(self, rng: random.Random) -> str:
         """Half the time a search for 1-3 random words of the question or names in the latest search's
         results; otherwise an answer: one capitalised word seen (in the question or those results), drawn
-        uniformly. It names the answer only by chance, with no skill."""
+        uniformly. It names the answer only by chance, with no skill. With ``answer_ends_episode`` (one
+        answer per episode) it searches first and answers only with a name from the latest results: an
+        answer from the question alone would end the episode with a name the question already gave."""
         question = self.row["question"] if self.row else "the answer"
         words = re.findall(r"[A-Za-z]+", question)
         found = set(re.findall(CAPITALISED, " ".join(f"{d.title} {d.text}" for d in self.last_documents)))
         names = sorted(set(re.findall(CAPITALISED, question)) | found) or words
-        if rng.random() < 0.5:
+        if self.answer_ends_episode:
+            names = sorted(found - set(re.findall(CAPITALISED, question))) or names
+        if rng.random() < 0.5 or (self.answer_ends_episode and not found):
             pool = sorted(set(words) | found)
             picked = " ".join(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
             return f"<think>I should look this up.</think>\n<search> {picked} </search>"

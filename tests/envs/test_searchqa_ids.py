@@ -11,7 +11,7 @@ from aiohttp import web
 from horizonrl.envs.base import EnvironmentFailure
 from horizonrl.envs.ids import parse_item_id, read_ids, write_split_files
 from horizonrl.envs.retrieval import RemoteRetriever
-from horizonrl.envs.searchqa import WRONG_ANSWER, SearchQAEnv, exact_match, normalize_answer
+from horizonrl.envs.searchqa import FINAL_WRONG_ANSWER, WRONG_ANSWER, SearchQAEnv, exact_match, normalize_answer
 from horizonrl.envs.synthetic_corpus import generate, write
 
 
@@ -47,6 +47,35 @@ async def test_protocol_and_oracle():
         wins += final.success and final.reward == 1.0 and final.done
         assert env.task_category(task_id) in ("hops-1", "hops-2")
     assert wins == 30
+
+
+async def test_with_answer_ends_episode_one_wrong_answer_ends_it_and_a_right_one_still_wins():
+    env = SearchQAEnv(topk=1, answer_ends_episode=True)
+    task_id = env.task_ids("test")[0]
+    await env.reset(task_id)
+    plan = env.expert_plan()
+    await env.step(plan[0])
+    wrong = await env.step("<answer> certainly not this </answer>")
+    assert (wrong.observation, wrong.reward, wrong.done, wrong.success) == (FINAL_WRONG_ANSWER, 0.0, True, False)
+    after = await env.step(plan[-1])  # too late: the right answer after the episode ended counts for nothing
+    assert after.done and after.reward == 0.0 and not after.success
+    await env.reset(task_id)
+    for reply in plan:
+        result = await env.step(reply)
+    assert result.done and result.success and result.reward == 1.0
+
+
+async def test_with_answer_ends_episode_the_random_policy_searches_first_and_answers_a_name_it_read():
+    env = SearchQAEnv(topk=1, answer_ends_episode=True)
+    rng = random.Random(0)
+    await env.reset(env.task_ids("test")[0])
+    question_words = set(env.row["question"].rstrip("?").split())
+    assert all("<search>" in env.random_action(rng) for _ in range(100))  # nothing read yet: no answer
+    await env.step(env.expert_plan()[0])
+    page_words = {w for d in env.last_documents for w in f"{d.title} {d.text}".replace(".", " ").split()}
+    answers = [r.split("<answer>")[1].split("</answer>")[0].strip()
+               for r in (env.random_action(rng) for _ in range(200)) if "<answer>" in r]
+    assert answers and set(answers) <= page_words - question_words
 
 
 async def test_random_policy_searches_question_words_and_guesses_names_it_has_seen():
