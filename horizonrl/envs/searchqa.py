@@ -161,8 +161,9 @@ class SearchQAEnv:
         """Half the time a search for 1-3 random words of the question or names in the latest search's
         results; otherwise an answer: one capitalised word seen (in the question or those results), drawn
         uniformly. It names the answer only by chance, with no skill. With ``answer_ends_episode`` (one
-        answer per episode) it searches first and answers only with a name from the latest results: an
-        answer from the question alone would end the episode with a name the question already gave."""
+        answer per episode) it searches first, for names only (the question's capitalised words and those
+        found), and answers only with a name from the latest results that the question does not hold: an
+        answer before any search would end the episode with a name the question already gave."""
         question = self.row["question"] if self.row else "the answer"
         words = re.findall(r"[A-Za-z]+", question)
         found = set(re.findall(CAPITALISED, " ".join(f"{d.title} {d.text}" for d in self.last_documents)))
@@ -171,6 +172,8 @@ class SearchQAEnv:
             names = sorted(found - set(re.findall(CAPITALISED, question))) or names
         if rng.random() < 0.5 or (self.answer_ends_episode and not found):
             pool = sorted(set(words) | found)
+            if self.answer_ends_episode:  # names only: the question's and those found (the next hop)
+                pool = sorted(set(re.findall(CAPITALISED, question)) | found) or pool
             picked = " ".join(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
             return f"<think>I should look this up.</think>\n<search> {picked} </search>"
         return f"<think>I will guess.</think>\n<answer> {rng.choice(names)} </answer>"

@@ -65,12 +65,15 @@ async def test_with_answer_ends_episode_one_wrong_answer_ends_it_and_a_right_one
     assert result.done and result.success and result.reward == 1.0
 
 
-async def test_with_answer_ends_episode_the_random_policy_searches_first_and_answers_a_name_it_read():
+async def test_with_answer_ends_episode_the_random_policy_searches_names_first_and_answers_a_name_it_read():
     env = SearchQAEnv(topk=1, answer_ends_episode=True)
     rng = random.Random(0)
     await env.reset(env.task_ids("test")[0])
     question_words = set(env.row["question"].rstrip("?").split())
-    assert all("<search>" in env.random_action(rng) for _ in range(100))  # nothing read yet: no answer
+    names = {w for w in question_words if w[0].isupper()}
+    replies = [env.random_action(rng) for _ in range(100)]
+    assert all("<search>" in r for r in replies)  # nothing read yet: no answer
+    assert set().union(*(r.split("<search>")[1].split("</search>")[0].split() for r in replies)) <= names
     await env.step(env.expert_plan()[0])
     page_words = {w for d in env.last_documents for w in f"{d.title} {d.text}".replace(".", " ").split()}
     answers = [r.split("<answer>")[1].split("</answer>")[0].strip()
