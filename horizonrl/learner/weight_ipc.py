@@ -20,9 +20,9 @@ processes get the same ``CUDA_VISIBLE_DEVICES``).
 The staging buffer is rewritten with bucket i + 1 only after the ack of bucket i. Every wait is
 bounded by ``timeout_s`` and fails with :class:`WeightSyncError`. Each version allocates and shares
 a new staging buffer (the engine maps it anew: the first version measured 24 ms against 16 ms for
-the next ones, 1.1 GB on an H200); torch frees it once the engine has dropped its mapping, so a
-version whose engine died keeps one bucket of GPU memory reserved until ``torch.cuda.ipc_collect()``
-finds it unreferenced. The engine's side is
+the next ones, 1.1 GB on an H200). torch's CUDA-IPC bookkeeping frees a shared block only once the
+consumer has released it, so a version whose engine died before opening it may keep one bucket of
+GPU memory reserved in the learner (not measured). The engine's side is
 ``actors/weight_ipc.py``. With several learner ranks, the others iterate
 ``gather_buckets(..., fill=False)`` in step, as for NCCL.
 
