@@ -161,9 +161,11 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         # freeze, or the freeze only stalls its start-up (no generation in flight to time out). Joining the
         # weight hub is not enough: it then waits for the version the learner announces, whose RPC answer
         # a freeze right after the join holds back until the actor gives up (seen once on a loaded machine,
-        # with actor 1 alone having taken the learner to step 191). "started:" comes after that.
+        # with actor 1 alone having taken the learner to step 191). "started:" comes after that. Its engine can
+        # take minutes to start while actor 1 and the learner hold both cores (4 min in one CI run, learner at
+        # step 301 by then), hence the long bound.
         wait_until(lambda: "started: learner step" in actor_log.read_text(errors="replace") if actor_log.exists()
-                   else False, 600, "actor 0 to start playing")
+                   else False, 1200, "actor 0 to start playing")
         wait_until(lambda: last_step(log) >= 2, 600, "learner step 2")
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
