@@ -107,6 +107,29 @@ def init_single_rank(cuda: bool) -> None:
                             rank=0, world_size=1, timeout=timedelta(seconds=120))
 
 
+def run_process_pair(targets: list[tuple[Callable, tuple]], outputs: list[Path]) -> list[dict] | str:
+    """Run each ``(function, args)`` in its own spawned process, together, killing any still running
+    after ``JOIN_TIMEOUT_S``; each writes its JSON result to its ``outputs`` path (``"error"``: a
+    traceback). Returns the results, or why they are missing (a hang, an error, no result file)."""
+    spawn = mp.get_context("spawn")
+    processes = [spawn.Process(target=function, args=args) for function, args in targets]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for process in processes:
+        process.join(max(1.0, deadline - time.monotonic()))
+    hung = [p.pid for p in processes if p.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    if hung:
+        return f"processes {hung} did not finish in {JOIN_TIMEOUT_S:.0f} s"
+    results = [json.loads(path.read_text()) if path.is_file() else {"error": "no result file"} for path in outputs]
+    errors = [r["error"] for r in results if "error" in r]
+    return errors[0][-2000:] if errors else results
+
+
 def tiny_model_dir(workdir: Path) -> Path:
     from horizonrl.tiny_model import build_model
 
@@ -505,25 +528,10 @@ def check_bucket_broadcast(ctx: Context) -> CheckResult:
     bucket = (256 << 20) if ctx.cuda else (16 << 20)
     port = free_port()
     outputs = [ctx.workdir / f"broadcast_{rank}.json" for rank in range(2)]
-    spawn = mp.get_context("spawn")
-    processes = [spawn.Process(target=_broadcast_rank, args=(rank, port, backend, total, bucket, 3, str(outputs[rank])))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for process in processes:
-        process.join(max(1.0, deadline - time.monotonic()))
-    hung = [p.pid for p in processes if p.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(10)
-    if hung:
-        return CheckResult("bucket_broadcast", "FAIL", {}, f"processes {hung} did not finish in {JOIN_TIMEOUT_S:.0f} s")
-    results = [json.loads(path.read_text()) if path.is_file() else {"error": "no result file"} for path in outputs]
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        return CheckResult("bucket_broadcast", "FAIL", {}, errors[0][-2000:])
+    results = run_process_pair([(_broadcast_rank, (rank, port, backend, total, bucket, 3, str(outputs[rank])))
+                                for rank in range(2)], outputs)
+    if isinstance(results, str):
+        return CheckResult("bucket_broadcast", "FAIL", {}, results)
     sender, receiver = results
     figures = {k: sender[k] for k in ("api", "backend", "bytes", "buckets", "bucket_bytes")}
     figures.update(sender_bucketed_gb_s=round(sender["bucketed_gb_s"], 3), sender_raw_gb_s=round(sender["raw_gb_s"], 3),
@@ -691,25 +699,11 @@ def check_colocated_handoff(ctx: Context) -> CheckResult:
     port = free_port()
     repeats = 3
     outputs = [ctx.workdir / f"colocated_{side}.json" for side in ("sender", "receiver")]
-    spawn = mp.get_context("spawn")
-    processes = [spawn.Process(target=_colocated_sender, args=(port, 1 << 30, 256 << 20, repeats, str(outputs[0]))),
-                 spawn.Process(target=_colocated_receiver, args=(port, repeats, str(outputs[1])))]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for process in processes:
-        process.join(max(1.0, deadline - time.monotonic()))
-    hung = [p.pid for p in processes if p.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(10)
-    if hung:
-        return CheckResult("colocated_handoff", "FAIL", {}, f"processes {hung} did not finish in {JOIN_TIMEOUT_S:.0f} s")
-    sender, receiver = (json.loads(p.read_text()) if p.is_file() else {"error": "no result file"} for p in outputs)
-    errors = [r["error"] for r in (sender, receiver) if "error" in r]
-    if errors:
-        return CheckResult("colocated_handoff", "FAIL", {}, errors[0][-2000:])
+    results = run_process_pair([(_colocated_sender, (port, 1 << 30, 256 << 20, repeats, str(outputs[0]))),
+                                (_colocated_receiver, (port, repeats, str(outputs[1])))], outputs)
+    if isinstance(results, str):
+        return CheckResult("colocated_handoff", "FAIL", {}, results)
+    sender, receiver = results
     best = min(sender["version_s"])
     figures = {"bytes": sender["bytes"], "buckets": sender["buckets"], "bucket_bytes": sender["bucket_bytes"],
                "version_s": [round(t, 4) for t in sender["version_s"]], "handoff_gb_s": round(sender["bytes"] / best / GB, 2),
