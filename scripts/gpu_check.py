@@ -1,11 +1,12 @@
 """Check the learner's GPU path on one machine: no network, no vLLM, no downloaded model.
 
-    python scripts/gpu_check.py [--out gpu_check.json] [--tokens 512] [--no-large]
+    python scripts/gpu_check.py [--out gpu_check.json] [--tokens 512] [--no-large] [--only CHECK ...]
+    python scripts/gpu_check.py --large-size 1.5B --tokens 8192 --checkpointing --only peak_memory
     python scripts/gpu_check.py --cpu [--out ...]      the parts that need no CUDA, on the CPU
     python scripts/gpu_check.py --sizing               print docs/gpu.md's sizing table and exit
 
 Models: the tiny Qwen2 of ``horizonrl.tiny_model`` and a randomly initialised model in the shape of
-Qwen2.5-0.5B (transformers' Qwen2Config, written to a temporary directory, loaded the way the learner
+Qwen2.5-0.5B, or ``--large-size`` (transformers' Qwen2Config, written to a temporary directory, loaded the way the learner
 loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
 
     dtype_policy           the resolved precision policy on this device (core/precision.py)
@@ -15,8 +16,9 @@ loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED w
     activation_formula     bytes autograd saves per token, measured with saved-tensor hooks, against
                            learner/sizing.py's formula (bf16; with and without activation checkpointing)
     loss_parity            the tiny model's loss on CUDA (fp32, bf16) against the CPU's fp32      [CUDA]
-    peak_memory            0.5B: measured memory after load, after a step (states) and at the peak of
-                           a step, and the weight gather's extra, against learner/sizing.py   [CUDA]
+    peak_memory            the large model: measured memory after load, after a step (states) and at the
+                           peak of a step (``--checkpointing``: with activation checkpointing), and the
+                           weight gather's extra, against learner/sizing.py                  [CUDA]
     bucket_broadcast       2 processes: bucketed gather + broadcast (learner/weight_broadcast.py's
                            gather_buckets and protocol/weight_buckets.py's plan) against one raw
                            broadcast of the same bytes, GB/s; the receiver checks every byte.
