@@ -6,8 +6,8 @@
     python scripts/gpu_check.py --sizing               print docs/gpu.md's sizing table and exit
 
 Models: the tiny Qwen2 of ``horizonrl.tiny_model`` and a randomly initialised model in the shape of
-Qwen2.5-0.5B, or ``--large-size`` (transformers' Qwen2Config, written to a temporary directory, loaded the way the learner
-loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
+Qwen2.5-0.5B, or of ``--large-size`` (transformers' Qwen2Config, written to a temporary directory, loaded
+the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
 
     dtype_policy           the resolved precision policy on this device (core/precision.py)
     mixed_precision_step   FSDP2 AdamW steps at lr 1e-6 in bf16 compute: the forward ran in bf16, master
