@@ -142,8 +142,9 @@ def test_a_hung_environment_step_ends_the_episode_at_its_limit_and_the_run_goes_
 
 
 def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on(tiny_model, tmp_path):
-    """Actor 0's engine core is frozen after step 2 until its generations in flight have timed out
-    (counted, not trained on); actor 1 keeps the learner fed, and the run goes on after the thaw."""
+    """The engine core of the first actor playing is frozen after step 2 until its generations in flight have
+    timed out (counted, not trained on); the other actor keeps the learner fed once it has started, and the
+    run goes on after the thaw."""
     turn_limit = 3.0
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     proc = start_process(horizonrl_cmd(
@@ -156,19 +157,21 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         "buffer.capacity_groups=1000", "learner.weight_sync_timeout_s=60"), log)
     frozen = None
     try:
-        actor_log = run_dir / "logs" / "actor-0.log"
-        # The learner does not wait for both actors: actor 0's engine must be up and playing before the
-        # freeze, or the freeze only stalls its start-up (no generation in flight to time out). Joining the
-        # weight hub is not enough: it then waits for the version the learner announces, whose RPC answer
-        # a freeze right after the join holds back until the actor gives up (seen once on a loaded machine,
-        # with actor 1 alone having taken the learner to step 191). "started:" comes after that. Its engine can
-        # take minutes to start while actor 1 and the learner hold both cores (4 min in one CI run, learner at
-        # step 301 by then), hence the long bound.
-        wait_until(lambda: "started: learner step" in actor_log.read_text(errors="replace") if actor_log.exists()
-                   else False, 1200, "actor 0 to start playing")
+        def playing(index: int) -> bool:
+            actor_log = run_dir / "logs" / f"actor-{index}.log"
+            return actor_log.exists() and "started: learner step" in actor_log.read_text(errors="replace")
+
+        # The victim's engine must be up and playing before the freeze, or the freeze only stalls its start-up
+        # (no generation in flight to time out); joining the weight hub is not enough ("started:" comes after
+        # the first version is loaded). It is whichever actor plays first: an engine that starts while the other
+        # actor and the learner hold both cores can take minutes (4 in one CI run; in another, actor 0 had not
+        # started after 20 minutes, the learner at step 1693), and freezing the one playing gives the other the
+        # cores it needs.
+        victim = wait_until(lambda: [index for index in (0, 1) if playing(index)], 600, "an actor to start playing")[0]
+        actor_log = run_dir / "logs" / f"actor-{victim}.log"
         wait_until(lambda: last_step(log) >= 2, 600, "learner step 2")
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == "0"]
+                   if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == str(victim)]
         [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
         # Frozen until a generation has run past its limit. Should the actor have had none in flight
         # (between groups, or paused), thaw and freeze again.
