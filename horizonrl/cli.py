@@ -71,10 +71,9 @@ def _cmd_train(args) -> int:
             print("\n".join(f"#   {b.name}: {b.resources}" for b in bundles))
             return 0
         # The device plan as `train` would use it on this host, as YAML comments (the output stays loadable
-        # YAML); a plan `train` would refuse is shown, then refused the same way.
+        # YAML); a placement `train` would refuse is refused the same way (a ConfigError naming the fix).
         plan = resolve_placement(config)
         print("\n" + "\n".join(f"# {line}" for line in plan.table().splitlines()))
-        plan.require_runnable()
         return 0
     return launch(config, tensorboard=args.tensorboard, verbose=args.verbose)
 

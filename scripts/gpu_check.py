@@ -31,6 +31,13 @@ the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PAS
                            second process, which copies each tensor into its own; GB/s against one
                            device copy of the same bytes, every byte checked, and a sender whose
                            receiver is gone fails within its bound                         [CUDA]
+    colocated_training     colocated mode end to end without vLLM: a learner process (the weight hub of
+                           learner/weight_broadcast.py, a 0.5B model with fp32 master weights, its memory
+                           capped at resources.learner_memory_fraction) and an engine process whose worker
+                           is actors/vllm_worker.py's WeightReceiverExtension with a transformers model in
+                           place of vLLM's; the engine joins through CUDA IPC, takes version 0, the learner
+                           trains a step and publishes version 1; the engine's logits must equal the
+                           learner's bf16 logits at each version                               [CUDA]
 
 Prints a table; ``--out`` writes the JSON. Exit status 1 if any check FAILED (SKIPPED is not a failure).
 """
@@ -130,6 +137,14 @@ def run_process_pair(targets: list[tuple[Callable, tuple]], outputs: list[Path])
     results = [json.loads(path.read_text()) if path.is_file() else {"error": "no result file"} for path in outputs]
     errors = [r["error"] for r in results if "error" in r]
     return errors[0][-2000:] if errors else results
+
+
+def report_and_exit(result: dict, out_path: str) -> None:
+    """A child process's end: its result as JSON at ``out_path`` for :func:`run_process_pair`, then exit
+    without interpreter finalization (gloo and NCCL threads can abort it after the work is done)."""
+    Path(out_path).write_text(json.dumps(result, default=str))
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def tiny_model_dir(workdir: Path) -> Path:
@@ -516,9 +531,7 @@ def _broadcast_rank(rank: int, port: int, backend: str, total_bytes: int, bucket
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter finalization (gloo threads can abort it after the work is done)
+    report_and_exit(result, out_path)
 
 
 def check_bucket_broadcast(ctx: Context) -> CheckResult:
@@ -654,8 +667,7 @@ def _colocated_sender(port: int, total_bytes: int, bucket_bytes: int, repeats: i
     finally:
         sock.close()
         context.term()
-    Path(out_path).write_text(json.dumps(result))
-    os._exit(0)
+    report_and_exit(result, out_path)
 
 
 def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
@@ -688,8 +700,7 @@ def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
     finally:
         sock.close()
         context.term()
-    Path(out_path).write_text(json.dumps(result))
-    os._exit(0)
+    report_and_exit(result, out_path)
 
 
 def check_colocated_handoff(ctx: Context) -> CheckResult:
@@ -718,9 +729,155 @@ def check_colocated_handoff(ctx: Context) -> CheckResult:
                        "learner/weight_ipc.py -> actors/weight_ipc.py, best of 3 versions; every tensor compared")
 
 
+PROMPT_TOKENS = 48
+
+
+def _prompt(vocab: int, device):
+    import torch
+
+    return (torch.arange(PROMPT_TOKENS, device=device) * 7919 % vocab).unsqueeze(0)
+
+
+def _colocated_learner(model_dir: str, port: int, fraction: float, out_path: str) -> None:
+    """The learner's side: a weight hub with the engine joining through CUDA IPC; version 0, a step, version 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from horizonrl.learner.model import weights_to_send
+    from horizonrl.learner.weight_broadcast import WeightHub
+
+    result: dict = {}
+    hub = None
+    try:
+        torch.cuda.set_device(0)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)  # as the learner does when colocated
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+        vocab = model.config.vocab_size
+        hub = WeightHub("127.0.0.1", port, backend="nccl", timeout_s=120.0, run_id="gpu-check")
+        # What the engine should compute: a bf16 model built as the engine builds its own, holding the learner's
+        # weights cast to bf16.
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+        reference_params = dict(reference.named_parameters())
+
+        def publish(version: int) -> dict:
+            named = weights_to_send(model.config, model.state_dict())
+            stats = hub.publish(version, 0, named, dtype=torch.bfloat16)
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    reference_params[name].copy_(parameter)
+                torch.save(reference(_prompt(vocab, "cuda")).logits.float().cpu(), f"{out_path}.v{version}.pt")
+            return stats
+
+        publish(0)
+        hub.start()
+        deadline = time.monotonic() + 240
+        while not hub.members and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not hub.members:
+            raise RuntimeError(f"the engine did not join within 240 s (hub counters {dict(hub.counters)})")
+        member = next(iter(hub.members.values()))
+        result["link"] = type(member.link).__name__
+        # One AdamW step (fp32 master weights) at a large lr, so that version 1 visibly differs from version 0.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, vocab, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stats = publish(1)
+        result.update(version1=stats, peak_gb=round(torch.cuda.max_memory_allocated() / GB, 3),
+                      cap_gb=round(fraction * torch.cuda.get_device_properties(0).total_memory / GB, 1),
+                      counters=dict(hub.counters))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    finally:
+        if hub is not None:
+            hub.close()
+    report_and_exit(result, out_path)
+
+
+def _colocated_engine(model_dir: str, port: int, out_path: str) -> None:
+    """The engine's side: vllm_worker.py's WeightReceiverExtension, loading into a transformers model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from horizonrl.actors.vllm_worker import WeightReceiverExtension
+
+    result: dict = {}
+    try:
+        torch.cuda.set_device(0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()  # whatever the engine computes from here on came through the hub
+        params = dict(model.named_parameters())
+
+        class TransformersWorker(WeightReceiverExtension):
+            """vLLM's Worker stand-in: its reload_weights copies each received tensor into the model."""
+
+            rank = 0
+
+            class model_runner:  # noqa: N801 - the attribute path vllm_worker.py reads
+                @staticmethod
+                def get_model():
+                    return model
+
+            def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+                loaded = 0
+                with torch.no_grad():
+                    for name, tensor in weights_iterator:
+                        if name in params:
+                            params[name].copy_(tensor)
+                            loaded += 1
+                result.setdefault("loaded_tensors", []).append(loaded)
+
+        worker = TransformersWorker()
+        replies = [worker.horizonrl_join_weight_hub("127.0.0.1", port, 0, "gpu-check", 120.0, "cuda_ipc")]
+        with torch.no_grad():
+            torch.save(model(_prompt(model.config.vocab_size, "cuda")).logits.float().cpu(), f"{out_path}.v0.pt")
+        replies.append(worker.horizonrl_receive_weights())
+        with torch.no_grad():
+            torch.save(model(_prompt(model.config.vocab_size, "cuda")).logits.float().cpu(), f"{out_path}.v1.pt")
+        result["replies"] = replies  # (version, epoch, receive_s, load_s, worker, error)
+        worker._horizonrl_receiver.close()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    report_and_exit(result, out_path)
+
+
+def check_colocated_training(ctx: Context) -> CheckResult:
+    """Colocated mode's weight path as `horizonrl train` wires it, with transformers in vLLM's place."""
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    import torch
+
+    model_dir = large_model_dir(ctx.workdir) if ctx.large else tiny_model_dir(ctx.workdir)
+    port = free_port()
+    outputs = [ctx.workdir / f"colocated_training_{side}.json" for side in ("learner", "engine")]
+    results = run_process_pair([(_colocated_learner, (str(model_dir), port, 0.4, str(outputs[0]))),
+                                (_colocated_engine, (str(model_dir), port, str(outputs[1])))], outputs)
+    if isinstance(results, str):
+        return CheckResult("colocated_training", "FAIL", {}, results)
+    learner, engine = results
+    logits = {side: [torch.load(f"{path}.v{v}.pt") for v in (0, 1)] for side, path in zip(("learner", "engine"),
+                                                                                       outputs)}
+    differences = [float((logits["engine"][v] - logits["learner"][v]).abs().max()) for v in (0, 1)]
+    moved = float((logits["learner"][1] - logits["learner"][0]).abs().max())
+    errors = [reply[5] for reply in engine["replies"] if reply[5]]
+    figures = {"model": model_dir.name, "link": learner["link"], "engine_replies": engine["replies"],
+               "loaded_tensors": engine["loaded_tensors"], "max_abs_logit_diff_v0_v1": differences,
+               "logits_moved_by_the_step": moved, "version1_publish": learner["version1"],
+               "learner_peak_gb": learner["peak_gb"], "learner_cap_gb": learner["cap_gb"]}
+    ok = (not errors and learner["link"] == "IpcSender" and [r[0] for r in engine["replies"]] == [0, 1]
+          and max(differences) <= 1e-3 * max(1.0, moved) and moved > 0)
+    return CheckResult("colocated_training", "PASS" if ok else "FAIL", figures,
+                       "engine logits equal the learner's bf16 logits at versions 0 and 1" if ok else "; ".join(errors))
+
+
 CHECKS: list[Callable[[Context], CheckResult]] = [
     check_dtype_policy, check_mixed_precision_step, check_activation_formula, check_loss_parity, check_peak_memory,
-    check_bucket_broadcast, check_cuda_ipc, check_colocated_handoff,
+    check_bucket_broadcast, check_cuda_ipc, check_colocated_handoff, check_colocated_training,
 ]
 
 

@@ -8,7 +8,9 @@ import pytest
 
 from horizonrl.core.config import ConfigError, load_config
 from horizonrl.core.placement import (
+    COLOCATED_ENV,
     choose_backends,
+    engine_weight_transport,
     cpus_of,
     learner_device_index,
     local_device_type,
@@ -44,7 +46,6 @@ def test_no_gpu_is_a_cpu_plan_that_leaves_the_environment_alone():
     assert [p.name for p in plan.actors] == ["actor-0", "actor-1", "actor-2"]
     assert all(p.device == "cpu" and p.gpus == () for p in (*plan.learner, *plan.actors))
     assert all(plan.child_env(p) == {} for p in (*plan.learner, *plan.actors))
-    plan.require_runnable()
 
 
 def test_cpu_on_a_gpu_host_hides_the_gpus():
@@ -63,7 +64,6 @@ def test_two_gpus_one_rank_one_actor():
     assert devices(plan, "learner") == [("0",)] and devices(plan, "actor") == [("1",)]
     assert plan.learner[0].device == "cuda:0" and plan.actors[0].device == "cuda:0"
     assert plan.engine_executor == "uni" and plan.unused_gpus == ()
-    plan.require_runnable()
 
 
 def test_four_gpus_default_config_leaves_one_unused():
@@ -92,17 +92,50 @@ def test_ids_are_passed_on_as_the_launcher_sees_them():
     assert plan.learner[0].positions == (0,) and plan.actors[1].positions == (2,)
 
 
-def test_one_gpu_one_actor_is_colocated_and_refused():
+def test_one_gpu_one_actor_is_colocated_and_both_are_told():
     plan = plan_placement(config("rollout.num_actors=1"), gpus(1))
-    assert plan.colocated
+    assert plan.colocated and plan.weight_backend == "nccl"
     assert devices(plan, "learner") == [("0",)] and devices(plan, "actor") == [("0",)]
-    assert "colocated" in plan.table()
-    with pytest.raises(ConfigError, match="colocated mode .* not implemented"):
-        plan.require_runnable()
+    # Both see the GPU as cuda:0 (a CUDA-IPC handle names the device by index) and know they share it.
+    assert plan.child_env(plan.learner[0]) == plan.child_env(plan.actors[0]) == {
+        "CUDA_VISIBLE_DEVICES": "0", COLOCATED_ENV: "1"}
+    table = plan.table()
+    assert "CUDA IPC to the engine on the learner's GPU" in table
+    assert "colocated: learner-0, actor-0 share a GPU; memory split: engine 0.5" in table and "learner 0.4" in table
+
+
+def test_only_the_engine_on_the_learners_gpu_is_colocated():
+    plan = plan_placement(config("resources.learner_gpus=[0]", "resources.actor_gpus=[[0],[1]]"), gpus(2))
+    assert plan.colocated
+    assert COLOCATED_ENV in plan.child_env(plan.actors[0]) and COLOCATED_ENV not in plan.child_env(plan.actors[1])
+    assert COLOCATED_ENV in plan.child_env(plan.learner[0])
+
+
+def test_a_colocated_memory_split_that_does_not_fit_names_the_settings():
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.7 \+ resources.learner_memory_fraction=0.4 = "
+                                          r"1.1 .* over 0.95.*e.g. rollout.engine.gpu_memory_utilization=0.55"):
+        plan_placement(config("rollout.num_actors=1", "rollout.engine.gpu_memory_utilization=0.7"), gpus(1))
+    plan = plan_placement(config("rollout.num_actors=1", "rollout.engine.gpu_memory_utilization=0.3",
+                                 "resources.learner_memory_fraction=0.65"), gpus(1))
+    assert (plan.engine_memory, plan.learner_memory) == (0.3, 0.65)
+
+
+def test_a_tensor_parallel_engine_cannot_share_the_learners_gpu():
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 would share the learner's GPU"):
+        plan_placement(config("rollout.num_actors=1", "rollout.engine.tensor_parallel_size=2",
+                              "resources.learner_gpus=[0]", "resources.actor_gpus=[[0,1]]"), gpus(2))
+
+
+def test_the_engine_learns_its_weight_transport_from_the_plan():
+    assert engine_weight_transport(True, {COLOCATED_ENV: "1"}) == "cuda_ipc"
+    assert engine_weight_transport(True, {}) == "nccl" and engine_weight_transport(False, {}) == "gloo"
+    with pytest.raises(ConfigError, match="sees no GPU"):
+        engine_weight_transport(False, {COLOCATED_ENV: "1"})
 
 
 def test_one_gpu_two_actors_is_too_few():
-    with pytest.raises(ConfigError, match=r"1 GPU\(s\) visible, but the run needs 3.*colocated mode"):
+    with pytest.raises(ConfigError, match=r"1 GPU\(s\) visible, but the run needs 3.*colocated mode: set "
+                                          r"rollout.num_actors=1"):
         plan_placement(config(), gpus(1))
 
 
@@ -142,9 +175,7 @@ def test_explicit_actors_only_gives_the_learner_the_first_free():
 def test_explicit_sharing_of_one_gpu_by_learner_and_engine_is_colocated():
     plan = plan_placement(config("rollout.num_actors=1", "resources.learner_gpus=[0]", "resources.actor_gpus=[[0]]"),
                           gpus(2))
-    assert plan.colocated
-    with pytest.raises(ConfigError, match="share GPU 0"):
-        plan.require_runnable()
+    assert plan.colocated and plan.unused_gpus == ("1",)
 
 
 @pytest.mark.parametrize("overrides, n, message", [
@@ -318,9 +349,10 @@ def test_dry_run_on_the_cpu(tmp_path, capsys, monkeypatch):
 
 def test_dry_run_refuses_what_train_refuses(tmp_path, capsys, monkeypatch):
     rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0", "rollout.num_actors=1")
-    assert rc == 2
-    assert "colocated" in out  # the plan is shown...
-    assert err.startswith("error: the learner and an actor's engine would share GPU 0")  # ...and refused
+    assert rc == 0 and "# colocated: learner-0, actor-0 share a GPU" in out.replace("#   ", "# ")
+    rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0", "rollout.num_actors=1",
+                           "rollout.engine.gpu_memory_utilization=0.9")
+    assert rc == 2 and err.startswith("error: the learner and an engine share a GPU, but") and "# placement" not in out
     rc, out, err = dry_run(tmp_path, capsys, monkeypatch, "0,1", "learner.backend=gloo")
     assert rc == 2 and "learner.backend=gloo with GPUs" in err and "# placement" not in out
 

@@ -44,6 +44,7 @@ from horizonrl.actors.evaluate import EvalSpec, evaluate_with
 from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
+from horizonrl.core.placement import is_colocated
 from horizonrl.protocol import (
     ENDPOINT_TRAJECTORIES,
     ENDPOINT_WEIGHTS,
@@ -394,7 +395,8 @@ class Actor:
         """Take every version the learner announces. The hub sends every member each version once, in order;
         a newer weight epoch is a restarted learner, hence a new hub: join that one, which answers with its
         newest weights."""
-        staged_updates = self.config.rollout.weight_staging
+        # An engine on the learner's GPU reads each version from the learner's memory: nothing to stage.
+        staged_updates = self.config.rollout.weight_staging and not is_colocated(os.environ)
         timeout_s = self.config.learner.weight_sync_timeout_s
         while True:
             if self._announced() <= self.weights:

@@ -271,7 +271,9 @@ class RolloutEngine:
     async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float) -> WeightUpdate:
         """Join (or rejoin) the learner's weight hub; the learner's newest weights are in the engine on return.
         The receive runs in the engine's loop (a join is rare: start, a restarted learner, a lost member)."""
-        args = (host, port, actor, run_id, timeout_s, "nccl" if self.on_gpu else "gloo")
+        from horizonrl.core.placement import engine_weight_transport
+
+        args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ))
         return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
 
     async def receive_weights(self, timeout_s: float) -> WeightUpdate:

@@ -13,6 +13,10 @@ dtype, reused) and acknowledges it to the learner, while this worker keeps runni
 thread tells the actor when it is there; ``horizonrl_load_staged`` loads it between two engine
 steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket straight into
 the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
+
+An engine on the learner's GPU (colocated mode, ``backend="cuda_ipc"``) only loads inline: the
+loader reads each bucket straight from the learner's staging buffer (a device-to-device copy), so
+there is nothing to stage.
 """
 
 from __future__ import annotations
@@ -81,7 +85,13 @@ class WeightReceiverExtension:
         from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
         start = time.perf_counter()
-        if whole:
+        if self._horizonrl_receiver.backend == "cuda_ipc":
+            stream = self._horizonrl_receiver.open_stream()  # waits for the announcement, maps the buffer
+            layout = stream.layout
+            receive_s = time.perf_counter() - start
+            self._horizonrl_load(iter(stream))  # each bucket is read in place, then acknowledged
+            stream.finish()  # the last acknowledgement: "loaded"
+        elif whole:
             layout, named = receive_weights(self._horizonrl_receiver)
             receive_s = time.perf_counter() - start
             self._horizonrl_load(iter(named))
@@ -105,6 +115,9 @@ class WeightReceiverExtension:
         receiver = getattr(self, "_horizonrl_receiver", None)
         if receiver is None:
             raise RuntimeError("not a member of the weight hub: join it first")
+        if receiver.backend == "cuda_ipc":
+            raise RuntimeError("an engine on the learner's GPU (colocated) loads each version inline "
+                               "(horizonrl_receive_weights): there is nothing to stage")
         self._horizonrl_staging = StagedReceive.start(receiver, stage_id, notify_address)
         return -1, -1, 0.0, 0.0
 

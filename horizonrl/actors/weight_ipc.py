@@ -7,10 +7,16 @@ staging buffer; iterating the stream yields ``(name, tensor)`` bucket by bucket,
 into the learner's memory that is valid until the next bucket is asked for (a loader copies it into
 the model, as vLLM's does). The ack of a bucket goes back when the next is asked for, the last one
 from :meth:`IpcWeightStream.finish`, which means "loaded".
+
+In ``horizonrl train`` the engine's worker joins the learner's weight hub with
+:meth:`IpcReceiver.join` (``weight_receiver.join_weight_hub(backend="cuda_ipc")``): it listens on a
+loopback PAIR socket, names it in its join, and the hub connects there.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -18,24 +24,81 @@ import zmq
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from horizonrl.protocol.codec import ProtocolError, decode_as, encode
-from horizonrl.protocol.messages import CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightLayout
+from horizonrl.protocol.messages import (CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightJoin,
+                                         WeightLayout)
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import WeightSyncError
 
-__all__ = ["IpcWeightStream", "open_cuda_buffer", "open_ipc_weight_stream"]
+__all__ = ["IpcReceiver", "IpcWeightStream", "open_cuda_buffer", "open_ipc_weight_stream"]
+
+
+@dataclass
+class IpcReceiver:
+    """One membership of the weight hub through CUDA IPC (the engine on the learner's GPU): the PAIR
+    socket the hub connected to. Versions arrive with :meth:`open_stream`."""
+
+    number: int  # the join number
+    run_id: str
+    timeout_s: float
+    sock: zmq.Socket
+    context: zmq.Context
+    store: object  # the hub's TCPStore client, kept open while a member
+    worker: int = 0
+    backend: str = "cuda_ipc"
+
+    @classmethod
+    def join(cls, host: str, port: int, *, actor: int, run_id: str, timeout_s: float, worker: int = 0,
+             listen_host: str = "127.0.0.1") -> "IpcReceiver":
+        """Listen on ``listen_host`` (the learner is on this machine: loopback), then join the hub at
+        ``host:port`` naming that address; WeightSyncError if the hub is not reachable within the timeout."""
+        from horizonrl.actors.weight_receiver import announce_join
+
+        context = zmq.Context()
+        sock = context.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{listen_host}:*")  # a free port
+            address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            store, _joins, number = announce_join(host, port, timeout_s, WeightJoin(
+                run_id=run_id, actor=actor, pid=os.getpid(), worker=worker, ipc_address=address))
+        except (RuntimeError, zmq.ZMQError) as exc:
+            sock.close(linger=0)
+            context.term()
+            raise WeightSyncError(f"weight hub at {host}:{port} (CUDA IPC): actor {actor} worker {worker} could not "
+                                  f"join within {timeout_s:.0f} s (is the learner up and hosting the hub at this "
+                                  f"address?): {exc}") from exc
+        return cls(number, run_id, timeout_s, sock, context, store, worker)
+
+    def open_stream(self, copy_buckets: bool = True) -> "IpcWeightStream":
+        """The next version (bounded by the timeout): :func:`open_ipc_weight_stream` on this membership.
+        ``copy_buckets``: see :class:`IpcWeightStream` (vLLM's loader needs it)."""
+        return open_ipc_weight_stream(self.sock, run_id=self.run_id, timeout_s=self.timeout_s,
+                                      copy_buckets=copy_buckets)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.context.term()
 
 
 class IpcWeightStream:
-    """One version arriving through the learner's shared staging buffer."""
+    """One version arriving through the learner's shared staging buffer.
+
+    ``copy_buckets``: with several buckets, each is first copied out of the shared buffer into memory
+    of this process's own, and the tensors are views of that copy, so a loader may keep a tensor past
+    the next bucket (vLLM's layer-wise reload holds a layer's tensors until the layer is complete, and a
+    layer can straddle two buckets). Without it the views are of the shared buffer itself, which the
+    learner overwrites with the next bucket. One bucket is never copied: its acknowledgement is
+    :meth:`finish`'s, after the load."""
 
     def __init__(self, sock: zmq.Socket, message: IpcWeights, plan: list[Bucket], buffer: torch.Tensor,
-                 timeout_s: float) -> None:
+                 timeout_s: float, copy_buckets: bool = False) -> None:
         self.sock = sock
         self.layout: WeightLayout = message.layout
         self.run_id = message.run_id
         self.plan = plan
         self.buffer = buffer
         self.timeout_s = timeout_s
+        self.copy_buckets = copy_buckets and len(plan) > 1
         self._next_bucket = 0
         self._announced = -1  # the bucket whose IpcBucketReady was received last
         self._finished = False
@@ -55,10 +118,13 @@ class IpcWeightStream:
                                           f"{self.version}, the learner announced bucket {ready.index} of version "
                                           f"{ready.version}")
                 self._announced = bucket.index
+            data = self.buffer[: bucket.nbytes]
+            if self.copy_buckets:
+                data = data.clone()  # the loader may hold these tensors after the learner reuses the buffer
             for entry in bucket.entries:
                 dtype = getattr(torch, entry.dtype)
-                yield entry.name, self.buffer[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
-            torch.cuda.current_stream(self.buffer.device).synchronize()  # the loader's copies are done
+                yield entry.name, data[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+            torch.cuda.current_stream(self.buffer.device).synchronize()  # the loader's copies (or ours) are done
             self._next_bucket += 1
             if self._next_bucket < len(self.plan):
                 self._ack(bucket.index)
@@ -80,7 +146,8 @@ class IpcWeightStream:
         self.sock.send(encode(IpcBucketAck(run_id=self.run_id, version=self.version, index=index)), zmq.NOBLOCK)
 
 
-def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float) -> IpcWeightStream:
+def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float,
+                           copy_buckets: bool = False) -> IpcWeightStream:
     """Wait (at most ``timeout_s``) for the next version's announcement and map its buffer."""
     message = _receive(sock, IpcWeights, run_id, timeout_s, "the next version")
     layout = message.layout
@@ -92,7 +159,7 @@ def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float) -
     if planned != layout.total_bytes or max((b.nbytes for b in plan), default=0) > message.buffer.nbytes:
         raise WeightSyncError(f"colocated weight sync: version {layout.version} says {layout.total_bytes} bytes in a "
                               f"buffer of {message.buffer.nbytes}; its buckets hold {planned}")
-    return IpcWeightStream(sock, message, plan, open_cuda_buffer(message.buffer), timeout_s)
+    return IpcWeightStream(sock, message, plan, open_cuda_buffer(message.buffer), timeout_s, copy_buckets)
 
 
 def open_cuda_buffer(shared: CudaIpcBuffer) -> torch.Tensor:

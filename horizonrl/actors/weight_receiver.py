@@ -68,20 +68,25 @@ class WeightReceiver:
 
 
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
-                    backend: str = "gloo", worker: int = 0) -> WeightReceiver:
+                    backend: str = "gloo", worker: int = 0):
     """Join the learner's weight hub as ``actor``'s engine worker ``worker`` (WeightSyncError after the
-    timeout). The learner answers with its newest version at once: receive it next."""
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
+    timeout). The learner answers with its newest version at once: receive it next.
+
+    ``backend``: ``gloo`` (CPU) or ``nccl`` — a two-rank group, a :class:`WeightReceiver`; ``cuda_ipc``
+    (an engine on the learner's GPU, colocated mode) — an :class:`~horizonrl.actors.weight_ipc.IpcReceiver`."""
+    if backend not in ("gloo", "nccl", "cuda_ipc"):
+        raise ValueError(f"weight-sync backend must be 'gloo', 'nccl' or 'cuda_ipc', not {backend!r}")
+    if backend == "cuda_ipc":
+        from horizonrl.actors.weight_ipc import IpcReceiver
+
+        return IpcReceiver.join(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, worker=worker)
     if backend == "nccl":
         # Work.wait(timeout) must block the host and raise at the timeout, or the .item() after it hangs.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(host, port, None, False, timeout)
-        joins = dist.PrefixStore(STORE_PREFIX, store)
-        number = joins.add(JOIN_COUNTER, 1)
-        joins.set(join_key(number), encode(WeightJoin(run_id=run_id, actor=actor, pid=os.getpid(), worker=worker)))
+        store, joins, number = announce_join(host, port, timeout_s, WeightJoin(
+            run_id=run_id, actor=actor, pid=os.getpid(), worker=worker))
         member_store = dist.PrefixStore(member_prefix(number), joins)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -95,6 +100,16 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
             f"{timeout_s:.0f} s (is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
     return WeightReceiver(number, backend, timeout_s, group, store, worker)
+
+
+def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin) -> tuple[dist.Store, dist.Store, int]:
+    """Steps 1 and 2 of a join (``protocol/weights.py``): take a join number and say who joins.
+    Returns (the store, its join prefix, the number); RuntimeError if the store is not reachable."""
+    store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    joins = dist.PrefixStore(STORE_PREFIX, store)
+    number = joins.add(JOIN_COUNTER, 1)
+    joins.set(join_key(number), encode(join))
+    return store, joins, number
 
 
 class WeightStream:

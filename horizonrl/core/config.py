@@ -332,6 +332,10 @@ class ResourcesConfig(_Frozen):
     actor_cpus: list[list[int]] | None = Field(
         None, description="CPU cores of each actor — its process, its vLLM engine's processes and their OpenMP "
                           "threads — one list per actor (rollout.num_actors), e.g. [[1], [2, 3]]; default: any")
+    learner_memory_fraction: float = Field(
+        0.4, gt=0, lt=1, description="colocated mode only (the learner and an engine on one GPU): the share of the "
+                                     "GPU's memory the learner may allocate (torch's per-process memory fraction); "
+                                     "with rollout.engine.gpu_memory_utilization at most 0.95 of the GPU (docs/gpu.md)")
 
     @field_validator("learner_cpus", "actor_cpus")
     @classmethod

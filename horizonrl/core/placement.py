@@ -15,8 +15,11 @@ The rules, in one place:
   the weights travel from learner rank 0's GPU to the engines' GPUs, and a learner on gloo with
   an engine on NCCL would wait on each other until the timeout.
 - NCCL cannot hold two ranks of one group on one device, so no two processes may share a GPU,
-  with one exception the plan names but does not run yet: the learner and an engine on the same
-  GPU ("colocated", which needs CUDA-IPC weight hand-off instead of a broadcast).
+  with one exception: a one-rank learner and one engine (``tensor_parallel_size`` 1) on the same
+  GPU — *colocated*, the default on a host with one GPU. That engine takes its weights through
+  CUDA IPC instead of a broadcast (``learner/weight_ipc.py``); the GPU's memory is split by
+  ``rollout.engine.gpu_memory_utilization`` and ``resources.learner_memory_fraction``, and both
+  processes are told so by :data:`COLOCATED_ENV` in their environment.
 
 Every rule that a config breaks is a :class:`~horizonrl.core.config.ConfigError` naming the fix,
 raised by the launcher before anything starts.
@@ -34,9 +37,8 @@ from horizonrl.core.config import ConfigError, TrainConfig
 DeviceType = Literal["cuda", "cpu"]
 Backend = Literal["nccl", "gloo"]
 
-COLOCATED_NOT_IMPLEMENTED = (
-    "colocated mode (the learner and an engine on one GPU, weights handed over by CUDA IPC) is not implemented yet "
-    "(issue 13, item 2)")
+COLOCATED_ENV = "HORIZONRL_COLOCATED"  # "1" in the environment of a learner and an engine that share a GPU
+COLOCATED_MEMORY_LIMIT = 0.95  # of the GPU, for both together: the rest is the two CUDA contexts and headroom
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class PlacementPlan:
     engine_executor: Literal["uni", "mp"]  # vLLM's distributed executor: one worker in-process, or one per shard
     source: str  # how the GPUs were chosen (for the dry run's table)
     colocated: bool = False  # a learner rank and an engine share a GPU
+    engine_memory: float = 0.0  # colocated: the engine's share of the GPU, and the learner's
+    learner_memory: float = 0.0
     hide_gpus: bool = False  # a CPU plan on a host with GPUs: the children must not see them
 
     @property
@@ -89,16 +93,18 @@ class PlacementPlan:
         tensor parallelism sees its shards' GPUs and no others."""
         if placement.device_type == "cpu":
             return {"CUDA_VISIBLE_DEVICES": ""} if self.hide_gpus else {}
-        return {"CUDA_VISIBLE_DEVICES": ",".join(placement.gpus)}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(placement.gpus)}
+        if placement in self.sharing_a_gpu:
+            env[COLOCATED_ENV] = "1"
+        return env
 
-    def require_runnable(self) -> None:
-        """Raise what this machine cannot run yet (the plan itself is still shown by ``--dry-run``)."""
-        if self.colocated:
-            shared = sorted({g for p in self.learner for g in p.gpus} & {g for a in self.actors for g in a.gpus})
-            raise ConfigError(
-                f"the learner and an actor's engine would share GPU {', '.join(shared)}: {COLOCATED_NOT_IMPLEMENTED}. "
-                "Give the learner and every engine GPUs of their own (at least 2 GPUs; resources.learner_gpus / "
-                "resources.actor_gpus), or train on the CPU with resources.device=cpu")
+    @property
+    def sharing_a_gpu(self) -> tuple[ProcessPlacement, ...]:
+        """The learner rank and the engine that share a GPU (colocated), if any."""
+        if not self.colocated:
+            return ()
+        learner_gpus = {g for p in self.learner for g in p.gpus}
+        return tuple(p for p in (*self.learner, *self.actors) if p.role == "learner" or set(p.gpus) & learner_gpus)
 
     def table(self) -> str:
         """A readable summary, one row per process (``horizonrl train CONFIG --dry-run``)."""
@@ -119,14 +125,16 @@ class PlacementPlan:
             rows.append((p.name, device, shown_env, sees))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"  backends: learner process group {self.learner_backend}, weight broadcast {self.weight_backend}")
+        lines.append(f"  backends: learner process group {self.learner_backend}, weight broadcast {self.weight_backend}"
+                     + (" (CUDA IPC to the engine on the learner's GPU)" if self.colocated else ""))
         lines.append(f"  engines: tensor_parallel_size {self.tensor_parallel_size} (vLLM executor "
                      f"{self.engine_executor})")
         if self.unused_gpus:
             lines.append(f"  unused GPUs: {', '.join(self.unused_gpus)} (more actors: rollout.num_actors)")
         if self.colocated:
-            lines.append(f"  colocated: a learner rank and an engine share a GPU; {COLOCATED_NOT_IMPLEMENTED}, so "
-                         "`train` refuses this plan")
+            lines.append(f"  colocated: {', '.join(p.name for p in self.sharing_a_gpu)} share a GPU; memory split: "
+                         f"engine {self.engine_memory:g} (rollout.engine.gpu_memory_utilization), learner "
+                         f"{self.learner_memory:g} (resources.learner_memory_fraction) of the GPU")
         return "\n".join(lines)
 
 
@@ -174,7 +182,7 @@ def plan_placement(config: TrainConfig, gpus: Sequence[str]) -> PlacementPlan:
     Raises :class:`ConfigError` for every placement that cannot work (too few GPUs, a GPU given
     twice, lists of the wrong length, a GPU that is not visible) with the setting to change. A
     plan where the learner and an engine share a GPU is returned with ``colocated=True``; the
-    caller refuses it with :meth:`PlacementPlan.require_runnable`."""
+    caller checks the memory split of that GPU."""
     res = config.resources
     ranks, actors = config.learner.num_ranks, config.rollout.num_actors
     tp = config.rollout.engine.tensor_parallel_size
@@ -201,13 +209,36 @@ def plan_placement(config: TrainConfig, gpus: Sequence[str]) -> PlacementPlan:
     learner_pos, actor_pos, source = _assign_gpus(config, len(gpus))
     _check_positions(learner_pos, actor_pos, len(gpus))
     colocated = bool(set(learner_pos) & {p for group in actor_pos for p in group})
+    if colocated:
+        _check_colocated(config)
     return PlacementPlan(
         device_type="cuda", visible_gpus=gpus,
         learner=tuple(ProcessPlacement("learner", r, "cuda", (gpus[p],), (p,)) for r, p in enumerate(learner_pos)),
         actors=tuple(ProcessPlacement("actor", a, "cuda", tuple(gpus[p] for p in group), tuple(group))
                      for a, group in enumerate(actor_pos)),
         learner_backend=learner_backend, weight_backend=weight_backend, tensor_parallel_size=tp,
-        engine_executor=executor, source=source, colocated=colocated)
+        engine_executor=executor, source=source, colocated=colocated,
+        engine_memory=config.rollout.engine.gpu_memory_utilization if colocated else 0.0,
+        learner_memory=res.learner_memory_fraction if colocated else 0.0)
+
+
+def _check_colocated(config: TrainConfig) -> None:
+    """A learner and an engine on one GPU: the engine must be one worker (the weights reach it through
+    CUDA IPC on the learner's device), and the two memory shares must fit the GPU together."""
+    tp = config.rollout.engine.tensor_parallel_size
+    if tp != 1:
+        raise ConfigError(f"an engine with rollout.engine.tensor_parallel_size={tp} would share the learner's GPU: "
+                          "colocated mode takes one engine worker on the learner's GPU. Give the engines GPUs of "
+                          "their own (resources.actor_gpus), or set tensor_parallel_size=1")
+    engine = config.rollout.engine.gpu_memory_utilization
+    learner = config.resources.learner_memory_fraction
+    if engine + learner > COLOCATED_MEMORY_LIMIT + 1e-9:
+        raise ConfigError(
+            f"the learner and an engine share a GPU, but rollout.engine.gpu_memory_utilization={engine:g} + "
+            f"resources.learner_memory_fraction={learner:g} = {engine + learner:g} of its memory, over "
+            f"{COLOCATED_MEMORY_LIMIT:g} (the two CUDA contexts need the rest): lower one, e.g. "
+            f"rollout.engine.gpu_memory_utilization={max(0.05, round(COLOCATED_MEMORY_LIMIT - learner, 2)):g} "
+            "(docs/gpu.md, One GPU, for how to size the two)")
 
 
 def _assign_gpus(config: TrainConfig, n: int) -> tuple[list[int], list[list[int]], str]:
@@ -227,7 +258,7 @@ def _assign_gpus(config: TrainConfig, n: int) -> tuple[list[int], list[list[int]
             raise ConfigError(f"resources.actor_gpus[{wrong[0]}] has {len(res.actor_gpus[wrong[0]])} GPU(s) but "
                               f"rollout.engine.tensor_parallel_size={tp}: give each engine exactly {tp}")
     if res.learner_gpus is None and res.actor_gpus is None and n == 1 and tp == 1 and ranks == 1 and actors == 1:
-        # One GPU for everything: the only way is to share it (the plan says so; the launcher refuses it for now).
+        # One GPU for everything: the only way is to share it (colocated mode).
         return [0] * ranks, [[0] for _ in range(actors)], "one GPU shared by the learner and the engines"
     learner = list(res.learner_gpus) if res.learner_gpus is not None else None
     taken = set(learner or []) | {p for group in (res.actor_gpus or []) for p in group}
@@ -258,8 +289,8 @@ def _too_few(config: TrainConfig, n: int) -> ConfigError:
     need = ranks + actors * tp
     fits = max(0, (n - ranks) // tp)
     if n == 1:
-        hint = (f"one GPU holds the learner and one engine only in colocated mode ({COLOCATED_NOT_IMPLEMENTED}), "
-                "so one GPU cannot run this")
+        hint = ("one GPU holds a one-rank learner and one engine only (colocated mode: set "
+                "rollout.num_actors=1, learner.num_ranks=1, rollout.engine.tensor_parallel_size=1)")
     elif fits >= 1:
         hint = f"set rollout.num_actors={fits}"
     else:
@@ -294,7 +325,7 @@ def _check_positions(learner: list[int], engines: list[list[int]], n: int) -> No
             owner[p] = i
     if len(learner) > 1 and set(learner) & set(owner):
         raise ConfigError(f"learner GPUs {learner} overlap the engines' GPUs: only a one-rank learner may share its "
-                          f"GPU with an engine (colocated mode, {COLOCATED_NOT_IMPLEMENTED})")
+                          "GPU with an engine (colocated mode)")
 
 
 def local_device_type(resources_device: str, gpus: Sequence[str]) -> DeviceType:
@@ -306,6 +337,21 @@ def local_device_type(resources_device: str, gpus: Sequence[str]) -> DeviceType:
             raise ConfigError("resources.device=cuda but this process sees no GPU (CUDA_VISIBLE_DEVICES)")
         return "cpu"
     return "cuda"
+
+
+def engine_weight_transport(on_gpu: bool, environ: Mapping[str, str]) -> str:
+    """How an engine takes its weights: ``cuda_ipc`` on the learner's GPU (the launcher's plan says so with
+    :data:`COLOCATED_ENV`), ``nccl`` on a GPU of its own, ``gloo`` on the CPU."""
+    if environ.get(COLOCATED_ENV) == "1":
+        if not on_gpu:
+            raise ConfigError(f"{COLOCATED_ENV}=1 (an engine on the learner's GPU) but this engine sees no GPU")
+        return "cuda_ipc"
+    return "nccl" if on_gpu else "gloo"
+
+
+def is_colocated(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher put this process on a GPU it shares (learner and engine, colocated mode)."""
+    return environ.get(COLOCATED_ENV) == "1"
 
 
 def learner_device_index(gpus: Sequence[str], local_rank: int) -> int:
@@ -387,7 +433,6 @@ def cluster_bundles(config: TrainConfig, *, gpus: bool, cpus_per_process: float 
     tp = config.rollout.engine.tensor_parallel_size
     # The same rules as one host: plan as if exactly the GPUs the run needs were visible.
     plan = plan_placement(config, tuple(str(i) for i in range(ranks + actors * tp)) if gpus else ())
-    plan.require_runnable()
     bundles = [ClusterBundle("coordinator", cpus_per_process), ClusterBundle("buffer", cpus_per_process)]
     bundles += [ClusterBundle(p.name, cpus_per_process, len(p.gpus)) for p in (*plan.learner, *plan.actors)]
     return tuple(bundles)

@@ -657,7 +657,6 @@ def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = Fa
                           "run binds loopback (the default) or the address you give")
     # Placement first: a plan that cannot run is refused before anything is written or started.
     plan = resolve_placement(config)
-    plan.require_runnable()
     config, path = prepare_run(config)
     launcher = Launcher(config, path, tensorboard=tensorboard, verbose=verbose, plan=plan)
     console = launcher.console

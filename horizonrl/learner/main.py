@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from horizonrl.core.config import TrainConfig
-from horizonrl.core.placement import choose_backends, learner_device_index, local_device_type, visible_gpus
+from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
+                                      visible_gpus)
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
@@ -573,6 +574,13 @@ def _backend_and_device(config: TrainConfig, local_rank: int) -> tuple[str, torc
         return backend, torch.device("cpu")
     index = learner_device_index(gpus, local_rank)
     torch.cuda.set_device(index)
+    if is_colocated(os.environ):
+        # An engine shares this GPU: keep to our share of its memory, so that going over it is our own clear
+        # out-of-memory error rather than the engine's (core/placement.py checks the two shares fit).
+        fraction = config.resources.learner_memory_fraction
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        log.info("colocated with an engine on cuda:%d: the learner may allocate %.0f%% of its memory "
+                 "(resources.learner_memory_fraction)", index, 100 * fraction)
     return backend, torch.device("cuda", index)
 
 

@@ -30,6 +30,12 @@ side (docs/benchmarks.md). On NCCL a ring broadcast would send the bytes once; w
 engines per learner of this system the difference is K transfers of the weights per version.
 A tensor-parallel engine is one member per worker (``WeightJoin.worker``): each worker receives
 the full tensors and its loader keeps its own shard.
+
+A member is reached through its *link*: a two-rank group (:class:`GroupLink`), or, for the engine
+that shares the learner's GPU (colocated mode; its join names an ``ipc_address``), a CUDA-IPC
+staging buffer (:class:`~horizonrl.learner.weight_ipc.IpcSender`). Both take a version as
+``begin`` (layout), ``send_bucket`` per bucket, ``finish`` (the engine has it), so everything above
+— admission, the admission copy, drops, abandons — is the same for both.
 """
 
 from __future__ import annotations
@@ -41,16 +47,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
-__all__ = ["Member", "PackedWeights", "WeightHub", "WeightSyncError", "gather_buckets", "layout_of",
+__all__ = ["GroupLink", "Member", "WeightLink", "PackedWeights", "WeightHub", "WeightSyncError", "gather_buckets", "layout_of",
            "gather_without_sending", "use_blocking_nccl_waits"]
 
 log = logging.getLogger("horizonrl.learner.weights")
@@ -88,20 +95,40 @@ class PackedWeights:
         return sum(bucket.nbytes for bucket in self.plan)
 
 
-@dataclass
-class Member:
-    """One engine worker in the hub: its join, its two-rank group, the newest version it acknowledged."""
+class WeightLink(Protocol):
+    """How the hub reaches one member; every call bounded by ``timeout_s``, failures are WeightSyncError."""
 
-    number: int
-    actor: int
-    worker: int
-    pid: int
-    group: dist.ProcessGroup
-    has: tuple[int, int] = (-1, -1)  # (epoch, version)
+    def begin(self, layout_bytes: bytes, bucket_bytes: int, what: str, timeout_s: float) -> None: ...
+    def send_bucket(self, index: int, data: torch.Tensor, what: str, timeout_s: float) -> None: ...
+    def finish(self, what: str, timeout_s: float) -> None: ...  # returns once the member has the version
+    def close(self) -> None: ...
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.actor, self.worker)
+
+class GroupLink:
+    """A member's two-rank group, this process rank 0: a version as header, layout, buckets and an
+    all-reduced acknowledgement (``protocol/weights.py``), each collective bounded by ``timeout_s``
+    (the hub's, passed with each call)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+
+    def begin(self, layout_bytes: bytes, bucket_bytes: int, what: str, timeout_s: float) -> None:
+        header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64, device=self.device)
+        layout = torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8).to(self.device)
+        _broadcast(self.group, header, timeout_s, f"header of {what}")
+        _broadcast(self.group, layout, timeout_s, f"layout of {what}")
+
+    def send_bucket(self, index: int, data: torch.Tensor, what: str, timeout_s: float) -> None:
+        _broadcast(self.group, data, timeout_s, f"bucket {index} of {what}")
+
+    def finish(self, what: str, timeout_s: float) -> None:
+        ack = torch.zeros(1, dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        _wait(lambda: self.group.allreduce([ack], options), timeout_s, f"acknowledgement of {what}")
+        if int(ack.item()) != 1:  # bounded: the wait above completed (blocking waits on NCCL)
+            raise WeightSyncError(f"weight hub: {what} acknowledged {int(ack.item())} times, not once")
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)
@@ -110,6 +137,26 @@ class Member:
                 shutdown()
             except Exception:  # best effort: the engine may be gone already
                 pass
+
+
+@dataclass
+class Member:
+    """One engine worker in the hub: its join, its link (:class:`GroupLink`, or an ``IpcSender`` for the
+    engine on the learner's GPU), the newest version it acknowledged."""
+
+    number: int
+    actor: int
+    worker: int
+    pid: int
+    link: WeightLink  # GroupLink, or learner.weight_ipc.IpcSender
+    has: tuple[int, int] = (-1, -1)  # (epoch, version)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.actor, self.worker)
+
+    def close(self) -> None:
+        self.link.close()
 
 
 def layout_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
@@ -199,6 +246,7 @@ class WeightHub:
         # (epoch, version) of a send abandoned after a stop: its members may be mid-version, nothing more is sent
         self.abandoned: tuple[int, int] | None = None
         self._send_error: Exception | None = None
+        self._zmq: zmq.Context | None = None  # made for the first CUDA-IPC member (colocated engine)
 
     def start(self) -> "WeightHub":
         """Admit joiners from now on (give it a version before, so every joiner gets one)."""
@@ -396,28 +444,14 @@ class WeightHub:
             gone = {id(member) for member, _ in failed}
             alive = [member for member in alive if id(member) not in gone]
 
-        header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64)
-        layout = torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8)
-        if self.device.type != "cpu":
-            header, layout = header.to(self.device), layout.to(self.device)
-
         def what(m: Member) -> str:
             return f"version {key} (epoch, version) to actor {m.actor} worker {m.worker} (join {m.number})"
 
-        to_all(lambda m: _broadcast(m.group, header, self.timeout_s, f"header of {what(m)}"))
-        to_all(lambda m: _broadcast(m.group, layout, self.timeout_s, f"layout of {what(m)}"))
+        to_all(lambda m: m.link.begin(layout_bytes, bucket_bytes, what(m), self.timeout_s))
         for index, bucket in enumerate(buckets):
-            to_all(lambda m: _broadcast(m.group, bucket, self.timeout_s, f"bucket {index} of {what(m)}"))
-        to_all(lambda m: self._acknowledged(m, what(m)))
+            to_all(lambda m: m.link.send_bucket(index, bucket, what(m), self.timeout_s))
+        to_all(lambda m: m.link.finish(what(m), self.timeout_s))
         return None if abandoned else failures
-
-    def _acknowledged(self, member: Member, what: str) -> None:
-        ack = torch.zeros(1, dtype=torch.int64, device=self.device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        _wait(lambda: member.group.allreduce([ack], options), self.timeout_s, f"acknowledgement of {what}")
-        if int(ack.item()) != 1:  # bounded: the wait above completed (blocking waits on NCCL)
-            raise WeightSyncError(f"weight hub: {what} acknowledged {int(ack.item())} times, not once")
 
     def _run_for_each(self, members: list[Member], action: Callable[[Member], None],
                       should_abandon: Callable[[], bool] | None) -> list[tuple[Member, Exception]] | None:
@@ -489,13 +523,13 @@ class WeightHub:
             return
         worker = int(getattr(join, "worker", 0))
         try:
-            group = self._form_group(number)
+            link = self._connect_ipc(join) if join.ipc_address else GroupLink(self._form_group(number), self.device)
         except WeightSyncError as exc:
             self.counters["failed_joins"] += 1
             log.warning("weight hub: actor %d worker %d (pid %d) did not complete its join %d: %s", join.actor, worker,
                         join.pid, number, exc)
             return
-        member = Member(number, join.actor, worker, join.pid, group)
+        member = Member(number, join.actor, worker, join.pid, link)
         with self._lock:
             if self._closed.is_set() or self.latest is None:
                 # latest is None only after a publish failed half-way (the learner is failing): refuse.
@@ -518,8 +552,25 @@ class WeightHub:
                 previous.close()
             self.members[member.key] = member
             self.counters["admitted"] += 1
-        log.info("admitted actor %d's engine worker %d (pid %d, join %d) at weights %s (epoch, version)%s", join.actor,
-                 worker, join.pid, number, member.has, "; it replaces an earlier one" if previous is not None else "")
+        log.info("admitted actor %d's engine worker %d (pid %d, join %d%s) at weights %s (epoch, version)%s", join.actor,
+                 worker, join.pid, number, ", CUDA IPC" if join.ipc_address else "", member.has,
+                 "; it replaces an earlier one" if previous is not None else "")
+
+    def _connect_ipc(self, join: WeightJoin):
+        """The link of an engine on this GPU (colocated): a PAIR socket to the address it listens on."""
+        from horizonrl.learner.weight_ipc import IpcSender
+
+        if self.device.type != "cuda":
+            raise WeightSyncError(f"actor {join.actor} asked for CUDA IPC, but this hub runs on the CPU ({self.backend}):"
+                                  " only an engine on the learner's GPU can take weights that way")
+        if not join.ipc_address.startswith("tcp://"):
+            raise WeightSyncError(f"actor {join.actor}'s CUDA-IPC address {join.ipc_address!r} is not tcp://HOST:PORT")
+        if self._zmq is None:
+            self._zmq = zmq.Context()
+        sock = self._zmq.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(join.ipc_address)
+        return IpcSender(sock, self.device, self.timeout_s)
 
     def _form_group(self, number: int) -> dist.ProcessGroup:
         timeout = timedelta(seconds=self.timeout_s)
@@ -541,6 +592,9 @@ class WeightHub:
             for member in self.members.values():
                 member.close()
             self.members.clear()
+            if self._zmq is not None:
+                self._zmq.destroy(linger=0)  # also a socket an admission thread is still connecting
+                self._zmq = None
 
 
 def gather_without_sending(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,

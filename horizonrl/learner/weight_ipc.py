@@ -18,16 +18,17 @@ integers, in msgpack. Both processes must see the GPU under the same device inde
 processes get the same ``CUDA_VISIBLE_DEVICES``).
 
 The staging buffer is rewritten with bucket i + 1 only after the ack of bucket i. Every wait is
-bounded by ``timeout_s`` and fails with :class:`WeightSyncError`. Each version allocates and shares
-a new staging buffer (the engine maps it anew: the first version measured 24 ms against 16 ms for
-the next ones, 1.1 GB on an H200). torch's CUDA-IPC bookkeeping frees a shared block only once the
-consumer has released it, so a version whose engine died before opening it may keep one bucket of
-GPU memory reserved in the learner (not measured). The engine's side is
-``actors/weight_ipc.py``. With several learner ranks, the others iterate
-``gather_buckets(..., fill=False)`` in step, as for NCCL.
+bounded by ``timeout_s`` and fails with :class:`WeightSyncError`. :class:`IpcSender` is one engine's
+link: it keeps its staging buffer (one bucket) from version to version, so the engine's mapping of it
+is made once (a fresh buffer per version measured 24 ms against 16 ms for 1.1 GB on an H200). torch's
+CUDA-IPC bookkeeping frees a shared block only once the consumer has released it, so a link whose
+engine died may keep one bucket of GPU memory reserved in the learner (not measured). The engine's
+side is ``actors/weight_ipc.py``.
 
-Not wired into ``horizonrl train`` yet: the engine's loader (vLLM's worker) and the memory split
-of one GPU are the colocated mode's other parts (docs/gpu.md, "One GPU").
+In ``horizonrl train`` the weight hub (``learner/weight_broadcast.py``) holds an :class:`IpcSender` for
+a member whose join names an ``ipc_address`` (the engine on the learner's GPU, colocated mode) and a
+two-rank NCCL group for every other member; the buckets are the same. :func:`send_version_over_ipc`
+sends one version over a bare socket (``scripts/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -44,29 +45,80 @@ from horizonrl.protocol.messages import CudaIpcBuffer, IpcBucketAck, IpcBucketRe
 from horizonrl.protocol.weight_buckets import plan_buckets
 from horizonrl.protocol.weights import WeightSyncError
 
-__all__ = ["send_version_over_ipc", "share_cuda_buffer"]
+__all__ = ["IpcSender", "send_version_over_ipc", "share_cuda_buffer"]
+
+
+class IpcSender:
+    """Rank 0's end of one colocated engine's link: the PAIR socket to it and the staging buffer it maps.
+
+    A version is :meth:`begin`, then :meth:`send_bucket` for each bucket of the plan in order (each
+    returns once the engine has read it; the last once it has loaded the version), then :meth:`finish`.
+    The same three calls as a two-rank group's link in the weight hub."""
+
+    def __init__(self, sock: zmq.Socket, device: torch.device, timeout_s: float) -> None:
+        self.sock = sock
+        self.device = device
+        self.timeout_s = timeout_s
+        self.staging: torch.Tensor | None = None  # one bucket, reused while versions fit in it
+        self._shared: CudaIpcBuffer | None = None
+        self._layout: WeightLayout | None = None
+        self._buckets = 0
+
+    def begin(self, layout_bytes: bytes, bucket_bytes: int, what: str = "", timeout_s: float | None = None) -> None:
+        """Announce a version (its encoded :class:`WeightLayout`) and the buffer its buckets will come through.
+        ``timeout_s`` (here and below): this call's bound instead of the sender's own."""
+        try:
+            layout = decode_as(layout_bytes, WeightLayout)
+        except ProtocolError as exc:
+            raise ValueError(f"not a weight layout: {exc}") from exc
+        plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
+        if sum(bucket.nbytes for bucket in plan) != layout.total_bytes:
+            raise ValueError(f"layout of version {layout.version} says {layout.total_bytes} bytes, its buckets hold "
+                             f"{sum(bucket.nbytes for bucket in plan)}")
+        need = max((bucket.nbytes for bucket in plan), default=1)
+        if self.staging is None or self.staging.numel() < need:
+            self.staging, self._shared = None, None  # the engine's mapping of an old one ends with its next version
+            self.staging = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._shared = share_cuda_buffer(self.staging)
+        self._layout, self._buckets = layout, len(plan)
+        _send(self.sock, IpcWeights(run_id=layout.run_id, layout=layout, bucket_bytes=bucket_bytes,
+                                    buffer=self._shared), timeout_s or self.timeout_s, layout.version)
+
+    def send_bucket(self, index: int, data: torch.Tensor, what: str = "", timeout_s: float | None = None) -> None:
+        """Bucket ``index`` (``data``: its bytes, on the GPU or in host memory; a view of the staging buffer
+        is not copied) into the shared buffer; returns when the engine has acknowledged it."""
+        layout = self._layout
+        target = self.staging[: data.numel()]
+        if data.data_ptr() != target.data_ptr():
+            target.copy_(data)
+        torch.cuda.current_stream(self.device).synchronize()  # the engine reads on its own stream
+        _send(self.sock, IpcBucketReady(run_id=layout.run_id, version=layout.version, index=index),
+              timeout_s or self.timeout_s, layout.version)
+        _await_ack(self.sock, layout, index, self._buckets, timeout_s or self.timeout_s)
+
+    def finish(self, what: str = "", timeout_s: float | None = None) -> None:
+        """Nothing left to wait for: the last bucket's acknowledgement came after the engine loaded the version."""
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
 
 
 def send_version_over_ipc(sock: zmq.Socket, named: list[tuple[str, torch.Tensor]], layout: WeightLayout, *,
-                          bucket_bytes: int, device: torch.device, timeout_s: float) -> float:
+                          bucket_bytes: int, device: torch.device, timeout_s: float,
+                          sender: IpcSender | None = None) -> float:
     """Send one version (``layout`` says which, and the names, dtypes and shapes ``named`` is sent in)
     to the engine at the other end of ``sock``; returns once the engine has loaded it (seconds taken).
+    Pass the ``sender`` of the previous version to reuse its staging buffer.
 
     Raises :class:`WeightSyncError` if the engine does not answer a bucket within ``timeout_s``."""
-    plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
-    if sum(bucket.nbytes for bucket in plan) != layout.total_bytes:
-        raise ValueError(f"layout of version {layout.version} says {layout.total_bytes} bytes, its buckets hold "
-                         f"{sum(bucket.nbytes for bucket in plan)}")
     start = time.perf_counter()
-    staging = torch.empty(max((bucket.nbytes for bucket in plan), default=1), dtype=torch.uint8, device=device)
-    _send(sock, IpcWeights(run_id=layout.run_id, layout=layout, bucket_bytes=bucket_bytes,
-                           buffer=share_cuda_buffer(staging)), timeout_s, layout.version)
-    into = [staging[: bucket.nbytes] for bucket in plan]
-    for bucket, _ in zip(plan, gather_buckets(named, plan, device=device, fill=True, into=into)):
-        torch.cuda.current_stream(device).synchronize()  # the engine reads on its own stream
-        _send(sock, IpcBucketReady(run_id=layout.run_id, version=layout.version, index=bucket.index), timeout_s,
-              layout.version)
-        _await_ack(sock, layout, bucket.index, len(plan), timeout_s)
+    sender = sender or IpcSender(sock, device, timeout_s)
+    sender.begin(encode(layout), bucket_bytes)
+    plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
+    into = [sender.staging[: bucket.nbytes] for bucket in plan]  # the gathers write into the shared buffer
+    for bucket, data in zip(plan, gather_buckets(named, plan, device=device, fill=True, into=into)):
+        sender.send_bucket(bucket.index, data)
+    sender.finish()
     return time.perf_counter() - start
 
 

@@ -236,6 +236,9 @@ class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
     actor: int  # the actor index whose engine this is (a newer join of the same actor replaces the older)
     pid: int
     worker: int = 0  # the engine worker (tensor-parallel rank): each worker of an engine is its own member
+    # A colocated engine (on the learner's GPU) takes its versions through CUDA IPC rather than a two-rank
+    # group: the ZeroMQ address (tcp://127.0.0.1:PORT) where it waits for the hub (learner/weight_ipc.py).
+    ipc_address: str = ""
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):

@@ -39,6 +39,12 @@ and what timed out: an unbounded hang is the classic NCCL weight-sync failure (o
 are created with ``TORCH_NCCL_BLOCKING_WAIT=1``, without which ``Work.wait(timeout)`` does not block
 the host and the ``.item()`` after it could hang).
 
+A colocated engine (on the learner's GPU, where NCCL cannot form a two-rank group) does step 3
+differently: its join names ``ipc_address``, a ZeroMQ PAIR socket it listens on (loopback), and the
+learner connects there; a version then goes through a staging buffer on the GPU that both map
+(CUDA IPC), bucket by bucket, as ``learner/weight_ipc.py`` describes: the same buckets, each
+acknowledged, the last acknowledgement meaning "loaded".
+
 A tensor-parallel engine joins once per worker (``WeightJoin.worker`` = its rank; the member is
 (actor, worker)): each worker receives the full tensors and vLLM's loader keeps its own shard.
 """

@@ -2,8 +2,9 @@
 actors/weight_ipc.py) on the CPU.
 
 CUDA IPC itself needs a GPU: ``scripts/gpu_check.py``'s ``colocated_handoff`` check sends 1 GB through
-the same two functions between two processes on one GPU and compares every byte (measured on an H200,
-docs/gpu.md). Here: what travels, what is refused, and that every wait ends within its bound.
+the same two functions between two processes on one GPU and compares every byte, and its
+``colocated_training`` check runs the weight hub with an engine joining through CUDA IPC (measured on
+an H200, docs/gpu.md). Here: what travels, what is refused, and that every wait ends within its bound.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import torch
 import zmq
 
 from horizonrl.actors import weight_ipc as engine_side
-from horizonrl.actors.weight_ipc import open_ipc_weight_stream
+from horizonrl.actors.weight_ipc import IpcReceiver, open_ipc_weight_stream
+from horizonrl.actors.weight_receiver import join_weight_hub
+from horizonrl.learner.weight_broadcast import WeightHub
 from horizonrl.learner.weight_ipc import send_version_over_ipc, share_cuda_buffer
 from horizonrl.protocol.codec import decode, encode
-from horizonrl.protocol.messages import CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightLayout
-from horizonrl.protocol.transport import make_socket
+from horizonrl.protocol.messages import (CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightJoin,
+                                         WeightLayout)
+from horizonrl.protocol.transport import free_port, make_socket
 from horizonrl.protocol.weights import WeightSyncError
 
 
@@ -90,3 +94,42 @@ def test_the_sender_refuses_a_layout_its_plan_contradicts_before_sending(pair):
         send_version_over_ipc(learner, named, _layout(128), bucket_bytes=1 << 20, device=torch.device("cpu"),
                               timeout_s=1.0)
     assert not engine.poll(100, zmq.POLLIN)  # nothing was sent
+
+
+def test_a_join_names_its_cuda_ipc_address_and_an_older_join_decodes_without_one():
+    join = WeightJoin(run_id="run-a", actor=0, pid=12, ipc_address="tcp://127.0.0.1:5555")
+    assert decode(encode(join)).ipc_address == "tcp://127.0.0.1:5555"
+    assert decode(encode(WeightJoin(run_id="run-a", actor=0, pid=12))).ipc_address == ""
+
+
+def test_a_hub_without_a_gpu_refuses_a_cuda_ipc_join_and_the_engine_learns_it_within_its_bound():
+    """A real hub (gloo, TCPStore) and a real join through ``join_weight_hub(backend="cuda_ipc")``: the
+    engine listens on loopback and names that address; a hub on the CPU cannot hand weights over by CUDA
+    IPC, so it counts a failed join and sends nothing, and the engine's wait for its first version ends
+    with WeightSyncError at its bound."""
+    hub = WeightHub("127.0.0.1", free_port(), backend="gloo", timeout_s=30, run_id="run-a")
+    hub.pack(0, [("w", torch.zeros(4))])
+    hub.start()
+    receiver = None
+    try:
+        receiver = join_weight_hub("127.0.0.1", hub.port, actor=0, run_id="run-a", timeout_s=2.0, backend="cuda_ipc")
+        assert isinstance(receiver, IpcReceiver) and receiver.backend == "cuda_ipc"
+        deadline = time.monotonic() + 30
+        while hub.counters["failed_joins"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hub.counters["failed_joins"] == 1 and not hub.members
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="the next version did not arrive within 2 s"):
+            receiver.open_stream()
+        assert time.monotonic() - start < 10
+    finally:
+        if receiver is not None:
+            receiver.close()
+        hub.close()
+
+
+def test_a_cuda_ipc_join_to_no_hub_fails_within_its_bound():
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="CUDA IPC.*could not join within 2 s"):
+        IpcReceiver.join("127.0.0.1", free_port(), actor=0, run_id="run-a", timeout_s=2.0)
+    assert time.monotonic() - start < 15
