@@ -37,7 +37,8 @@ the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PAS
                            is actors/vllm_worker.py's WeightReceiverExtension with a transformers model in
                            place of vLLM's; the engine joins through CUDA IPC, takes version 0, the learner
                            trains a step and publishes version 1; the engine's logits must equal the
-                           learner's bf16 logits at each version                               [CUDA]
+                           learner's bf16 logits at each version; then the engine takes no more, and
+                           version 2 must drop it within the hub's 3 s bound                    [CUDA]
 
 Prints a table; ``--out`` writes the JSON. Exit status 1 if any check FAILED (SKIPPED is not a failure).
 """
@@ -787,8 +788,15 @@ def _colocated_learner(model_dir: str, port: int, fraction: float, out_path: str
         optimizer.zero_grad(set_to_none=True)
         stats = publish(1)
         result.update(version1=stats, peak_gb=round(torch.cuda.max_memory_allocated() / GB, 3),
-                      cap_gb=round(fraction * torch.cuda.get_device_properties(0).total_memory / GB, 1),
-                      counters=dict(hub.counters))
+                      cap_gb=round(fraction * torch.cuda.get_device_properties(0).total_memory / GB, 1))
+        # The engine takes no version after 1 (it exits): version 2 must drop it within the hub's bound, and
+        # the learner goes on.
+        hub.timeout_s = bound = 3.0
+        start = time.perf_counter()
+        stats = hub.publish(2, 0, weights_to_send(model.config, model.state_dict()), dtype=torch.bfloat16)
+        result["silent_engine"] = {"dropped": stats["dropped"], "after_s": round(time.perf_counter() - start, 2),
+                                   "bound_s": bound, "members_left": len(hub.members)}
+        result["counters"] = dict(hub.counters)
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
     finally:
@@ -868,9 +876,12 @@ def check_colocated_training(ctx: Context) -> CheckResult:
     figures = {"model": model_dir.name, "link": learner["link"], "engine_replies": engine["replies"],
                "loaded_tensors": engine["loaded_tensors"], "max_abs_logit_diff_v0_v1": differences,
                "logits_moved_by_the_step": moved, "version1_publish": learner["version1"],
-               "learner_peak_gb": learner["peak_gb"], "learner_cap_gb": learner["cap_gb"]}
+               "learner_peak_gb": learner["peak_gb"], "learner_cap_gb": learner["cap_gb"],
+               "silent_engine": learner["silent_engine"]}
+    silent = learner["silent_engine"]
     ok = (not errors and learner["link"] == "IpcSender" and [r[0] for r in engine["replies"]] == [0, 1]
-          and max(differences) <= 1e-3 * max(1.0, moved) and moved > 0)
+          and max(differences) <= 1e-3 * max(1.0, moved) and moved > 0
+          and silent["dropped"] == 1 and silent["members_left"] == 0 and silent["after_s"] <= silent["bound_s"] + 5)
     return CheckResult("colocated_training", "PASS" if ok else "FAIL", figures,
                        "engine logits equal the learner's bf16 logits at versions 0 and 1" if ok else "; ".join(errors))
 
