@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ import torch.distributed as dist
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
+
+if TYPE_CHECKING:
+    from horizonrl.actors.weight_ipc import IpcReceiver
 
 __all__ = ["StagedReceive", "WeightReceiver", "WeightStream", "WeightSyncError", "join_weight_hub",
            "open_weight_stream", "receive_weights"]
@@ -68,7 +71,7 @@ class WeightReceiver:
 
 
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
-                    backend: str = "gloo", worker: int = 0):
+                    backend: str = "gloo", worker: int = 0) -> "WeightReceiver | IpcReceiver":
     """Join the learner's weight hub as ``actor``'s engine worker ``worker`` (WeightSyncError after the
     timeout). The learner answers with its newest version at once: receive it next.
 

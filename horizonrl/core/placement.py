@@ -16,7 +16,8 @@ The rules, in one place:
   an engine on NCCL would wait on each other until the timeout.
 - NCCL cannot hold two ranks of one group on one device, so no two processes may share a GPU,
   with one exception: a one-rank learner and one engine (``tensor_parallel_size`` 1) on the same
-  GPU — *colocated*, the default on a host with one GPU. That engine takes its weights through
+  GPU — *colocated*, the default when one GPU is visible to a run of one learner rank and one
+  actor. That engine takes its weights through
   CUDA IPC instead of a broadcast (``learner/weight_ipc.py``); the GPU's memory is split by
   ``rollout.engine.gpu_memory_utilization`` and ``resources.learner_memory_fraction``, and both
   processes are told so by :data:`COLOCATED_ENV` in their environment.
@@ -181,8 +182,8 @@ def plan_placement(config: TrainConfig, gpus: Sequence[str]) -> PlacementPlan:
 
     Raises :class:`ConfigError` for every placement that cannot work (too few GPUs, a GPU given
     twice, lists of the wrong length, a GPU that is not visible) with the setting to change. A
-    plan where the learner and an engine share a GPU is returned with ``colocated=True``; the
-    caller checks the memory split of that GPU."""
+    plan where a one-rank learner and one engine share a GPU is returned with ``colocated=True``
+    once that engine and the memory split fit (:func:`_check_colocated`)."""
     res = config.resources
     ranks, actors = config.learner.num_ranks, config.rollout.num_actors
     tp = config.rollout.engine.tensor_parallel_size

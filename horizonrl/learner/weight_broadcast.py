@@ -57,8 +57,8 @@ from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_a
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
 
-__all__ = ["GroupLink", "Member", "WeightLink", "PackedWeights", "WeightHub", "WeightSyncError", "gather_buckets", "layout_of",
-           "gather_without_sending", "use_blocking_nccl_waits"]
+__all__ = ["GroupLink", "Member", "PackedWeights", "WeightHub", "WeightLink", "WeightSyncError", "gather_buckets",
+           "layout_of", "gather_without_sending", "use_blocking_nccl_waits"]
 
 log = logging.getLogger("horizonrl.learner.weights")
 
@@ -246,7 +246,7 @@ class WeightHub:
         # (epoch, version) of a send abandoned after a stop: its members may be mid-version, nothing more is sent
         self.abandoned: tuple[int, int] | None = None
         self._send_error: Exception | None = None
-        self._zmq: zmq.Context | None = None  # made for the first CUDA-IPC member (colocated engine)
+        self._zmq: zmq.Context | None = zmq.Context()  # the sockets of CUDA-IPC members (colocated engine)
 
     def start(self) -> "WeightHub":
         """Admit joiners from now on (give it a version before, so every joiner gets one)."""
@@ -552,21 +552,21 @@ class WeightHub:
                 previous.close()
             self.members[member.key] = member
             self.counters["admitted"] += 1
-        log.info("admitted actor %d's engine worker %d (pid %d, join %d%s) at weights %s (epoch, version)%s", join.actor,
-                 worker, join.pid, number, ", CUDA IPC" if join.ipc_address else "", member.has,
+        log.info("admitted actor %d's engine worker %d (pid %d, join %d%s) at weights %s (epoch, version)%s",
+                 join.actor, worker, join.pid, number, ", CUDA IPC" if join.ipc_address else "", member.has,
                  "; it replaces an earlier one" if previous is not None else "")
 
-    def _connect_ipc(self, join: WeightJoin):
+    def _connect_ipc(self, join: WeightJoin) -> WeightLink:
         """The link of an engine on this GPU (colocated): a PAIR socket to the address it listens on."""
         from horizonrl.learner.weight_ipc import IpcSender
 
         if self.device.type != "cuda":
-            raise WeightSyncError(f"actor {join.actor} asked for CUDA IPC, but this hub runs on the CPU ({self.backend}):"
-                                  " only an engine on the learner's GPU can take weights that way")
+            raise WeightSyncError(f"actor {join.actor} asked for CUDA IPC, but this hub runs on the CPU "
+                                  f"({self.backend}): only an engine on the learner's GPU can take weights that way")
         if not join.ipc_address.startswith("tcp://"):
             raise WeightSyncError(f"actor {join.actor}'s CUDA-IPC address {join.ipc_address!r} is not tcp://HOST:PORT")
         if self._zmq is None:
-            self._zmq = zmq.Context()
+            raise WeightSyncError("weight hub: closed")
         sock = self._zmq.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(join.ipc_address)
