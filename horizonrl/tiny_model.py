@@ -138,8 +138,9 @@ def _strip_special(text: str) -> str:
 # ---------------------------------------------------------------------------- model
 
 
-def build_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
-    """The tiny Qwen2: 2 layers, hidden 128, 2 heads × 64, 1 KV head, tied embeddings, float32.
+def build_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 128) -> Qwen2ForCausalLM:
+    """The tiny Qwen2: by default 2 layers, hidden 128, 2 heads × 64 (hidden / 64 heads), 1 KV head, MLP
+    twice the hidden size, tied embeddings, float32.
 
     head_dim 64 because vLLM's CPU attention rejects 16. Token ids follow
     :func:`build_tokenizer` (``<|endoftext|>`` = 0 is bos/pad, ``<|im_end|>`` = 2 is eos).
@@ -149,10 +150,10 @@ def build_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
 
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=4096,
@@ -404,6 +405,8 @@ def tiny_model_spec(
     batch_size: int = DEFAULT_BATCH_SIZE,
     lr: float = DEFAULT_LR,
     system_prompt: str | None = None,
+    layers: int = 2,
+    hidden: int = 128,
 ) -> dict[str, Any]:
     """Everything that determines the built directory (stored in its spec file)."""
     envs = list(envs)
@@ -422,6 +425,8 @@ def tiny_model_spec(
         "batch_size": batch_size,
         "lr": lr,
         "system_prompt": system_prompt,
+        # The shape only when it is not the default, so directories built before it was a setting stay valid.
+        **({"shape": {"layers": layers, "hidden": hidden}} if (layers, hidden) != (2, 128) else {}),
     }
 
 
@@ -438,6 +443,8 @@ def make_tiny_model(
     lr: float = DEFAULT_LR,
     system_prompt: str | None = None,
     progress: bool = True,
+    layers: int = 2,
+    hidden: int = 128,
 ) -> dict[str, Any]:
     """Build the tiny model into ``out_dir`` (a Hugging Face directory) and return its spec file.
 
@@ -450,7 +457,8 @@ def make_tiny_model(
     from horizonrl.core.chat import ChatTokenizer
 
     spec = tiny_model_spec(
-        envs, env_settings, episodes_per_env, warmup_steps, seed, max_turns, vocab_size, batch_size, lr, system_prompt
+        envs, env_settings, episodes_per_env, warmup_steps, seed, max_turns, vocab_size, batch_size, lr, system_prompt,
+        layers, hidden,
     )
     random.seed(seed)
     torch.manual_seed(seed)
@@ -467,7 +475,7 @@ def make_tiny_model(
     chat = ChatTokenizer(tokenizer)
     sequences = [episode_ids(chat, e.messages, system_prompt) for e in episodes]
 
-    model = build_model(len(tokenizer), seed)
+    model = build_model(len(tokenizer), seed, layers, hidden)
     started = time.perf_counter()
     losses = warmup(model, sequences, warmup_steps, batch_size, lr, seed, tokenizer.pad_token_id, progress)
     warmup_s = time.perf_counter() - started
@@ -591,6 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS, help="turn cap of a random episode")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocabulary upper bound")
     parser.add_argument("--system-prompt", default=None)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size, a multiple of 64 (heads of 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reuse", action="store_true", help="keep OUT_DIR if it was built with the same arguments")
     args = parser.parse_args(argv)
@@ -619,7 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         lr=args.lr,
         system_prompt=args.system_prompt,
+        layers=args.layers,
+        hidden=args.hidden,
     )
+    if args.hidden < 64 or args.hidden % 64 or args.layers < 1:
+        parser.error("--hidden must be a multiple of 64 (attention heads of 64) and --layers at least 1")
     if args.reuse:
         print(ensure_tiny_model(args.out_dir, **kwargs))
     else:

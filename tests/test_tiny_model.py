@@ -23,6 +23,7 @@ from horizonrl.tiny_model import (
     episode_ids,
     random_episodes,
     read_spec,
+    tiny_model_spec,
 )
 
 
@@ -207,6 +208,22 @@ def test_ensure_reuses_a_matching_directory(tmp_path):
         ensure_tiny_model(tmp_path / "foreign", **args)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left behind
     assert (out / SPEC_FILE).exists()
+
+
+def test_the_shape_is_a_setting_and_the_default_keeps_earlier_directories_valid(tmp_path):
+    args = dict(envs=("signpost",), episodes_per_env=8, warmup_steps=1, batch_size=4, max_turns=3, progress=False)
+    assert "shape" not in tiny_model_spec(**{k: v for k, v in args.items() if k != "progress"})  # as before
+    out = ensure_tiny_model(tmp_path / "wide", **args, layers=3, hidden=192)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["intermediate_size"]) == (3, 192, 3, 384)
+    assert read_spec(out)["spec"]["shape"] == {"layers": 3, "hidden": 192}
+    # The demo's recipe (model.tiny) carries the shape through to the builder.
+    from horizonrl.core.config import TinyModelRecipe
+
+    assert TinyModelRecipe(layers=3, hidden=192).model_dump()["hidden"] == 192
+    with pytest.raises(ValueError):
+        TinyModelRecipe(hidden=100)
 
 
 VLLM_SCRIPT = textwrap.dedent(

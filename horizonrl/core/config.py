@@ -38,6 +38,8 @@ class TinyModelRecipe(_Frozen):
     episodes_per_env: int = Field(1500, ge=1, description="random-policy episodes per environment")
     warmup_steps: int = Field(200, ge=1, description="language-model optimizer steps on those episodes")
     max_turns: int = Field(6, ge=1, description="turn cap of a random-policy episode")
+    layers: int = Field(2, ge=1, description="decoder layers of the tiny Qwen2")
+    hidden: int = Field(128, ge=64, multiple_of=64, description="its hidden size (heads of 64; MLP twice as wide)")
 
 
 class ModelConfig(_Frozen):
