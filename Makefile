@@ -48,7 +48,7 @@ demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q --timeout=1800 --durations=25 tests
+	$(PY) -m pytest -q --timeout=1800 --durations=40 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

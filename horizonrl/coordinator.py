@@ -397,7 +397,7 @@ class Coordinator:
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")
         # Cumulative, over all actors: what `horizonrl bench` and idle-share plots read.
-        for key in ("generated_tokens", "episodes", "engine_idle_s", "engine_wall_s"):
+        for key in ("generated_tokens", "episodes", "engine_idle_s", "engine_wall_s", "engine_request_s"):
             scalars[f"rollout/{key}_total"] = self.health.total("actor", key)
         scalars["time/elapsed_s"] = time.monotonic() - self._started
         # Every message on the report socket is read once and counted: good or bad (by kind).

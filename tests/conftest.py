@@ -44,3 +44,47 @@ def babyai_tiny_model(demo_tiny_model) -> Path:
     to learn: the demo's, so that the suite builds one BabyAI model, not two. Its high-level replies ("go to red
     ball 1") are invalid actions there, which those tests take as any other reply."""
     return demo_tiny_model
+
+
+# A short BabyAI training run with every group recorded, plus an evaluation recorded into the same directory
+# whose tiny context makes its episodes fail (prompt_too_long): the whole-loop BabyAI test checks the run, the
+# viewer's browser test browses it (on a copy: it appends to the files). Five seeds of one level (four train
+# tasks), so the run meets the same tasks at several policy versions: with no staleness allowed each of the
+# RECORDED_RUN_STEPS learner steps trains on groups of its own version — five versions over four tasks, so
+# some task is recorded under two versions however slowly the machine runs.
+
+
+@pytest.fixture(scope="session")
+def recorded_babyai_run(babyai_tiny_model, tmp_path_factory) -> Path:
+    import json
+
+    from helpers import (BABYAI_SETTINGS, RECORDED_RUN_STEPS, RECORDED_RUN_TURNS, horizonrl_cmd, start_process,
+                         stop_process)
+
+    settings = {**BABYAI_SETTINGS, "num_seeds": 5}
+    work = tmp_path_factory.mktemp("recorded")
+    run_dir = work / "run"
+    train = start_process(horizonrl_cmd(
+        "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={babyai_tiny_model}",
+        f"run.output_dir={run_dir}", f"envs={json.dumps([{'name': 'babyai', 'settings': settings}])}",
+        f"algorithm.rounds_ctrl.rounds=[{RECORDED_RUN_TURNS}]", "rollout.max_tokens_per_turn=16",
+        "rollout.max_context_tokens=1024", f"learner.total_steps={RECORDED_RUN_STEPS}", "buffer.max_staleness=0",
+        "learner.groups_per_step=2", "buffer.capacity_groups=4", "monitor.record_fraction=1.0",
+        # A format-warmed tiny model rarely succeeds yet; keep equal-reward groups so steps happen.
+        "buffer.skip_equal_reward_groups=false", "eval.episodes=0"), work / "train.log")
+    try:
+        rc = train.wait(timeout=600)
+    finally:
+        stop_process(train)
+    assert rc == 0, (work / "train.log").read_text()[-4000:]
+    # The first prompt alone is longer than 16 tokens: every evaluation episode fails, recorded as such.
+    out = start_process(horizonrl_cmd(
+        "eval", "--model", str(babyai_tiny_model), "--env", "babyai", "--env-settings", json.dumps(settings),
+        "--episodes", "1", "--samples", "2", "--max-turns", "4", "--max-context-tokens", "16",
+        "--record", str(run_dir / "episodes")), work / "eval.log")
+    try:
+        rc = out.wait(timeout=300)
+    finally:
+        stop_process(out)
+    assert rc == 0, (work / "eval.log").read_text()[-4000:]
+    return run_dir

@@ -13,6 +13,9 @@ from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pa
 
 # BabyAI as the tiny model can play it: one easy level, the compact relative-position text.
 BABYAI_SETTINGS = {"levels": ["BabyAI-GoToRedBallNoDists-v0"], "high_level_actions": False, "observation": "compact"}
+# conftest.py's recorded_babyai_run: its learner steps and turn budget.
+RECORDED_RUN_STEPS = 5
+RECORDED_RUN_TURNS = 8
 
 
 EOT = 1  # CharChat's end-of-turn token

@@ -7,6 +7,8 @@ same loops run on a real engine in tests/integration/test_bench_system.py.
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from horizonrl.actors.engine import Generation
 from horizonrl.bench.rollout import SAMPLING, Workload, run_async, run_lockstep
 from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings
@@ -127,7 +129,7 @@ def test_lockstep_waits_for_the_slowest_episode_and_async_does_not():
     assert alone["run_async"] <= 1 + 11  # the very first request, and the last straggler once no task is left
 
 
-def test_busy_clock_counts_only_time_with_nothing_in_flight(monkeypatch):
+def test_busy_clock_counts_idle_time_and_the_requests_in_flight(monkeypatch):
     from horizonrl.core import runtime
 
     now = [0.0]
@@ -143,8 +145,13 @@ def test_busy_clock_counts_only_time_with_nothing_in_flight(monkeypatch):
     assert clock.idle_s == 0.05 and clock.in_flight == 0
     now[0] = 0.15
     assert clock.idle_s == 0.05 + 0.03 and clock.wall_s == 0.15
+    # requests in flight, integrated over time: 2 for 0.05 s, then 1 for 0.02 s
+    assert clock.unit_s == pytest.approx(2 * 0.05 + 1 * 0.02)
+    clock.enter()
+    now[0] = 0.25  # one in flight, still open
+    assert clock.unit_s == pytest.approx(0.12 + 0.10)
     clock.reset()
-    assert clock.idle_s == 0
+    assert clock.idle_s == 0 and clock.unit_s == 0
 
 
 def test_sampling_settings_fit_the_tiny_model():

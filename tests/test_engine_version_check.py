@@ -95,7 +95,7 @@ def test_every_needed_call_names_its_use():
 # ------------------------------------------------------------------ RolloutEngine.start: the check, then the plan
 
 
-def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | None):
+def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | None, **engine_settings):
     """The engine arguments RolloutEngine.start builds (AsyncLLM is replaced: nothing starts)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -109,7 +109,8 @@ def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | N
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    engine = RolloutEngine.start("/m", dtype="float32", engine=EngineConfig(tensor_parallel_size=tensor_parallel_size),
+    engine = RolloutEngine.start("/m", dtype="float32",
+                                 engine=EngineConfig(tensor_parallel_size=tensor_parallel_size, **engine_settings),
                                  max_model_len=256, seed=0)
     return engine, captured[0]
 
@@ -128,6 +129,15 @@ def test_start_follows_the_placement_on_the_cpu(monkeypatch):
     # CUDA_VISIBLE_DEVICES set, but no GPU behind it (this machine): still the CPU, as the launcher planned
     engine, _ = started_engine_args(monkeypatch, 1, "0")
     assert not engine.on_gpu
+
+
+def test_the_kv_block_size_is_vllms_unless_set(monkeypatch):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    _, args = started_engine_args(monkeypatch, 1, None)
+    assert args.block_size == AsyncEngineArgs.block_size  # vLLM's default: its platform picks (128 on the CPU)
+    _, args = started_engine_args(monkeypatch, 1, None, block_size=32)
+    assert args.block_size == 32
 
 
 def test_start_checks_the_engine_api_before_anything_starts(monkeypatch):

@@ -10,12 +10,14 @@ from horizonrl.core.config import ConfigError, load_config
 from horizonrl.core.placement import (
     COLOCATED_ENV,
     choose_backends,
+    engine_cpus_of,
     engine_weight_transport,
     cpus_of,
     learner_device_index,
     local_device_type,
     pin_to_cpus,
     plan_placement,
+    starting_on_cpus,
     visible_gpus,
     vllm_cpu_binding,
 )
@@ -367,6 +369,44 @@ def test_cpu_partition_gives_each_process_its_cores():
     assert cpus_of(config(), "actor", 0) is None and cpus_of(config(), "learner") is None
 
 
+def test_an_engine_may_have_cores_apart_from_its_actor():
+    c = config("rollout.num_actors=2", "resources.actor_cpus=[[0], [0]]", "resources.engine_cpus=[[1], [2, 3]]")
+    assert cpus_of(c, "actor", 1) == [0] and engine_cpus_of(c, 0) == [1] and engine_cpus_of(c, 1) == [2, 3]
+    both = config("rollout.num_actors=2", "resources.actor_cpus=[[1], [2, 3]]")
+    assert engine_cpus_of(both, 1) == [2, 3]  # default: the actor's own
+    assert engine_cpus_of(config(), 0) is None
+
+
+def test_processes_and_threads_started_on_other_cores():
+    """A process started inside starting_on_cpus runs on its cores; this thread, and a thread started
+    meanwhile, are back on their own afterwards. (With one core allowed it cannot tell them apart: CI has 2.)"""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    before = os.sched_getaffinity(0)
+    other = max(before)
+    release = threading.Event()
+    seen: list[set[int]] = []
+
+    def started_meanwhile():
+        release.wait(30)
+        seen.append(os.sched_getaffinity(0))
+
+    with starting_on_cpus([other]):
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, timeout=60)
+        thread = threading.Thread(target=started_meanwhile)
+        thread.start()
+    release.set()
+    thread.join(30)
+    assert child.stdout.strip() == f"[{other}]"
+    assert os.sched_getaffinity(0) == before and seen == [before]
+    with starting_on_cpus(None):
+        assert os.sched_getaffinity(0) == before
+
+
 def test_vllm_binds_each_tensor_parallel_worker_to_its_share_of_the_cores():
     assert vllm_cpu_binding([1], 1) == "1"
     assert vllm_cpu_binding([2, 3, 4, 5], 2) == "2,3|4,5"
@@ -376,6 +416,7 @@ def test_vllm_binds_each_tensor_parallel_worker_to_its_share_of_the_cores():
 @pytest.mark.parametrize("overrides, words", [
     (["rollout.num_actors=2", "resources.actor_cpus=[[1]]"], "one list per actor"),
     (["resources.actor_cpus=[[]]"], "non-empty"),
+    (["rollout.num_actors=2", "resources.engine_cpus=[[1]]"], "engine_cpus has 1 core lists"),
     (["resources.learner_cpus=[-1]"], "core ids"),
 ])
 def test_a_wrong_cpu_partition_is_refused(overrides, words):
@@ -396,5 +437,13 @@ def test_pinning_restricts_this_process_and_binds_the_engine(monkeypatch):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
         with pytest.raises(ConfigError, match="may not use"):
             pin_to_cpus(config(f"resources.learner_cpus=[{max(before) + 1}]"), "learner")
+        os.sched_setaffinity(0, before)
+        # The engine on other cores: the process keeps the actor's, the engine's threads bind to the engine's.
+        apart = config("rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]",
+                       f"resources.engine_cpus=[[{max(before)}]]")
+        assert pin_to_cpus(apart, "actor", 0) == [core] and os.sched_getaffinity(0) == {core}
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(max(before))
+        with pytest.raises(ConfigError, match="the engine of actor 0 is given CPU cores"):
+            pin_to_cpus(config("rollout.num_actors=1", f"resources.engine_cpus=[[{max(before) + 1}]]"), "actor", 0)
     finally:
         os.sched_setaffinity(0, before)

@@ -44,7 +44,7 @@ from horizonrl.actors.evaluate import EvalSpec, evaluate_with
 from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
-from horizonrl.core.placement import is_colocated
+from horizonrl.core.placement import engine_cpus_of, is_colocated
 from horizonrl.protocol import (
     ENDPOINT_TRAJECTORIES,
     ENDPOINT_WEIGHTS,
@@ -605,6 +605,7 @@ class Actor:
             counters["continued_requests"] = float(self.engine.continued_requests)
             counters["engine_idle_s"] = self.engine.clock.idle_s
             counters["engine_wall_s"] = self.engine.clock.wall_s
+            counters["engine_request_s"] = self.engine.clock.unit_s
             beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(), counters=counters)
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)
@@ -633,7 +634,8 @@ def load_chat_tokenizer(model_path: str):
 async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> None:
     r = config.rollout
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
-                                 max_model_len=r.max_context_tokens, seed=config.run.seed + index)
+                                 max_model_len=r.max_context_tokens, seed=config.run.seed + index,
+                                 cpus=engine_cpus_of(config, index))
     actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path), make_env)
     try:
         await actor.run()

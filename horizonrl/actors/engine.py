@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from horizonrl.core.config import EngineConfig
@@ -126,9 +127,12 @@ class RolloutEngine:
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
-              seed: int) -> "RolloutEngine":
+              seed: int, cpus: Sequence[int] | None = None) -> "RolloutEngine":
         """Start an AsyncLLM (an EngineCore and one Worker process per tensor-parallel rank). The caller
         needs a ``if __name__ == "__main__"`` guard: vLLM spawns its processes.
+
+        ``cpus``: the CPU cores the engine's processes run on (``resources.engine_cpus``) when they are not
+        this process's (``starting_on_cpus``).
 
         The device follows the launcher's placement (core/placement.py): it put this engine's
         ``tensor_parallel_size`` GPUs in CUDA_VISIBLE_DEVICES, or hid every GPU for a CPU plan, so the
@@ -140,7 +144,7 @@ class RolloutEngine:
 
         from horizonrl.actors.engine_api import check_engine_api
         from horizonrl.core.config import ConfigError
-        from horizonrl.core.placement import local_device_type, visible_gpus
+        from horizonrl.core.placement import local_device_type, starting_on_cpus, visible_gpus
         from horizonrl.core.precision import resolve_engine_dtype
 
         check_engine_api()  # before a minute of start-up, not in the first weight update
@@ -171,6 +175,7 @@ class RolloutEngine:
             max_num_seqs=engine.max_num_seqs,
             enforce_eager=engine.enforce_eager,
             enable_prefix_caching=engine.enable_prefix_caching,
+            **({"block_size": engine.block_size} if engine.block_size is not None else {}),
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
@@ -179,7 +184,9 @@ class RolloutEngine:
             distributed_executor_backend="mp" if tp > 1 else None,
             disable_log_stats=True,
         )
-        return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.recompute_kv_on_update)
+        with starting_on_cpus(cpus):
+            llm = AsyncLLM.from_engine_args(args)
+        return cls(llm, on_gpu, engine.recompute_kv_on_update)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:

@@ -8,8 +8,8 @@ Parts (``--parts``, comma-separated; default all, run in this order):
   training     async pipeline vs synchronous (generate, train, broadcast, repeat), real system
   engine       async training's generated tokens/s ÷ the bare engines' (no env, no learner)
 
-``--partition`` runs the training and engine parts on partitioned cores (learner's side and each
-actor on cores of their own; bare engines on the actors' cores): the fair comparison on a CPU host.
+``--partition`` runs the training and engine parts on partitioned cores (the learner's side and each
+engine on cores of their own, the bare engines on the same cores): the fair comparison on a CPU host.
 
 Each part prints a table (median [min–max] over repeats; ratios taken within each repeat);
 ``<out>/results.json`` and ``<out>/chart.png`` hold all parts run. ``--quick`` finishes in a
@@ -38,9 +38,11 @@ def add_bench_command(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the training runs of the training and engine parts (repeatable), "
                         "e.g. --set rollout.weight_sync_every=2")
-    p.add_argument("--partition", action="store_true",
-                   help="training and engine parts on partitioned CPU cores: the learner's side on half of them, "
-                        "each actor (and each bare engine) on one core of its own, as on separate GPUs")
+    p.add_argument("--partition", nargs="?", const="actors", default=None, choices=("actors", "engines"),
+                   help="training and engine parts on partitioned CPU cores, as on separate GPUs: the learner's "
+                        "side on half of them and each actor, client and engine, on a core of its own (actors, "
+                        "the default); or each engine alone on a core, the actors' clients with the learner "
+                        "(engines); the bare engines on the same cores")
     p.set_defaults(func=run_bench)
 
 
@@ -58,7 +60,7 @@ def run_bench(args) -> int:
         from horizonrl.bench.partition import CorePartition
 
         try:
-            args.core_partition = CorePartition.of_this_host()
+            args.core_partition = CorePartition.of_this_host(args.partition)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

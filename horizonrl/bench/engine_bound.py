@@ -99,7 +99,7 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     from horizonrl.bench.rollout import _measure_bare, load_chat, start_engine
     from horizonrl.bench.workload import replay_prompts
     from horizonrl.core.config import load_config
-    from horizonrl.core.placement import vllm_cpu_binding
+    from horizonrl.core.placement import starting_on_cpus, vllm_cpu_binding
 
     steps, warmup, repeats = (12, 3, 3) if quick else (30, 4, 3)
     overrides = [f"model.path={model}", *partition.overrides()]
@@ -113,8 +113,11 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     # to train on are dropped (counted); what is measured is generation while training and updates go on.
     train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}",
                    "buffer.capacity_groups=100000", "buffer.max_staleness=100000", *(extra or [])]
+    # The bare engines with the training runs' engine settings (block size, prefix caching; --set included).
+    engine_settings = load_config(training.CONFIG, [f"model.path={model}", *train_extra]).rollout.engine
     trained: list[dict[str, float]] = []
     bare: list[float] = []
+    bare_in_flight: list[float] = []  # the bare engines' mean requests in flight, per repeat
 
     def one_training_run(r: int) -> dict[str, float]:
         run_dir = out_dir / "engine" / f"async-training-{r}"
@@ -128,24 +131,27 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     async def go() -> None:
         engines = []
         try:
-            for i, cores in enumerate(partition.actors):
-                # Each bare engine on its actor's cores: its processes inherit this affinity when they start.
-                os.sched_setaffinity(0, cores)
+            # The client where the actors' own processes run (one client drives every bare engine), each bare
+            # engine on its actor's engine cores, as the actors start theirs.
+            os.sched_setaffinity(0, {c for cores in partition.client_cores for c in cores})
+            for i, cores in enumerate(partition.engines):
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_binding(list(cores), 1)
-                engines.append(start_engine(model, spec.concurrency, seed=i))
-            os.sched_setaffinity(0, partition.actor_cores)  # the client too, as an actor's own process is
+                with starting_on_cpus(cores):
+                    engines.append(start_engine(model, spec.concurrency, seed=i, engine=engine_settings))
             chat = load_chat(model)
             prompts = await replay_prompts(chat, "signpost", spec.env_settings, spec.episodes, spec.max_turns)
             for r in range(repeats):
                 for what in alternate(r, ["bare", "training"]):
                     if what == "bare":
-                        bare.extend(await _measure_bare(engines, chat, prompts, spec.concurrency, 1))
+                        bare.extend(await _measure_bare(engines, chat, prompts, spec.concurrency, 1,
+                                                        bare_in_flight))
                     else:
                         progress("engine", f"repeat {r + 1}/{repeats}: async training, {steps} learner steps")
                         trained.append(await asyncio.to_thread(one_training_run, r))
                         m = trained[-1]
                         progress("engine", f"  {m['tokens_per_s']:.0f} generated tokens/s, weight-update stall "
-                                           f"{m['weight_stall_share']:.1%}, engine idle {m['engine_idle_share']:.0%}")
+                                           f"{m['weight_stall_share']:.1%}, engine idle {m['engine_idle_share']:.0%}, "
+                                           f"{m['engine_requests_mean']:.1f} requests in flight on average")
         finally:
             for engine in engines:
                 engine.shutdown()
@@ -153,10 +159,11 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
             os.sched_setaffinity(0, everywhere)
 
     asyncio.run(go())
-    keys = ("tokens_per_s", "weight_stall_share", "weight_load_share", "engine_idle_share", "steps_per_min",
-            "staleness")
+    keys = ("tokens_per_s", "engine_requests_mean", "weight_stall_share", "weight_load_share", "engine_idle_share",
+            "steps_per_min", "staleness")
     rows = [{"label": "async training (partitioned)", **{k: summarize([m[k] for m in trained]) for k in keys}},
-            {"label": "bare engines (same cores)", "tokens_per_s": summarize(bare)}]
+            {"label": "bare engines (same cores)", "tokens_per_s": summarize(bare),
+             "engine_requests_mean": summarize(bare_in_flight)}]
     ratios = {"async training / bare engines tokens/s (same cores)":
               paired_ratio([m["tokens_per_s"] for m in trained], bare),
               "actor wall time stalled by weight updates": summarize([m["weight_stall_share"] for m in trained])}

@@ -150,12 +150,18 @@ def tiny_model(model: str | None) -> str:
     return str(ensure_tiny_model(TINY_MODEL_DIR, **SIGNPOST_TEST_RECIPE))
 
 
-def start_engine(model: str, concurrency: int, seed: int = 0):
+def start_engine(model: str, concurrency: int, seed: int = 0, engine=None):
+    """A bare engine for ``concurrency`` requests in flight; ``engine``: the training runs' ``EngineConfig`` to
+    match (block size, prefix caching), default vLLM's settings as the rollout part uses them."""
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.config import EngineConfig
 
-    return RolloutEngine.start(model, dtype="float32", engine=EngineConfig(max_num_seqs=max(64, concurrency)),
-                               max_model_len=SAMPLING.max_context_tokens, seed=seed)
+    if engine is None:
+        engine = EngineConfig(max_num_seqs=max(64, concurrency))
+    else:
+        engine = engine.model_copy(update={"max_num_seqs": max(concurrency, engine.max_num_seqs)})
+    return RolloutEngine.start(model, dtype="float32", engine=engine, max_model_len=SAMPLING.max_context_tokens,
+                               seed=seed)
 
 
 def load_chat(model: str):
@@ -243,8 +249,10 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, latency_median_
 # ------------------------------------------------------------------------------ part 3: bare engines
 
 
-async def _measure_bare(engines: list, chat, prompts: list[list[int]], concurrency: int, repeats: int) -> list[float]:
-    """Generated tokens/s of ``engines`` serving ``prompts`` (split evenly), ``concurrency`` at a time each."""
+async def _measure_bare(engines: list, chat, prompts: list[list[int]], concurrency: int, repeats: int,
+                        occupancy: list[float] | None = None) -> list[float]:
+    """Generated tokens/s of ``engines`` serving ``prompts`` (split evenly), ``concurrency`` at a time each;
+    each repeat's mean number of requests in flight per engine is appended to ``occupancy`` when given."""
     progress("engine", f"bare engines: {len(engines)} x {concurrency} in flight, {len(prompts)} replayed prompts")
 
     async def serve(engine, share: list[list[int]]) -> int:
@@ -265,9 +273,13 @@ async def _measure_bare(engines: list, chat, prompts: list[list[int]], concurren
     await all_engines(prompts[: concurrency * len(engines)])  # untimed warm-up
     rates = []
     for r in range(repeats):
+        for engine in engines:
+            engine.clock.reset()
         start = time.perf_counter()
         tokens = await all_engines(prompts)
         rates.append(tokens / (time.perf_counter() - start))
+        if occupancy is not None:
+            occupancy.append(sum(e.clock.unit_s / e.clock.wall_s for e in engines) / len(engines))
         progress("engine", f"bare engines, repeat {r + 1}/{repeats}: {rates[-1]:.0f} generated tokens/s")
     return rates
 

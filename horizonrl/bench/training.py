@@ -109,6 +109,9 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
         "samples_per_s": sum(s["batch/trajectories"][k] for k in steps) / wall,
         "learner_idle_share": sum(s["time/batch_wait_s"][k] for k in steps) / wall,
         "engine_idle_share": delta("rollout/engine_idle_s_total") / engine_wall if engine_wall > 0 else float("nan"),
+        # The engines' mean number of requests in flight (runs from before this scalar existed: nan).
+        "engine_requests_mean": (delta("rollout/engine_request_s_total") / engine_wall
+                                 if engine_wall > 0 and "rollout/engine_request_s_total" in s else float("nan")),
         "weight_stall_share": delta("rollout/weight_stall_s") / (wall * num_actors),
         "weight_load_share": delta("rollout/weight_load_s") / (wall * num_actors),
         "tokens_per_s": delta("rollout/generated_tokens_total") / wall,

@@ -66,6 +66,11 @@ class EngineConfig(_Frozen):
     enforce_eager: bool = True
     max_num_seqs: int = Field(128, ge=1)
     enable_prefix_caching: bool = True
+    block_size: int | None = Field(
+        None, ge=1, description="tokens per KV-cache block (vLLM's block_size; default: vLLM's, 128 on the CPU, 16 on "
+                                "GPUs). The prefix cache keeps whole blocks only, so with recompute_kv_on_update=false "
+                                "a request cut off by an update re-computes its last partial block: smaller blocks, "
+                                "less to re-compute")
     recompute_kv_on_update: bool = Field(
         True, description="after a weight update, drop the keys and values computed with the old weights (the "
                           "prefix cache, and those of the requests in flight, which then prefill again), so that every "
@@ -332,14 +337,20 @@ class ResourcesConfig(_Frozen):
                           "buffer; default: any. With actor_cpus, partitions a host so that learner and engines do "
                           "not compete for cores, as on separate GPUs (docs/benchmarks.md)")
     actor_cpus: list[list[int]] | None = Field(
-        None, description="CPU cores of each actor — its process, its vLLM engine's processes and their OpenMP "
-                          "threads — one list per actor (rollout.num_actors), e.g. [[1], [2, 3]]; default: any")
+        None, description="CPU cores of each actor — its process, and its vLLM engine's processes and their OpenMP "
+                          "threads unless engine_cpus places them — one list per actor (rollout.num_actors), e.g. "
+                          "[[1], [2, 3]]; default: any")
+    engine_cpus: list[list[int]] | None = Field(
+        None, description="CPU cores of each actor's vLLM engine alone — its engine-core and worker processes and "
+                          "their OpenMP threads — one list per actor; the actor's own process (its client: "
+                          "environments, tokenizing, trajectories) stays on actor_cpus. An engine on cores of its "
+                          "own is what a GPU is to a GPU host's engine (docs/benchmarks.md); default: actor_cpus")
     learner_memory_fraction: float = Field(
         0.4, gt=0, lt=1, description="colocated mode only (the learner and an engine on one GPU): the share of the "
                                      "GPU's memory the learner may allocate (torch's per-process memory fraction); "
                                      "with rollout.engine.gpu_memory_utilization at most 0.95 of the GPU (docs/gpu.md)")
 
-    @field_validator("learner_cpus", "actor_cpus")
+    @field_validator("learner_cpus", "actor_cpus", "engine_cpus")
     @classmethod
     def _cpu_ids(cls, ids):
         flat = [] if ids is None else [i for x in ids for i in (x if isinstance(x, list) else [x])]
@@ -477,10 +488,11 @@ class TrainConfig(_Frozen):
                              f"({self.rollout.weight_sync_every - 1}): between two weight updates the learner moves "
                              f"that many steps past the engines' weights, so every group would be dropped as stale; "
                              f"set buffer.max_staleness to at least {self.rollout.weight_sync_every}")
-        actor_cpus = self.resources.actor_cpus
-        if actor_cpus is not None and len(actor_cpus) != self.rollout.num_actors:
-            raise ValueError(f"resources.actor_cpus has {len(actor_cpus)} core lists for rollout.num_actors="
-                             f"{self.rollout.num_actors}: give one list per actor")
+        for name in ("actor_cpus", "engine_cpus"):
+            per_actor = getattr(self.resources, name)
+            if per_actor is not None and len(per_actor) != self.rollout.num_actors:
+                raise ValueError(f"resources.{name} has {len(per_actor)} core lists for rollout.num_actors="
+                                 f"{self.rollout.num_actors}: give one list per actor")
         if self.eval.stop_after_plateau and not self.eval.every:
             raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
                              "(e.g. eval.every=10)")

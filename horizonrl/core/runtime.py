@@ -111,30 +111,41 @@ class RateLimitedLog:
 
 
 class BusyClock:
-    """Wall time with at least one unit of work in flight vs none (e.g. an engine's idle time).
+    """Wall time with at least one unit of work in flight vs none (e.g. an engine's idle time), and how many
+    were in flight on average (an engine's occupancy: a decode step costs about the same for 1 request or 64,
+    so generated tokens/s follow the number in flight).
 
     ``enter()`` / ``exit()`` bracket each unit (a generate request); ``idle_s`` is the time
-    since creation (or ``reset``) with nothing in flight, ``busy_s`` the rest. Single-threaded
-    use (one event loop).
+    since creation (or ``reset``) with nothing in flight, ``busy_s`` the rest; ``unit_s`` the time
+    integral of the number in flight (``unit_s / wall_s``: the mean). Single-threaded use (one event loop).
     """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self._start = self._since = time.perf_counter()
+        self._start = self._since = self._last = time.perf_counter()
         self._in_flight = 0
         self._idle = 0.0
+        self._units = 0.0
+
+    def _advance(self) -> float:
+        now = time.perf_counter()
+        self._units += self._in_flight * (now - self._last)
+        self._last = now
+        return now
 
     def enter(self) -> None:
+        now = self._advance()
         if self._in_flight == 0:
-            self._idle += time.perf_counter() - self._since
+            self._idle += now - self._since
         self._in_flight += 1
 
     def exit(self) -> None:
+        now = self._advance()
         self._in_flight -= 1
         if self._in_flight == 0:
-            self._since = time.perf_counter()
+            self._since = now
 
     @property
     def in_flight(self) -> int:
@@ -144,6 +155,10 @@ class BusyClock:
     def idle_s(self) -> float:
         open_idle = time.perf_counter() - self._since if self._in_flight == 0 else 0.0
         return self._idle + open_idle
+
+    @property
+    def unit_s(self) -> float:
+        return self._units + self._in_flight * (time.perf_counter() - self._last)
 
     @property
     def wall_s(self) -> float:

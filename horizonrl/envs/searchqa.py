@@ -12,7 +12,8 @@ Data: ``data_dir`` holding Search-R1-style ``train.jsonl`` / ``test.jsonl`` (row
 ``question`` and ``golden_answers``, optionally ``hops``) and, for BM25, ``corpus.jsonl``;
 or ``retriever_url`` for a Search-R1 retrieval server. Without ``data_dir`` the synthetic
 corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``.
-Ids: train rows are ``0..n_train-1`` and test rows follow, so the splits are disjoint.
+Ids: train rows are ``0..n_train-1`` and test rows follow, so the splits are disjoint. ``hops``
+(e.g. ``[2]``) keeps only the questions of those hop counts in both splits.
 The category is ``hops-<n>`` (``hops-unknown`` if the row does not say).
 """
 
@@ -79,7 +80,7 @@ class SearchQAEnv:
     reply_format = "tags"  # the reply carries <search>/<answer> tags, not a ReAct "Action:" line
 
     def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
-                 seed: int = 0, answer_ends_episode: bool = False) -> None:
+                 seed: int = 0, answer_ends_episode: bool = False, hops: list[int] | None = None) -> None:
         if data_dir is None:
             data = _synthetic(seed)
             self.train, self.test = data["train"], data["test"]
@@ -90,6 +91,13 @@ class SearchQAEnv:
             self.train, self.test = _read_jsonl(root / "train.jsonl"), _read_jsonl(root / "test.jsonl")
             corpus_key = str((root / "corpus.jsonl").resolve())
             corpus = lambda: [row["contents"] for row in _read_jsonl(root / "corpus.jsonl")]  # noqa: E731
+        if hops is not None:  # only questions of these hop counts, in both splits (the corpus stays whole)
+            wanted = {int(h) for h in hops}
+            self.train = [row for row in self.train if row.get("hops") in wanted]
+            self.test = [row for row in self.test if row.get("hops") in wanted]
+            if not self.train or not self.test:
+                raise ValueError(f"searchqa: no {'training' if not self.train else 'test'} question has hops in "
+                                 f"{sorted(wanted)}")
         if retriever_url:
             self.retriever: Retriever = RemoteRetriever(retriever_url)
         else:

@@ -22,6 +22,18 @@ def test_synthetic_corpus_is_deterministic_and_has_multi_hop():
     assert all(json.loads(json.dumps(row))["contents"].startswith('"') for row in a["corpus"])
 
 
+async def test_hops_keeps_only_questions_of_those_hop_counts():
+    every, two = SearchQAEnv(), SearchQAEnv(hops=[2])
+    assert {row["hops"] for row in two.train} == {row["hops"] for row in two.test} == {2}
+    assert len(two.train) == sum(row["hops"] == 2 for row in every.train)
+    assert len(two.test) == sum(row["hops"] == 2 for row in every.test)
+    for task_id in two.task_ids("test")[:5]:
+        await two.reset(task_id)
+        assert two.task_category(task_id) == "hops-2"
+    with pytest.raises(ValueError, match="hops in \\[3\\]"):
+        SearchQAEnv(hops=[3])
+
+
 def test_normalisation():
     assert normalize_answer("  The Kingdom of X! ") == "kingdom of x"
     assert exact_match("the paris", ["Paris"]) and not exact_match("Lyon", ["Paris"])

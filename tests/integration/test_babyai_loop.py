@@ -1,36 +1,24 @@
 """BabyAI (minigrid) end to end through the real asynchronous loop: actors play the real
-environment in vLLM, the buffer groups, the learner steps and broadcasts, a checkpoint is saved."""
+environment in vLLM, the buffer groups, the learner steps and broadcasts, a checkpoint is saved. The run is
+conftest.py's ``recorded_babyai_run`` (the viewer's browser test browses the same run)."""
 
 import glob
 import json
 from pathlib import Path
 
 import pytest
-from helpers import BABYAI_SETTINGS, horizonrl_cmd, start_process, stop_process
+from helpers import RECORDED_RUN_STEPS, RECORDED_RUN_TURNS
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_babyai_runs_through_the_whole_loop(babyai_tiny_model, tmp_path):
-    run_dir = tmp_path / "babyai"
-    envs = json.dumps([{"name": "babyai", "settings": BABYAI_SETTINGS}])
-    proc = start_process(horizonrl_cmd(
-        "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={babyai_tiny_model}",
-        f"run.output_dir={run_dir}", f"envs={envs}", "algorithm.rounds_ctrl.rounds=[12]",
-        "rollout.max_tokens_per_turn=16", "rollout.max_context_tokens=1024", "learner.total_steps=3",
-        "learner.groups_per_step=2", "buffer.capacity_groups=4", "monitor.record_fraction=1.0",
-        # A format-warmed tiny model rarely succeeds yet; keep equal-reward groups so steps happen.
-        "buffer.skip_equal_reward_groups=false"), tmp_path / "babyai.log")
-    try:
-        rc = proc.wait(timeout=600)
-    finally:
-        stop_process(proc)
-    log = (tmp_path / "babyai.log").read_text()
-    assert rc == 0, log[-4000:]
-    assert "step 3/3" in log
-    assert (run_dir / "checkpoints" / "step_000003" / "model.safetensors").exists()
+def test_babyai_runs_through_the_whole_loop(recorded_babyai_run):
+    run_dir = recorded_babyai_run  # conftest.py: 5 learner steps, 8 turns at most, every group recorded
+    log = (run_dir.parent / "train.log").read_text()
+    assert f"step {RECORDED_RUN_STEPS}/{RECORDED_RUN_STEPS}" in log
+    assert (run_dir / "checkpoints" / f"step_{RECORDED_RUN_STEPS:06d}" / "model.safetensors").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(glob.glob(str(run_dir / "tensorboard" / "events.*"))[0])
@@ -38,7 +26,7 @@ def test_babyai_runs_through_the_whole_loop(babyai_tiny_model, tmp_path):
     tags = acc.Tags()["scalars"]
     assert "env/babyai/success_mean" in tags and "batch/turns_mean" in tags
     turns = [e.value for e in acc.Scalars("batch/turns_mean")]
-    assert all(1 <= t <= 12 for t in turns) and max(turns) > 1  # multi-turn episodes under the turn budget
+    assert all(1 <= t <= RECORDED_RUN_TURNS for t in turns) and max(turns) > 1  # multi-turn episodes under the turn budget
     # what the agent did, as text: in TensorBoard and in episodes.jsonl
     assert "episodes/babyai/text_summary" in acc.Tags()["tensors"]
     samples = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
@@ -53,5 +41,5 @@ def test_babyai_runs_through_the_whole_loop(babyai_tiny_model, tmp_path):
     assert episodes and all(e["env"] == "babyai" and e["first_observation"].startswith("Goal:") for e in episodes)
     assert all(len(e["turns"]) == e["num_turns"] for e in episodes)
     assert any(t["reply"] and t["observation"] for e in episodes for t in e["turns"])
-    assert sorted(set(trained.values())) == [1, 2, 3]
+    assert sorted(set(trained.values())) == list(range(1, RECORDED_RUN_STEPS + 1))
     assert {e["group_id"] for e in episodes} >= set(trained)  # every trained group's episodes were recorded

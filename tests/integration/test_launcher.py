@@ -60,17 +60,35 @@ def test_a_failing_process_stops_the_run_with_nonzero_exit(tmp_path):
     assert still_alive(list(seen.values())) == []  # no orphans: actors, engines, learner all gone
 
 
+def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
+    """The CPU cores each thread of ``process`` may run on (threads that end meanwhile are left out)."""
+    cores = set()
+    for thread in process.threads():
+        try:
+            cores.add(frozenset(os.sched_getaffinity(thread.id)))
+        except OSError:
+            pass
+    return cores
+
+
 def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     run_dir = tmp_path / "interrupted"
     log_path = tmp_path / "interrupted.log"
-    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}"),
-                         log_path)
+    # The run partitioned as `horizonrl bench --partition engines` does: the learner's side and the actors'
+    # own processes on the first core, each engine's processes (and every thread of theirs) on the last.
+    host, device = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
+                                       f"resources.learner_cpus=[{host}]", f"resources.actor_cpus=[[{host}], [{host}]]",
+                                       f"resources.engine_cpus=[[{device}], [{device}]]"), log_path)
     try:
         wait_until(lambda: "step 1/" in log_path.read_text(), 300, "the first learner step")
         tree = descendants(proc.pid)
         engines = [p for p in tree if "EngineCore" in command(p)]
+        actors = [p for p in tree if "horizonrl actor" in command(p)]
         # coordinator, buffer, learner, 2 actors and their 2 EngineCores (at least)
-        assert len(tree) >= 7 and len(engines) == 2, [command(p) for p in tree]
+        assert len(tree) >= 7 and len(engines) == 2 and len(actors) == 2, [command(p) for p in tree]
+        assert all(thread_cores(p) == {frozenset([device])} for p in engines), [thread_cores(p) for p in engines]
+        assert all(thread_cores(p) == {frozenset([host])} for p in actors), [thread_cores(p) for p in actors]
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=120)
     finally:

@@ -1,7 +1,7 @@
 """The viewer in a real headless Chromium (Debian's chromium-headless-shell, driven by Playwright)
 on a real recorded CPU run: a short BabyAI training run with the tiny model (every group recorded)
 plus an evaluation recorded into the same directory whose tiny context makes its episodes fail
-(prompt_too_long).
+(prompt_too_long) — conftest.py's ``recorded_babyai_run``, shared with the whole-loop BabyAI test.
 
 Through the page's own controls: filter to failures, open an episode, step through its turns with
 the next button; the BabyAI image loads at every turn; the learner-step link leads to the episodes
@@ -19,17 +19,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import BABYAI_SETTINGS, horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, start_process, stop_process, wait_until
 from PIL import Image
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-# Five seeds of one level (four train tasks), so the training run meets the same tasks at several policy
-# versions. With no staleness allowed each of the STEPS learner steps trains on groups of its own version:
-# five versions over four tasks, so some task is recorded under two versions however slowly the machine runs.
-SETTINGS = {**BABYAI_SETTINGS, "num_seeds": 5}
-STEPS = 5
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/lib/chromium/chromium-headless-shell")
 TIMEOUT_MS = 30_000
 
@@ -45,33 +40,11 @@ def chromium_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def recorded_run(babyai_tiny_model, tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("recorded")
-    run_dir = work / "run"
-    envs = json.dumps([{"name": "babyai", "settings": SETTINGS}])
-    train = start_process(horizonrl_cmd(
-        "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={babyai_tiny_model}",
-        f"run.output_dir={run_dir}", f"envs={envs}", "algorithm.rounds_ctrl.rounds=[8]",
-        "rollout.max_tokens_per_turn=16", "rollout.max_context_tokens=1024", f"learner.total_steps={STEPS}",
-        "buffer.max_staleness=0",
-        "learner.groups_per_step=2", "buffer.capacity_groups=4", "monitor.record_fraction=1.0",
-        "buffer.skip_equal_reward_groups=false", "eval.episodes=0"), work / "train.log")
-    try:
-        rc = train.wait(timeout=480)
-    finally:
-        stop_process(train)
-    assert rc == 0, (work / "train.log").read_text()[-4000:]
-    # The first prompt alone is longer than 16 tokens: every evaluation episode fails, recorded as such.
-    out = start_process(horizonrl_cmd(
-        "eval", "--model", str(babyai_tiny_model), "--env", "babyai", "--env-settings", json.dumps(SETTINGS),
-        "--episodes", "1", "--samples", "2", "--max-turns", "4", "--max-context-tokens", "16",
-        "--record", str(run_dir / "episodes")), work / "eval.log")
-    try:
-        rc = out.wait(timeout=300)
-    finally:
-        stop_process(out)
-    assert rc == 0, (work / "eval.log").read_text()[-4000:]
-    return run_dir
+def recorded_run(recorded_babyai_run, tmp_path_factory) -> Path:
+    """A copy of the session's recorded BabyAI run (conftest.py): this test appends an episode to its files."""
+    copy = tmp_path_factory.mktemp("viewed") / "run"
+    shutil.copytree(recorded_babyai_run, copy)
+    return copy
 
 
 @pytest.fixture
