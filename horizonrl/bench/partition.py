@@ -30,7 +30,7 @@ LAYOUTS = ("actors", "engines")
 class CorePartition:
     learner: tuple[int, ...]  # learner ranks, coordinator, buffer
     engines: tuple[tuple[int, ...], ...]  # one core set per actor's engine (and per bare engine)
-    layout: str = "actors"  # where the actors' clients run: "actors" → with their engine; "engines" → with the learner
+    layout: str = "actors"  # where the actors' clients run: "actors": with their engine; "engines": with the learner
 
     @classmethod
     def of_this_host(cls, layout: str = "actors") -> "CorePartition":

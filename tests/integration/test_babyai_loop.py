@@ -4,14 +4,11 @@ conftest.py's ``recorded_babyai_run`` (the viewer's browser test browses the sam
 
 import glob
 import json
-from pathlib import Path
 
 import pytest
 from helpers import RECORDED_RUN_STEPS, RECORDED_RUN_TURNS
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_babyai_runs_through_the_whole_loop(recorded_babyai_run):
@@ -26,7 +23,8 @@ def test_babyai_runs_through_the_whole_loop(recorded_babyai_run):
     tags = acc.Tags()["scalars"]
     assert "env/babyai/success_mean" in tags and "batch/turns_mean" in tags
     turns = [e.value for e in acc.Scalars("batch/turns_mean")]
-    assert all(1 <= t <= RECORDED_RUN_TURNS for t in turns) and max(turns) > 1  # multi-turn episodes under the turn budget
+    # multi-turn episodes under the turn budget
+    assert all(1 <= t <= RECORDED_RUN_TURNS for t in turns) and max(turns) > 1
     # what the agent did, as text: in TensorBoard and in episodes.jsonl
     assert "episodes/babyai/text_summary" in acc.Tags()["tensors"]
     samples = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]

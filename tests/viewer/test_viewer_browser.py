@@ -24,7 +24,6 @@ from PIL import Image
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/lib/chromium/chromium-headless-shell")
 TIMEOUT_MS = 30_000
 
