@@ -26,11 +26,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
 from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
 from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings, replay_prompts
+
+if TYPE_CHECKING:
+    from horizonrl.core.config import EngineConfig
 
 log = logging.getLogger("horizonrl.bench.rollout")
 
@@ -150,7 +153,7 @@ def tiny_model(model: str | None) -> str:
     return str(ensure_tiny_model(TINY_MODEL_DIR, **SIGNPOST_TEST_RECIPE))
 
 
-def start_engine(model: str, concurrency: int, seed: int = 0, engine=None):
+def start_engine(model: str, concurrency: int, seed: int = 0, engine: EngineConfig | None = None):
     """A bare engine for ``concurrency`` requests in flight; ``engine``: the training runs' ``EngineConfig`` to
     match (block size, prefix caching), default vLLM's settings as the rollout part uses them."""
     from horizonrl.actors.engine import RolloutEngine

@@ -428,7 +428,7 @@ def starting_on_cpus(cpus: Sequence[int] | None):
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), own)
-            except (ProcessLookupError, PermissionError):
+            except ProcessLookupError:
                 pass  # a thread that has ended meanwhile
 
 

@@ -66,7 +66,7 @@ def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
     for thread in process.threads():
         try:
             cores.add(frozenset(os.sched_getaffinity(thread.id)))
-        except OSError:
+        except ProcessLookupError:
             pass
     return cores
 
