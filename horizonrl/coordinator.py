@@ -392,7 +392,7 @@ class Coordinator:
         # Weight updates, cumulative over actors: how long the engines generated nothing for them (the stall),
         # the receive (in the background with rollout.weight_staging) and the load into the engine.
         for key in ("weight_stall_s", "weight_transfer_s", "weight_load_s", "weight_updates", "weight_versions_skipped",
-                    "continued_requests"):
+                    "continued_requests", "kept_requests"):
             scalars[f"rollout/{key}"] = self.health.total("actor", key)
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")

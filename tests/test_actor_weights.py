@@ -40,6 +40,7 @@ class StagingEngine:
         self.on_stage = None  # called while a version is being staged (to announce a newer one meanwhile)
         self.fail_next_stage = False
         self.continued_requests = 0
+        self.kept_requests = 0
 
     async def stage_weights(self, timeout_s):
         self.calls.append(f"stage {self.next_version}")

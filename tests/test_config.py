@@ -100,3 +100,16 @@ def test_scaling_inter_arms_differ_only_in_the_turn_schedule():
     assert configs[0] == configs[1] == configs[2]
     assert [(s["type"], s["rounds"]) for s in schedules] == [
         ("fixed", [2]), ("fixed", [8]), ("scaling_inter_stepwise", [2, 4, 8])]
+
+
+def test_a_weight_swap_keeps_the_requests_unless_told_and_the_old_setting_still_reads():
+    from horizonrl.core.config import EngineConfig
+
+    assert EngineConfig().on_weight_update == "keep"
+    for old, meant in ((True, "recompute"), (False, "resubmit")):
+        with pytest.warns(DeprecationWarning, match=f"use on_weight_update={meant}"):
+            assert EngineConfig(recompute_kv_on_update=old).on_weight_update == meant
+    with pytest.raises(ValidationError, match="contradicts on_weight_update=keep"):
+        EngineConfig(recompute_kv_on_update=True, on_weight_update="keep")
+    with pytest.raises(ValidationError, match="keep"):
+        EngineConfig(on_weight_update="pause")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from horizonrl.actors.engine import RolloutEngine
+import pytest
+
+from horizonrl.actors.engine import RolloutEngine, spans_of_request
 
 
 class FakeLLM:
@@ -23,6 +25,10 @@ class FakeLLM:
         self.rpcs: list[str] = []
         self.aborted: list[str] = []
         self.prefix_resets = 0
+        self.resumed = asyncio.Event()  # cleared while paused with the requests kept (vLLM's mode "keep")
+        self.resumed.set()
+        self.unscheduled: set[str] = set()  # requests the worker does not hold yet (not in its output counts)
+        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause_scheduler)
 
     async def add_request(self, request_id, prompt, params):
         await asyncio.sleep(self.add_delay_s)  # vLLM's input processing before the request reaches the engine
@@ -36,6 +42,7 @@ class FakeLLM:
     async def _generate(self, request_id: str, state: dict) -> None:
         while len(state["ids"]) < state["max"]:
             await asyncio.sleep(self.tick_s)
+            await self.resumed.wait()
             state["ids"].append(1000 + self.version)
             state["logprobs"].append(-(self.version + 1) / 100)
         self._finish(request_id, "length")
@@ -53,9 +60,19 @@ class FakeLLM:
                 self.aborted.append(request_id)
                 self._finish(request_id, "abort")
 
+    async def _pause_scheduler(self, *, mode, clear_cache):
+        assert mode == "keep" and not clear_cache
+        self.resumed.clear()
+
+    async def resume_generation(self):
+        self.resumed.set()
+
     async def collective_rpc(self, method, timeout=None, args=()):
         self.rpcs.append(method)
-        assert not self.running, "weights change while requests are in the engine"
+        if method == "horizonrl_output_counts":  # by vLLM's internal ids: ours + "-" + 8 characters
+            return [{f"{rid}-0a1b2c3d": len(state["ids"]) for rid, state in self.running.items()
+                     if rid not in self.unscheduled}]
+        assert not self.running or not self.resumed.is_set(), "weights change while requests run in the engine"
         self.version += 1
         return [(self.version, 0, 0.01, 0.002, 0, "")]
 
@@ -74,13 +91,19 @@ def check_tags(generation, max_tokens: int) -> None:
     assert start == max_tokens
 
 
-async def test_requests_in_flight_are_cut_off_and_go_on_under_the_new_weights():
+async def four_requests_in_flight(on_weight_update: str):
+    """An engine with four requests of 40 tokens in flight, each 5 tokens in."""
     llm = FakeLLM()
-    engine = RolloutEngine(llm, on_gpu=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update=on_weight_update)
     kwargs = dict(max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[])
     requests = [asyncio.ensure_future(engine.generate([1, 2, 3], **kwargs)) for _ in range(4)]
     while engine.clock.in_flight < 4 or any(len(state["ids"]) < 5 for state in llm.running.values()):
         await asyncio.sleep(0.005)
+    return llm, engine, requests
+
+
+async def test_requests_in_flight_are_cut_off_and_go_on_under_the_new_weights():
+    llm, engine, requests = await four_requests_in_flight("recompute")
     update = await engine.load_staged()
     assert engine.weights == (0, 1) and (update.epoch, update.version) == (0, 1)
     generations = await asyncio.gather(*requests)
@@ -93,7 +116,7 @@ async def test_requests_in_flight_are_cut_off_and_go_on_under_the_new_weights():
 
 async def test_a_request_being_submitted_when_the_swap_starts_is_caught_by_it():
     llm = FakeLLM(add_delay_s=0.5)
-    engine = RolloutEngine(llm, on_gpu=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     request = asyncio.ensure_future(engine.generate([1], max_tokens=60, temperature=1.0, top_p=1.0, stop_token_ids=[]))
     while engine._submitting == 0:
         await asyncio.sleep(0.001)  # now inside add_request: not in the engine yet
@@ -107,7 +130,7 @@ async def test_a_request_being_submitted_when_the_swap_starts_is_caught_by_it():
 
 async def test_a_request_started_during_a_swap_waits_and_runs_on_the_new_weights():
     llm = FakeLLM()
-    engine = RolloutEngine(llm, on_gpu=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     gate_closed = asyncio.Event()
     original = llm.collective_rpc
 
@@ -127,7 +150,7 @@ async def test_a_request_started_during_a_swap_waits_and_runs_on_the_new_weights
 
 async def test_a_cancelled_generation_aborts_its_request():
     llm = FakeLLM(tick_s=0.05)
-    engine = RolloutEngine(llm, on_gpu=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     request = asyncio.ensure_future(engine.generate([1], max_tokens=100, temperature=1.0, top_p=1.0,
                                                     stop_token_ids=[]))
     while not llm.running:
@@ -137,8 +160,76 @@ async def test_a_cancelled_generation_aborts_its_request():
     assert len(llm.aborted) == 1 and not llm.running and engine.clock.in_flight == 0
 
 
-async def test_keeping_the_old_keys_and_values_skips_the_prefix_cache_reset():
+async def test_resubmitting_keeps_the_prefix_cache():
     llm = FakeLLM()
-    engine = RolloutEngine(llm, on_gpu=False, recompute_kv_on_update=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="resubmit")
     await engine.load_staged()
     assert engine.weights == (0, 1) and llm.prefix_resets == 0
+
+
+async def test_kept_requests_go_on_through_the_swap_without_a_new_request_and_are_tagged_per_span():
+    """on_weight_update=keep: the engine pauses with the requests in it, the worker's counts split each reply
+    into the old and the new weights' tokens, nothing is aborted or submitted again; a request the worker does
+    not hold yet is cut off as without keeping."""
+    llm, engine, requests = await four_requests_in_flight("keep")
+    llm.unscheduled.add(sorted(llm.running)[0])
+    await engine.load_staged()
+    while any(len(state["ids"]) < 12 for state in llm.running.values()):
+        await asyncio.sleep(0.005)
+    await engine.load_staged()  # a second swap: three spans
+    generations = await asyncio.gather(*requests)
+    for generation in generations:
+        check_tags(generation, 40)
+        assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1), (0, 2)]
+    assert len(llm.aborted) == 1 and engine.continued_requests == 1  # only the unscheduled one
+    assert llm.rpcs.count("horizonrl_output_counts") == 2 and llm.prefix_resets == 0 and llm.resumed.is_set()
+    assert engine._switches == {} and engine.clock.in_flight == 0
+
+
+async def test_a_failed_swap_resumes_the_kept_requests_on_the_old_weights():
+    llm = FakeLLM()
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep")
+    request = asyncio.ensure_future(engine.generate([1], max_tokens=30, temperature=1.0, top_p=1.0,
+                                                    stop_token_ids=[]))
+    while not llm.running or len(next(iter(llm.running.values()))["ids"]) < 5:
+        await asyncio.sleep(0.005)
+
+    async def failing_change():
+        raise RuntimeError("the learner is gone")
+
+    with pytest.raises(RuntimeError, match="the learner is gone"):
+        await engine._swap(failing_change)
+    assert llm.resumed.is_set() and engine.weights == (0, 0)
+    generation = await request
+    check_tags(generation, 30)
+    assert generation.version_spans == [(30, 0, 0)]
+
+
+def test_spans_of_a_request_kept_through_swaps():
+    # 10 new tokens after 5 of an earlier request; swaps after its 3rd token, then after its 3rd again (no token
+    # between: no empty span), then past its end (it had finished before the swap reached it)
+    assert spans_of_request(5, 10, (0, 1), [(3, (0, 2)), (3, (0, 3)), (10, (0, 4))]) == [(8, 0, 1), (15, 0, 3)]
+    assert spans_of_request(0, 4, (1, 7), []) == [(4, 1, 7)]
+    assert spans_of_request(0, 0, (1, 7), [(0, (1, 8))]) == []
+
+
+async def test_an_engine_that_does_not_pause_fails_the_swap_in_bounded_time_and_is_resumed(monkeypatch):
+    import horizonrl.actors.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SUBMIT_WAIT_S", 0.2)
+    llm = FakeLLM()
+    resumes = []
+
+    async def never_pauses(*, mode, clear_cache):
+        await asyncio.Event().wait()
+
+    async def resume():
+        resumes.append(True)
+
+    llm.engine_core = SimpleNamespace(pause_scheduler_async=never_pauses)
+    llm.resume_generation = resume
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep")
+    with pytest.raises(RuntimeError, match="did not pause within"):
+        await engine.load_staged()
+    assert resumes == [True] and engine.weights == (0, 0) and "horizonrl_load_staged" not in llm.rpcs
+    assert engine._gate_open.is_set()  # requests can enter again

@@ -91,22 +91,33 @@ class RolloutEngine:
     Weight updates and generation (why the code looks the way it does): a version is received into
     the workers' staging buffers while the engine keeps generating (:meth:`stage_weights`), then swapped
     in between two engine steps (:meth:`load_staged`). A swap closes the *gate* (no request enters the
-    engine), waits for requests being submitted, aborts the requests in flight — vLLM hands back their
-    partial tokens and the logprobs they were sampled with —, loads, drops the prefix cache (its keys and
-    values came from the old weights) and opens the gate; each :meth:`generate` that was cut off then
-    goes on from where it stopped, the partial reply appended to its prompt, under the new weights. So a
-    request in flight during an update finishes, and every token is known to come from exactly one
-    version (``Generation.version_spans``) — which vLLM's own pause with requests kept cannot tell the
-    client. Continuing costs one prefill of the request's context, as a pause that drops the running
-    requests' keys and values (they were computed with the old weights) would; with
-    ``recompute_kv_on_update=False`` the prefix cache keeps them and the continuation reuses them.
+    engine), waits for requests being submitted, changes the weights and opens the gate. What happens to
+    the requests in flight is ``on_weight_update`` (rollout.engine.on_weight_update):
+
+    - ``keep`` (default): vLLM is paused with its requests kept (``pause_generation``'s mode "keep"); the
+      worker says how many tokens each has generated (vLLM's client cannot: its outputs of the last step
+      may still be on the way); the weights change and vLLM resumes. Each request goes on in place, from
+      the keys and values the old weights computed, and the counts split its reply into version spans.
+      No abort, no re-submission, no prefill.
+    - ``resubmit``: the requests are aborted — vLLM hands back their partial tokens and the logprobs they
+      were sampled with — and each :meth:`generate` goes on from where it stopped, the partial reply
+      appended to its prompt, under the new weights; the prefix cache serves all but the last partial
+      KV block of that context.
+    - ``recompute``: as ``resubmit``, and the prefix cache is dropped (its keys and values came from the
+      old weights), so every token after the swap comes from the new weights alone, at the cost of one
+      prefill of each request's context.
+
+    Either way a request in flight during an update finishes, and every token is known to come from
+    exactly one version (``Generation.version_spans``). Measured: docs/benchmarks.md.
     """
 
-    def __init__(self, llm, on_gpu: bool, recompute_kv_on_update: bool = True) -> None:
+    def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep") -> None:
         self._llm = llm
         self.on_gpu = on_gpu
-        # rollout.engine.recompute_kv_on_update: drop the old weights' keys and values at every swap.
-        self.recompute_kv_on_update = recompute_kv_on_update
+        # rollout.engine.on_weight_update: keep | resubmit | recompute (the class docstring)
+        self.on_weight_update = on_weight_update
+        # request id -> (tokens it had generated, the weights after) for each swap it was kept through
+        self._switches: dict[str, list[tuple[int, tuple[int, int]]]] = {}
         self.weights: tuple[int, int] = (0, 0)  # (epoch, version): version 0 is the checkpoint it started from
         # Time with no request in the engine: the engine's idle share (rollout/engine_idle_share).
         self.clock = BusyClock()
@@ -124,6 +135,7 @@ class RolloutEngine:
         self._stage_id = 0
         self.swaps = 0
         self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
+        self.kept_requests = 0  # requests a swap kept in the engine (on_weight_update=keep)
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
@@ -186,7 +198,7 @@ class RolloutEngine:
         )
         with starting_on_cpus(cpus):
             llm = AsyncLLM.from_engine_args(args)
-        return cls(llm, on_gpu, engine.recompute_kv_on_update)
+        return cls(llm, on_gpu, engine.on_weight_update)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
@@ -220,13 +232,13 @@ class RolloutEngine:
                 self._in_flight.discard(request_id)
                 cut_off = request_id in self._cut_off
                 self._cut_off.discard(request_id)
+                switches = self._switches.pop(request_id, [])
                 self.clock.exit()
             completion = final.outputs[0]
             new_ids = list(completion.token_ids)
+            spans += spans_of_request(len(ids), len(new_ids), weights, switches)
             ids += new_ids
             logprobs += [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs or [], new_ids)]
-            if new_ids:
-                spans.append((len(ids), *weights))
             finish_reason = completion.finish_reason or "abort"
             if finish_reason == "abort" and cut_off and len(ids) < max_tokens:
                 self.continued_requests += 1
@@ -339,14 +351,12 @@ class RolloutEngine:
                 except asyncio.TimeoutError:
                     raise RuntimeError(f"a request submitted to the engine did not get in within {SUBMIT_WAIT_S:.0f} s "
                                        "(is the engine's core process alive?)") from None
-                cut_off = list(self._in_flight)
-                if cut_off:
-                    self._cut_off.update(cut_off)
-                    # Handed back at once with the tokens the client has; the engine drops the rest. The abort
-                    # reaches the engine before the RPC below, so nothing of theirs runs on the new weights.
-                    await self._llm.abort(cut_off)
-                update = await change()
-                if self.recompute_kv_on_update:
+                if self.on_weight_update == "keep":
+                    update = await self._change_keeping_requests(change)
+                else:
+                    await self._cut_off_requests(list(self._in_flight))
+                    update = await change()
+                if self.on_weight_update == "recompute":
                     # Cached prefixes hold keys/values computed with the old weights.
                     await self._llm.reset_prefix_cache(reset_running_requests=True)
                 self.weights = (update.epoch, update.version)
@@ -355,6 +365,44 @@ class RolloutEngine:
                 self._gate_open.set()
             return WeightUpdate(update.version, update.epoch, update.receive_s, update.load_s,
                                 time.perf_counter() - start)
+
+    async def _cut_off_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests; each :meth:`generate` goes on with a new request for the rest of its reply."""
+        if request_ids:
+            self._cut_off.update(request_ids)
+            # Handed back at once with the tokens the client has; the engine drops the rest. The abort
+            # reaches the engine before the weights change, so nothing of theirs runs on the new weights.
+            await self._llm.abort(request_ids)
+
+    async def _change_keeping_requests(self, change) -> WeightUpdate:
+        """``change()`` the weights with the engine paused between two steps and its requests kept in it: each
+        goes on after the swap from where it stopped. The tokens it had generated by then (counted by the
+        worker, exact: vLLM generates nothing while paused) are the old weights'; :func:`spans_of_request`
+        tags them. A request the worker does not hold — not scheduled yet (no token), or finished with its
+        output still on the way to this client — is cut off instead, as with ``resubmit``: its
+        :meth:`generate` takes the tokens this client has and asks for the rest, if any."""
+        try:
+            try:
+                # AsyncLLM.pause_generation's own call, without the 20 ms it then sleeps so that outputs of the
+                # last step come out first (they need not: the counts below come from the worker).
+                pause = self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+                await asyncio.wait_for(pause, SUBMIT_WAIT_S)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"the engine did not pause within {SUBMIT_WAIT_S:.0f} s for a weight swap "
+                                   "(is its core process alive?)") from None
+            [generated, *_] = await self._llm.collective_rpc("horizonrl_output_counts", timeout=SUBMIT_WAIT_S)
+            # vLLM's internal id is ours + "-" + 8 characters of its own (ours are hex, no "-")
+            generated = {internal.rsplit("-", 1)[0]: int(count) for internal, count in generated.items()}
+            await self._cut_off_requests([r for r in self._in_flight if r not in generated])
+            update = await change()
+            after = (update.epoch, update.version)
+            kept = self._in_flight - self._cut_off  # no await from here: the set is this moment's
+            for request_id in kept:
+                self._switches.setdefault(request_id, []).append((generated[request_id], after))
+            self.kept_requests += len(kept)
+            return update
+        finally:
+            await asyncio.wait_for(self._llm.resume_generation(), SUBMIT_WAIT_S)
 
     async def _worker_rpc(self, method: str, timeout_s: float, args: tuple) -> WeightUpdate:
         """``method`` in every worker of the engine (one per tensor-parallel rank), each with its own membership
@@ -385,6 +433,21 @@ class RolloutEngine:
         import gc
 
         gc.collect()
+
+
+def spans_of_request(before: int, new: int, weights: tuple[int, int],
+                     switches: list[tuple[int, tuple[int, int]]]) -> list[tuple[int, int, int]]:
+    """The version spans, ``(end, epoch, version)``, of the ``new`` tokens one vLLM request generated after the
+    reply's first ``before``: it started under ``weights`` and was kept through the swaps in ``switches``,
+    each ``(tokens the request had generated then, the weights after)``. Spans with no token are left out."""
+    spans, start = [], 0
+    for count, after in [*switches, (new, weights)]:
+        end = min(count, new)
+        if end > start:
+            spans.append((before + end, *weights))
+            start = end
+        weights = after
+    return spans
 
 
 def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

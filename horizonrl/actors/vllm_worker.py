@@ -51,6 +51,16 @@ class WeightReceiverExtension:
         """Load the staged version into the model (the RPC runs between two engine steps)."""
         return self._horizonrl_reply(self._horizonrl_load_staging)
 
+    def horizonrl_output_counts(self) -> dict[str, int]:
+        """How many tokens each request this worker holds has generated so far, by vLLM's internal request id.
+        Called while the engine is paused with its requests kept: the tokens each had before a swap came from
+        the old weights. On the CPU vLLM schedules synchronously, so each count is exact after a step; with
+        asynchronous scheduling (GPUs) a count includes the step in flight, as a placeholder — also old
+        weights' (unchecked: the GPU machines lent here have no vLLM). A request vLLM preempted holds no state
+        here and is missing (the engine then cuts it off as without keeping)."""
+        requests = getattr(self.model_runner, "requests", {})
+        return {request_id: len(state.output_token_ids) for request_id, state in requests.items()}
+
     def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
         try:
             version, epoch, receive_s, load_s = method(*args)

@@ -9,6 +9,7 @@ name is accepted so its users can bring their scripts.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,20 +69,42 @@ class EngineConfig(_Frozen):
     enable_prefix_caching: bool = True
     block_size: int | None = Field(
         None, ge=1, description="tokens per KV-cache block (vLLM's block_size; default: vLLM's, 128 on the CPU, 16 on "
-                                "GPUs). The prefix cache keeps whole blocks only, so with recompute_kv_on_update=false "
+                                "GPUs). The prefix cache keeps whole blocks only, so with on_weight_update=resubmit "
                                 "a request cut off by an update re-computes its last partial block: smaller blocks, "
                                 "less to re-compute")
-    recompute_kv_on_update: bool = Field(
-        True, description="after a weight update, drop the keys and values computed with the old weights (the "
-                          "prefix cache, and those of the requests in flight, which then prefill again), so that every "
-                          "token after the update comes from the new weights alone. false: keep them (as PipelineRL "
-                          "does): no re-prefill, but tokens right after an update attend to old-weight keys and values "
-                          "(their logprobs are still the ones sampled, which the learner's ratio uses)")
+    on_weight_update: Literal["keep", "resubmit", "recompute"] = Field(
+        "keep", description="what a weight swap does with the requests in flight (each reply's tokens are tagged with "
+                            "the version that sampled them either way, and the learner's ratio uses the logprobs "
+                            "sampled). keep: they stay in the engine, paused between two steps while the weights "
+                            "change, and go on from the keys and values the old weights computed (as PipelineRL "
+                            "does); the cheapest. resubmit: they are cut off and each goes on as a new request under "
+                            "the new weights, the prefix cache reused: the last partial KV block is computed again. "
+                            "recompute: cut off too, and every key and value the old weights computed is dropped, so "
+                            "every token after the swap comes from the new weights alone (a prefill of each request's "
+                            "context)")
     tensor_parallel_size: int = Field(1, ge=1, description="devices each engine shards the model over (vLLM's "
                                       "tensor_parallel_size); resources.actor_gpus gives each engine this many GPUs")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the engine's weights and compute; the learner sends its weights in this dtype. auto: "
                             "model.dtype if set (deprecated), else bfloat16 on a GPU and float32 on the CPU")
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recompute_kv_on_update_is_on_weight_update(cls, data: Any) -> Any:
+        """The setting before on_weight_update existed: true was recompute, false resubmit."""
+        if isinstance(data, dict) and "recompute_kv_on_update" in data:
+            data = dict(data)
+            old = data.pop("recompute_kv_on_update")
+            if not isinstance(old, bool):
+                raise ValueError(f"rollout.engine.recompute_kv_on_update must be true or false, not {old!r}")
+            meant = "recompute" if old else "resubmit"
+            if data.setdefault("on_weight_update", meant) != meant:
+                raise ValueError(f"rollout.engine.recompute_kv_on_update={str(old).lower()} (deprecated: it means "
+                                 f"on_weight_update={meant}) contradicts on_weight_update={data['on_weight_update']}")
+            warnings.warn(f"rollout.engine.recompute_kv_on_update is deprecated: use on_weight_update={meant}",
+                          DeprecationWarning, stacklevel=2)
+        return data
 
 
 class RolloutConfig(_Frozen):

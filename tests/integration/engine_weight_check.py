@@ -12,6 +12,22 @@ import sys
 import threading
 
 
+def hf_logprobs_kept(old, new, prompt, generated, cut, temperature):
+    """The logprobs of ``generated[cut:]`` as an engine that kept the request through a swap after its ``cut``-th
+    token computes them: the keys and values of the prompt and of ``generated[:cut - 1]`` are the ``old`` model's
+    (computed before the swap), everything from the last old token on runs through the ``new`` model."""
+    import torch
+
+    from horizonrl.learner.policy_loss import token_logprobs_and_entropy
+
+    context = torch.tensor([prompt + generated[:cut - 1]])
+    with torch.no_grad():
+        cache = old(context, use_cache=True).past_key_values
+        logits = new(torch.tensor([generated[cut - 1:-1]]), past_key_values=cache, use_cache=True).logits[0]
+    logprobs, _ = token_logprobs_and_entropy(logits, torch.tensor(generated[cut:]), temperature, 1.0)
+    return logprobs.tolist()
+
+
 def hf_logprobs(model, prompt, generated, temperature, top_p=1.0):
     """The learner's log-probabilities of ``generated`` (the function training runs), from transformers' logits."""
     import torch
@@ -37,7 +53,8 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
 
     temperature = 0.7
     engine = RolloutEngine.start(model_dir, dtype="float32",
-                                 engine=EngineConfig(tensor_parallel_size=tensor_parallel_size), max_model_len=512,
+                                 engine=EngineConfig(tensor_parallel_size=tensor_parallel_size,
+                                                     on_weight_update="recompute"), max_model_len=512,
                                  seed=0)
     chat = load_chat_tokenizer(model_dir)
     original = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -67,7 +84,12 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
     nucleus = await engine.generate(prompt, **{**kwargs, "max_tokens": 48, "top_p": top_p})
-    in_flight = await update_in_flight(engine, hub, learner, prompt, temperature)
+    in_flight, newer = await update_in_flight(engine, hub, learner, prompt, temperature, version=2)
+    # rollout.engine.on_weight_update=keep: the same with the requests kept in the engine through the swap
+    engine.on_weight_update = "keep"
+    continued = engine.continued_requests
+    kept, _ = await update_in_flight(engine, hub, newer, prompt, temperature, version=3)
+    kept["continued_requests"] = engine.continued_requests - continued
     # The learner goes away (its groups close): the engine's next receive fails, the worker lives on,
     # and the engine joins another hub (a restarted learner), which answers with its own weights.
     hub.close()
@@ -113,13 +135,39 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
         "nucleus_vs_full_softmax": max_diff(nucleus.logprobs,
                                             hf_logprobs(learner, prompt, nucleus.token_ids, temperature)),
         "in_flight": in_flight,
+        "kept": kept,
     }
 
 
-async def update_in_flight(engine, hub, learner, prompt, temperature) -> dict:
-    """Version 2 arrives while 8 long requests are in flight (the engine holds version 1, ``learner``): it is
-    staged while they generate and swapped in; each request finishes, its tokens tagged per version span, and
-    the learner's ratio for them is taken against the logprobs actually sampled."""
+async def tokens_streamed(engine, prompt, temperature, count: int, timeout_s: float = 120.0) -> None:
+    """Return once a probe request, put into the engine after the requests already in it, has streamed ``count``
+    tokens; the probe then ends. The engine schedules first come, first served, so by then every earlier request
+    has been through its prefill and sampled a token (a fixed sleep was not enough on a loaded machine: with two
+    workers, 6 of 8 requests had no token yet when the swap came)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=400, temperature=temperature, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+
+    async def probe():
+        outputs = engine._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, "probe")
+        try:
+            async for output in outputs:
+                if len(output.outputs[0].token_ids) >= count:
+                    return
+        finally:
+            await outputs.aclose()  # vLLM aborts the probe in the engine
+
+    await asyncio.wait_for(probe(), timeout_s)
+
+
+async def update_in_flight(engine, hub, learner, prompt, temperature, version: int):
+    """``version`` arrives while 8 long requests are in flight (the engine holds the one before, ``learner``): it
+    is staged while they generate and swapped in; each request finishes, its tokens tagged per version span, and
+    the learner's ratio for them is taken against the logprobs actually sampled. Returns the figures and the
+    model sent. (Below, v1 is the engine's version before the swap and v2 the one after.)"""
     import copy
 
     import torch
@@ -141,8 +189,8 @@ async def update_in_flight(engine, hub, learner, prompt, temperature) -> dict:
     requests = [asyncio.ensure_future(engine.generate(prompt, **kwargs)) for _ in range(8)]
     while engine.clock.in_flight < len(requests):
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # some tokens of version 1 first
-    sender = threading.Thread(target=lambda: hub.publish(2, 0, weights_to_send(newer.config, newer.state_dict()),
+    await tokens_streamed(engine, prompt, temperature, 2)  # some tokens of version 1 first
+    sender = threading.Thread(target=lambda: hub.publish(version, 0, weights_to_send(newer.config, newer.state_dict()),
                                                          dtype=torch.float32))
     sender.start()
     staged = await engine.stage_weights(60)
@@ -170,6 +218,9 @@ async def update_in_flight(engine, hub, learner, prompt, temperature) -> dict:
 
         result["old_span_vs_v1"] = max(result["old_span_vs_v1"], diff(gen.logprobs[:cut], on_v1[:cut]))
         result["new_span_vs_v2"] = max(result["new_span_vs_v2"], diff(gen.logprobs[cut:], on_v2[cut:]))
+        if engine.on_weight_update == "keep":  # the new span attends to the old weights' keys and values
+            kept = hf_logprobs_kept(learner, newer, prompt, gen.token_ids, cut, temperature)
+            result["new_span_vs_kept"] = max(result.get("new_span_vs_kept", 0.0), diff(gen.logprobs[cut:], kept))
         result["new_span_vs_v1"] = max(result["new_span_vs_v1"], diff(gen.logprobs[cut:], on_v1[cut:]))
         # As the actor and the learner see it: a trajectory, a sample, the ratio under the learner's policy (v2).
         episode = Episode()
@@ -195,7 +246,7 @@ async def update_in_flight(engine, hub, learner, prompt, temperature) -> dict:
         result["new_span_ratio_vs_1"] = max(result["new_span_ratio_vs_1"], float((new - 1).abs().max()))
         result["old_span_ratio_error"] = max(result["old_span_ratio_error"], float((old - expected_old).abs().max()))
         result["old_span_ratio_vs_1"] = max(result["old_span_ratio_vs_1"], float((old - 1).abs().max()))
-    return result
+    return result, newer
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def test_babyai_success_rises_through_the_asynchronous_loop(demo_tiny_model, tmp
     run_dir = tmp_path / "run"
     # The demo's config for a fixed STEPS (no evaluations during training, so no early stop). Measured
     # (docs/learning.md), held-out over 200 episodes: 0.28 -> 0.74 in 80 steps, 0.28 -> 0.66 in 51; this test
-    # at 60 steps: 0.27 -> 0.57 over 150 episodes, the actors' success 0.44 -> 0.67 (first / last 8 steps).
+    # at 60 steps: 0.27 -> 0.57 over 150 episodes, the actors' success 0.44 -> 0.67 (first / last 8 steps);
+    # with the requests kept through weight swaps (on_weight_update=keep, 2026-11-26) 0.28 -> 0.69, 0.45 -> 0.69.
     # The bounds leave room for a slower take-off: the held-out bound is ~2.7 standard errors of the
     # difference of two 150-episode means below the smallest rise seen (+0.30).
     rc = train(DEMO, demo_tiny_model, run_dir, f"learner.total_steps={STEPS}", "learner.save_every=0",

@@ -48,7 +48,7 @@ def test_one_failed_worker_fails_the_update_even_when_the_first_succeeded():
 
 def test_the_engine_asks_every_worker_and_resets_the_prefix_cache_only_after_success():
     llm = FakeLLM([(5, 0, 0.1, 0.2, 0, ""), (5, 0, 0.3, 0.1, 1, "")])
-    engine = RolloutEngine(llm, on_gpu=False)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     update = asyncio.run(engine.receive_weights(7))
     assert (update.version, update.epoch, update.receive_s, update.load_s) == (5, 0, 0.3, 0.2)
     assert llm.calls == [("horizonrl_receive_weights", 37, ())] and llm.prefix_resets == 1
