@@ -107,7 +107,7 @@ def test_a_weight_swap_keeps_the_requests_unless_told_and_the_old_setting_still_
 
     assert EngineConfig().on_weight_update == "keep"
     for old, meant in ((True, "recompute"), (False, "resubmit")):
-        with pytest.warns(DeprecationWarning, match=f"use on_weight_update={meant}"):
+        with pytest.warns(FutureWarning, match=f"use on_weight_update={meant}"):
             assert EngineConfig(recompute_kv_on_update=old).on_weight_update == meant
     with pytest.raises(ValidationError, match="contradicts on_weight_update=keep"):
         EngineConfig(recompute_kv_on_update=True, on_weight_update="keep")

@@ -202,8 +202,9 @@ class RolloutEngine:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
-        """Sample one reply to ``prompt_ids``; a weight swap while it is in flight cuts it off and it goes on
-        under the new weights (see the class docstring), so it returns only when the reply is complete."""
+        """Sample one reply to ``prompt_ids``. A weight swap while it is in flight keeps it in the engine or cuts
+        it off, and either way it goes on under the new weights (see the class docstring): it returns only when
+        the reply is complete, each token tagged with the version that sampled it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

@@ -55,9 +55,11 @@ class WeightReceiverExtension:
         """How many tokens each request this worker holds has generated so far, by vLLM's internal request id.
         Called while the engine is paused with its requests kept: the tokens each had before a swap came from
         the old weights. On the CPU vLLM schedules synchronously, so each count is exact after a step; with
-        asynchronous scheduling (GPUs) a count includes the step in flight, as a placeholder — also old
-        weights' (unchecked: the GPU machines lent here have no vLLM). A request vLLM preempted holds no state
-        here and is missing (the engine then cuts it off as without keeping)."""
+        asynchronous scheduling (GPUs) each sampled token is first a placeholder, counted the same (unchecked:
+        the GPU machines lent here have no vLLM); with speculative decoding, which the engine does not turn on,
+        the drafts would be counted before they are verified. A request vLLM preempted keeps its state
+        here, and its count. One not scheduled yet, or finished and dropped, is missing: the engine cuts it off
+        instead of keeping it."""
         requests = getattr(self.model_runner, "requests", {})
         return {request_id: len(state.output_token_ids) for request_id, state in requests.items()}
 

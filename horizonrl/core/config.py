@@ -103,7 +103,7 @@ class EngineConfig(_Frozen):
                 raise ValueError(f"rollout.engine.recompute_kv_on_update={str(old).lower()} (deprecated: it means "
                                  f"on_weight_update={meant}) contradicts on_weight_update={data['on_weight_update']}")
             warnings.warn(f"rollout.engine.recompute_kv_on_update is deprecated: use on_weight_update={meant}",
-                          DeprecationWarning, stacklevel=2)
+                          FutureWarning, stacklevel=2)  # FutureWarning: shown to users by default
         return data
 
 
