@@ -71,9 +71,10 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     # pi_v2 / pi_v1 on the v1 span (not 1)
     assert flight["new_span_ratio_vs_1"] <= 1e-3
     assert flight["old_span_ratio_error"] <= 1e-3 and flight["old_span_ratio_vs_1"] > 1e-2
-    # Version 3 with the requests kept in the engine (on_weight_update=keep; before it, recompute): none is cut off or submitted
-    # again; the worker's counts split each reply exactly where the weights changed: the old span is v2's, and the
-    # new span is what v3 computes on top of the keys and values v2 left (an off-by-one count would not match).
+    # Version 3 with the requests kept in the engine (on_weight_update=keep; before it, recompute): none is cut
+    # off or submitted again; the worker's counts split each reply exactly where the weights changed: the old
+    # span is v2's, and the new span is what v3 computes on top of the keys and values v2 left (an off-by-one
+    # count would not match).
     kept = result["kept"]
     assert kept["staged"] == [0, 3] and kept["loaded"] == [0, 3] and kept["running_at_swap"] >= 1
     assert kept["lengths"] == [400] * 8 and set(kept["finish_reasons"]) == {"length"}
