@@ -60,8 +60,9 @@ class WeightReceiverExtension:
         the drafts would be counted before they are verified. A request vLLM preempted keeps its state
         here, and its count. One not scheduled yet, or finished and dropped, is missing: the engine cuts it off
         instead of keeping it."""
-        requests = getattr(self.model_runner, "requests", {})
-        return {request_id: len(state.output_token_ids) for request_id, state in requests.items()}
+        # No fallback: a vLLM without the runner's request states must fail the swap loudly, not cut every
+        # request off in silence.
+        return {request_id: len(state.output_token_ids) for request_id, state in self.model_runner.requests.items()}
 
     def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
         try:
