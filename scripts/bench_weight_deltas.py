@@ -1,6 +1,7 @@
 """Does sending only what changed (bf16 deltas) pay? Measured, not guessed.
 
     python scripts/bench_weight_deltas.py [--hidden 512] [--layers 8] [--steps 5] [--lrs 1e-6,1e-5,1e-4,6e-4]
+                                          [--device cuda]
 
 The engines run in bf16 while the learner keeps fp32 master weights (core/precision.py), so what an
 engine receives each version is ``bf16(master)``. An element of that changes only when its master
@@ -18,6 +19,8 @@ the bf16 cast is compared with the previous version's:
   weight hub measured over gloo on this machine, docs/benchmarks.md) or at NVLink-class 100 GB/s.
 
 Prints a table per learning rate (medians over the steps after the first) and what it saves.
+``--device cuda`` trains, builds and applies on the GPU (timings synchronised), which is where the
+learner and the engines would do it.
 """
 
 from __future__ import annotations
@@ -43,9 +46,16 @@ def bf16_version(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().to(torch.bfloat16).clone() for name, p in model.named_parameters()}
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def compare(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, float]:
     """What a delta from ``old`` to ``new`` would carry, and what building and applying it costs."""
     elements = changed = dense_bytes = 0
+    device = next(iter(new.values())).device
+    _synchronize(device)
     start = time.perf_counter()
     deltas = {}
     for name, tensor in new.items():
@@ -53,11 +63,14 @@ def compare(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[
         # Bit patterns, not values: -0.0 vs 0.0 and NaNs count as they travel.
         index = torch.nonzero(flat_new.view(torch.int16) != flat_old.view(torch.int16)).view(-1)
         deltas[name] = (index.to(torch.int32), flat_new[index])
+    _synchronize(device)
     build_s = time.perf_counter() - start
     receiver = {name: tensor.clone().view(-1) for name, tensor in old.items()}  # its copy of the previous version
+    _synchronize(device)
     start = time.perf_counter()
     for name, (index, values) in deltas.items():
         receiver[name][index.long()] = values
+    _synchronize(device)
     apply_s = time.perf_counter() - start
     for name, (index, _) in deltas.items():
         assert torch.equal(receiver[name].view(torch.int16), new[name].view(-1).view(torch.int16)), name
@@ -70,13 +83,14 @@ def compare(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[
 
 
 def run(lr: float, args) -> list[dict[str, float]]:
-    model = build(args.hidden, args.layers, args.vocab)
+    device = torch.device(args.device)
+    model = build(args.hidden, args.layers, args.vocab).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     previous = bf16_version(model)
     rows = []
     generator = torch.Generator().manual_seed(1)
     for _ in range(args.steps):
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,10 +112,12 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4,6e-4")
     p.add_argument("--link-gbps", type=float, default=2.7)
+    p.add_argument("--device", default="cpu", help="where the model trains and the deltas are built and applied")
     args = p.parse_args()
-    links = {"this machine's gloo": args.link_gbps * 1e9, "NVLink-class": 100e9}
+    links = {f"a {args.link_gbps:g} GB/s link": args.link_gbps * 1e9, "NVLink-class (100 GB/s)": 100e9}
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"model: Qwen2 shape, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.steps} AdamW steps per learning rate (medians over steps 2..{args.steps})")
+          f"{args.steps} AdamW steps per learning rate (medians over steps 2..{args.steps}); on {where}")
     header = ("lr", "changed", "unchanged tensors", "sparse / full bytes", "dense-per-tensor / full",
               "build+apply s", *(f"full send s ({k})" for k in links))
     print(" | ".join(header))
@@ -121,7 +137,7 @@ def main() -> int:
     for lr, share, cost, saved in verdicts:
         print(f"lr {lr:g}: a sparse delta is {share:.1%} of the bytes of a full version; "
               + ", ".join(f"{s * 1e3:+.1f} ms of transfer saved over {n}" for n, s in zip(links, saved))
-              + f"; building and applying it took {cost * 1e3:.0f} ms on this CPU")
+              + f"; building and applying it took {cost * 1e3:.0f} ms on {where}")
     print("(with staged receives and background sends the transfer is off the engine's and the learner's critical "
           "path; vLLM's reload takes whole tensors, so a delta would be applied to a full copy first)")
     return 0
