@@ -66,6 +66,32 @@ def test_heavy_tail_plan_is_a_function_of_the_task():
     assert median == 3 and p99 >= 3 * median, (median, p99)  # most short, a long tail
 
 
+def test_the_training_benchmark_config_builds_the_same_workload_by_name():
+    """`horizonrl bench --workload heavy-tail`'s actors make the env from the registry and its config's settings."""
+    from pathlib import Path
+
+    from horizonrl.bench.cli import TRAINING_WORKLOADS
+    from horizonrl.core.config import load_config
+    from horizonrl.envs.registry import make_env
+
+    config = load_config(TRAINING_WORKLOADS["heavy-tail"], [])
+    assert Path(TRAINING_WORKLOADS["signpost"]).exists()
+    (spec,) = config.envs
+    by_name = make_env(spec.name, spec.settings)
+    direct = HeavyTailEnv(HeavyTailSettings())  # the rollout part's defaults
+    budget = config.algorithm.rounds_ctrl.rounds[-1]
+    assert budget == 24 and all(by_name.plan(t, budget) == direct.plan(t, budget) for t in range(50))
+
+
+def test_the_workload_option_is_refused_without_the_training_part():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "horizonrl", "bench", "--parts", "rollout", "--workload",
+                           "heavy-tail"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "training part only" in proc.stderr
+
+
 def test_both_loops_play_the_same_episodes():
     workload = heavy_tail_workload()
     tasks = list(range(40))

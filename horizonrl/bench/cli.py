@@ -8,6 +8,10 @@ Parts (``--parts``, comma-separated; default all, run in this order):
   training     async pipeline vs synchronous (generate, train, broadcast, repeat), real system
   engine       async training's generated tokens/s ÷ the bare engines' (no env, no learner)
 
+``--workload heavy-tail`` runs the training part on the rollout part's long-tailed workload
+(configs/bench_heavy_tail.yaml) instead of Signpost (configs/signpost_test.yaml), where every episode
+takes the same two turns.
+
 ``--partition`` runs the training and engine parts on partitioned cores (the learner's side and each
 engine on cores of their own, the bare engines on the same cores): the fair comparison on a CPU host.
 
@@ -25,6 +29,10 @@ import time
 from pathlib import Path
 
 PARTS = ("transport", "weight_sync", "rollout", "training", "engine")
+REPO = Path(__file__).resolve().parents[2]
+# The training part's workload: its config (the engine part always replays Signpost prompts).
+TRAINING_WORKLOADS = {"signpost": REPO / "configs" / "signpost_test.yaml",
+                      "heavy-tail": REPO / "configs" / "bench_heavy_tail.yaml"}
 
 
 def add_bench_command(sub) -> None:
@@ -38,6 +46,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the training runs of the training and engine parts (repeatable), "
                         "e.g. --set rollout.weight_sync_every=2")
+    p.add_argument("--workload", choices=sorted(TRAINING_WORKLOADS), default="signpost",
+                   help="the training part's environment: Signpost (two turns each) or the long-tailed heavy-tail "
+                        "workload of the rollout part (default: signpost)")
     p.add_argument("--partition", nargs="?", const="actors", default=None, choices=("actors", "engines"),
                    help="training and engine parts on partitioned CPU cores, as on separate GPUs: the learner's "
                         "side on half of them and each actor, client and engine, on a core of its own (actors, "
@@ -53,6 +64,10 @@ def run_bench(args) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         print(f"error: unknown part(s) {unknown}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    if args.workload != "signpost" and "training" not in parts:
+        print(f"error: --workload {args.workload} applies to the training part only; add it to --parts",
+              file=sys.stderr)
         return 2
     args.parts_selected = parts
     args.core_partition = None
@@ -104,7 +119,7 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
         from horizonrl.bench import training
 
         partition = args.core_partition
-        return training.run(args.quick, args.out, model=args.model,
+        return training.run(args.quick, args.out, model=args.model, config=TRAINING_WORKLOADS[args.workload],
                             extra_overrides=(partition.overrides() if partition else []) + args.overrides,
                             settings_note=partition.describe() if partition else None)
     from horizonrl.bench import engine_bound

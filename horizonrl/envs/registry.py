@@ -20,6 +20,8 @@ _FACTORIES: dict[str, str] = {
     "searchqa": "horizonrl.envs.searchqa:SearchQAEnv",
     "webarena": "horizonrl.envs.webarena:WebArenaEnv",
     "http": "horizonrl.envs.client:HTTPEnv",
+    # The benchmark's workload (long-tailed turns, slow steps), for `horizonrl bench --workload heavy-tail`.
+    "heavy-tail": "horizonrl.bench.workload:heavy_tail_env",
 }
 
 
