@@ -5,15 +5,21 @@ same loops run on a real engine in tests/integration/test_bench_system.py.
 """
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from horizonrl.actors.engine import Generation
+from horizonrl.bench.cli import TRAINING_WORKLOADS
 from horizonrl.bench.rollout import SAMPLING, Workload, run_async, run_lockstep
 from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings
+from horizonrl.core.config import load_config
 from horizonrl.core.environment import StepResult
 from horizonrl.core.runtime import BusyClock
+from horizonrl.envs.registry import make_env
 
 
 class ScriptedChat:
@@ -68,12 +74,6 @@ def test_heavy_tail_plan_is_a_function_of_the_task():
 
 def test_the_training_benchmark_config_builds_the_same_workload_by_name():
     """`horizonrl bench --workload heavy-tail`'s actors make the env from the registry and its config's settings."""
-    from pathlib import Path
-
-    from horizonrl.bench.cli import TRAINING_WORKLOADS
-    from horizonrl.core.config import load_config
-    from horizonrl.envs.registry import make_env
-
     config = load_config(TRAINING_WORKLOADS["heavy-tail"], [])
     assert Path(TRAINING_WORKLOADS["signpost"]).exists()
     (spec,) = config.envs
@@ -84,9 +84,6 @@ def test_the_training_benchmark_config_builds_the_same_workload_by_name():
 
 
 def test_the_workload_option_is_refused_without_the_training_part():
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-m", "horizonrl", "bench", "--parts", "rollout", "--workload",
                            "heavy-tail"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "training part only" in proc.stderr
