@@ -70,10 +70,11 @@ SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_lon
 
 
 LEARNING_CONFIGS = ["textcraft.yaml", "searchqa.yaml"]
+BENCH_CONFIGS = ["bench_heavy_tail.yaml"]  # the training benchmark's long-tailed workload
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
-                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS])
+                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -87,7 +88,7 @@ def test_shipped_configs_load(name):
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
-         *SCALING_INTER_ARMS, *LEARNING_CONFIGS])
+         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS])
 
 
 def test_scaling_inter_arms_differ_only_in_the_turn_schedule():
