@@ -74,13 +74,11 @@ class HeavyTailEnv:
         return f"Thought: The sign points {self._signs[self._turn]}.\nAction: go {rng.choice(DIRECTIONS)}"
 
 
-def heavy_tail_env(turns_median: float = 3.0, turns_sigma: float = 0.8, latency_median_s: float = 0.05,
-                   latency_sigma: float = 1.0, num_tasks: int = 10_000) -> HeavyTailEnv:
-    """The registry's factory (``envs: [{name: heavy-tail, settings: {...}}]``), so that a training run's
-    actors play the same workload: ``horizonrl bench --parts training --workload heavy-tail``."""
-    settings = HeavyTailSettings(turns_median=float(turns_median), turns_sigma=float(turns_sigma),
-                                 latency_median_s=float(latency_median_s), latency_sigma=float(latency_sigma))
-    return HeavyTailEnv(settings, num_tasks=int(num_tasks))
+def heavy_tail_env(num_tasks: int = 10_000, **settings: float) -> HeavyTailEnv:
+    """The registry's factory (``envs: [{name: heavy-tail, settings: {...}}]``, the settings being
+    :class:`HeavyTailSettings`' fields), so that a training run's actors play the same workload:
+    ``horizonrl bench --parts training --workload heavy-tail``."""
+    return HeavyTailEnv(HeavyTailSettings(**settings), num_tasks=num_tasks)
 
 
 async def replay_prompts(chat, env_name: str, settings: dict, episodes: int, max_turns: int,
