@@ -47,11 +47,14 @@ $(STAMP): pyproject.toml | system-deps
 demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
+# Two pytest workers (pytest-xdist), each taking whole files: most of a test's wall time is processes starting,
+# waiting and shutting down, so a second worker fills the idle core. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q --timeout=1800 --durations=40 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=1800 --durations=40 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -532,32 +532,36 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
 
     Reuses the directory when its spec file matches the arguments. Otherwise builds into a
     sibling temporary directory and renames it into place, so a half-built directory is
-    never seen and a concurrent builder of the same spec is harmless. A directory that
-    holds something else (no spec file) is never deleted.
+    never seen. Builders of the same directory take turns on a lock file beside it: a second
+    one (a parallel test worker, a second ``horizonrl demo``) waits for the first build and
+    reuses it instead of building it again. A directory that holds something else (no spec
+    file) is never deleted.
     """
+    import fcntl
+
     out = Path(out_dir)
     spec_args = {k: v for k, v in kwargs.items() if k != "progress"}
     wanted = tiny_model_spec(**spec_args)
     existing = read_spec(out)
     if existing is not None and existing.get("spec") == wanted:
         return out
-    if out.exists() and existing is None and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a tiny-model directory; choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        make_tiny_model(staging, **kwargs)
-        if out.exists():
-            shutil.rmtree(out)  # ours, with a different spec
-        try:
-            staging.rename(out)
-        except OSError:
-            built = read_spec(out)  # another process won the race
-            if built is None or built.get("spec") != wanted:
-                raise
-    finally:
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        existing = read_spec(out)
+        if existing is not None and existing.get("spec") == wanted:
+            return out  # built while we waited
+        if out.exists() and existing is None and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not a tiny-model directory; choose another path")
+        staging = out.parent / f".{out.name}.building-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
+        try:
+            make_tiny_model(staging, **kwargs)
+            if out.exists():
+                shutil.rmtree(out)  # ours, with a different spec
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

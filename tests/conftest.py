@@ -56,13 +56,37 @@ def babyai_tiny_model(demo_tiny_model) -> Path:
 
 @pytest.fixture(scope="session")
 def recorded_babyai_run(babyai_tiny_model, tmp_path_factory) -> Path:
+    return built_once(tmp_path_factory, "recorded", lambda work: record_babyai_run(babyai_tiny_model, work)) / "run"
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(directory)`` once per test run, shared by every test that asks. Under pytest-xdist each worker has
+    a session of its own: the workers share the run's temporary root and take turns on a lock there, so the
+    second one reuses the first one's directory (a failed build leaves no mark, and the next asker retries)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, shared by the run's popen-gwK/ worker directories
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
+    return out
+
+
+def record_babyai_run(babyai_tiny_model: Path, work: Path) -> None:
     import json
 
     from helpers import (BABYAI_SETTINGS, RECORDED_RUN_STEPS, RECORDED_RUN_TURNS, horizonrl_cmd, start_process,
                          stop_process)
 
     settings = {**BABYAI_SETTINGS, "num_seeds": 5}
-    work = tmp_path_factory.mktemp("recorded")
     run_dir = work / "run"
     train = start_process(horizonrl_cmd(
         "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={babyai_tiny_model}",
@@ -87,4 +111,3 @@ def recorded_babyai_run(babyai_tiny_model, tmp_path_factory) -> Path:
     finally:
         stop_process(out)
     assert rc == 0, (work / "eval.log").read_text()[-4000:]
-    return run_dir

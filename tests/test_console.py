@@ -4,6 +4,8 @@ the processes' output reach the console, and the live block's redraw — pure fu
 import io
 import re
 
+import pytest
+
 from horizonrl.core.console import (
     BUFFER_CAPACITY,
     BUFFER_GROUPS,
@@ -28,6 +30,13 @@ SCALARS = {
     "faults/recovery_s/actor": 41.5, "faults/episodes_lost": 2.0, "rollout/failures/actor_lost": 2.0,
     "rollout/failures/timeout": 0.0, "loss/policy": 0.1,
 }
+
+
+@pytest.fixture(autouse=True)
+def terminal_of_100_columns(monkeypatch):
+    """The live block fits the terminal's width; these tests read a 100-column one (the fallback without a
+    terminal), whatever runs them: pytest-xdist's workers set COLUMNS=80."""
+    monkeypatch.setenv("COLUMNS", "100")
 
 
 def test_status_block_shows_every_field_of_a_step():

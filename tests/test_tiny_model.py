@@ -206,8 +206,25 @@ def test_ensure_reuses_a_matching_directory(tmp_path):
     (tmp_path / "foreign" / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
         ensure_tiny_model(tmp_path / "foreign", **args)
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging left behind
+    assert not any(".building-" in p.name for p in tmp_path.iterdir())  # no staging left behind
     assert (out / SPEC_FILE).exists()
+
+
+def test_two_builders_of_one_directory_build_it_once(tmp_path):
+    """Parallel test workers (and two demos) ask for the same model at once: one builds, the other waits on the
+    lock and reuses the build."""
+    code = ("import sys; from horizonrl.tiny_model import ensure_tiny_model; ensure_tiny_model(sys.argv[1], "
+            "envs=('signpost',), episodes_per_env=8, warmup_steps=20, batch_size=4, max_turns=3, progress=False)")
+    builders = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m")], stderr=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    try:
+        logs = [b.communicate(timeout=300)[1] for b in builders]
+    finally:
+        for b in builders:
+            b.kill()
+    assert [b.returncode for b in builders] == [0, 0], logs
+    assert sum("tiny model ->" in log for log in logs) == 1, logs  # the build's own report, printed once
+    assert read_spec(tmp_path / "m")["spec"]["episodes_per_env"] == 8
 
 
 def test_the_shape_is_a_setting_and_the_default_keeps_earlier_directories_valid(tmp_path):
