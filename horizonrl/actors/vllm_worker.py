@@ -17,14 +17,68 @@ the loader inside the RPC, the engine paused throughout, extra memory about one 
 An engine on the learner's GPU (colocated mode, ``backend="cuda_ipc"``) only loads inline: the
 loader reads each bucket straight from the learner's staging buffer (a device-to-device copy), so
 there is nothing to stage.
+
+Loading a version on vLLM-CPU: after the first load vLLM-CPU packs each linear layer's weight for
+oneDNN and drops the weight itself, so a plain ``model.load_weights`` has nothing to write into, and
+vLLM's own ``reload_weights`` rebuilds every layer from meta tensors (24 ms a version for the tiny
+model, most of it Python per module). Importing this module in the worker (vLLM does, before it
+loads the model) makes those layers keep their unpacked weight beside the packed one: a version is
+then ``model.load_weights`` into the weights and a repack of each packed layer (11 ms), with the
+same logprobs bit for bit. The cost is the linear weights held twice in the engine's memory. Where
+the hook did not take (another vLLM), loading falls back to ``reload_weights``; so it does with
+``HORIZONRL_CPU_WEIGHT_LOAD=reload`` in the engine's environment (the GPUs' path, run on the CPU:
+the tensor-parallel test of tests/integration/test_engine_weights.py does).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import time
 
 log = logging.getLogger("horizonrl.actors.worker")
+
+
+def keep_unpacked_cpu_linear_weights() -> bool:
+    """On vLLM-CPU, make unquantized linear layers keep their weight when vLLM packs it after loading (see the
+    module docstring); True when the hook is in place. Installed once, at import, in the worker process."""
+    try:
+        from vllm.model_executor.layers import linear
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.platforms import current_platform
+    except ImportError:  # not a vLLM worker, or another vLLM: loads take vLLM's reload
+        return False
+    if not current_platform.is_cpu() or os.environ.get("HORIZONRL_CPU_WEIGHT_LOAD", "in-place") == "reload":
+        return False
+    if "remove_weight" not in inspect.signature(dispatch_cpu_unquantized_gemm).parameters:
+        return False
+    method = linear.UnquantizedLinearMethod
+    if getattr(method.process_weights_after_loading, "horizonrl_keeps_weight", False):
+        return True
+    original = method.process_weights_after_loading
+
+    def process_keeping_weight(self, layer):
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            return original(self, layer)  # vLLM keeps those unpacked anyway
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    process_keeping_weight.horizonrl_keeps_weight = True
+    method.process_weights_after_loading = process_keeping_weight
+    return True
+
+
+def packed_cpu_layers(model) -> list | None:
+    """The layers vLLM-CPU packed for its GEMM kernels, to repack after new weights were written into them;
+    None when one of them dropped its weight (the hook above did not take): only vLLM's reload works then."""
+    layers = [m for m in model.modules()
+              if hasattr(m, "cpu_linear") and not getattr(m, "_cpu_skip_gemm_dispatch", False)]
+    if any(getattr(m, "weight", None) is None or m.weight.ndim != 2 or m.weight.numel() == 0 for m in layers):
+        return None
+    return layers
+
+
+keep_unpacked_cpu_linear_weights()
 
 
 class WeightReceiverExtension:
@@ -63,6 +117,11 @@ class WeightReceiverExtension:
         # No fallback: a vLLM without the runner's request states must fail the swap loudly, not cut every
         # request off in silence.
         return {request_id: len(state.output_token_ids) for request_id, state in self.model_runner.requests.items()}
+
+    def horizonrl_load_path(self) -> str:
+        """How this worker loads a version: "in-place" (load_weights, then repack on vLLM-CPU; the module
+        docstring), "reload" (vLLM's layer-wise reload_weights) or "" before the first version."""
+        return getattr(self, "_horizonrl_load_path", "")
 
     def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
         try:
@@ -145,10 +204,22 @@ class WeightReceiverExtension:
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
     def _horizonrl_load(self, named_tensors) -> None:
-        # On vLLM-CPU a plain model.load_weights leaves repacked linear weights empty;
-        # the worker's own reload path re-runs the post-load processing.
-        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
         model = self.model_runner.get_model()
+        from vllm.platforms import current_platform
+
+        packed = packed_cpu_layers(model) if current_platform.is_cpu() else None
+        if packed is not None:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            model.load_weights(named_tensors)  # into the kept weights (a tied lm_head shares the embedding's)
+            for layer in packed:
+                dispatch_cpu_unquantized_gemm(layer, remove_weight=False)  # the packed copy, from the new weight
+            self._horizonrl_load_path = "in-place"
+            return
+        # Elsewhere (GPUs; a vLLM-CPU whose layers dropped their weights) vLLM's reload re-runs the post-load
+        # processing layer by layer.
+        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+        self._horizonrl_load_path = "reload"
         lm_head = getattr(model, "lm_head", None)
         if lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
             # With tied embeddings the lm_head keeps its own packed copy of the old embedding.

