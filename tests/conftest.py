@@ -15,6 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
 
 
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """What a test leaves in os.environ is undone after it. A pytest-xdist worker runs many files in one process:
+    VLLM_CPU_OMP_THREADS_BIND=1, leaked by a placement test, made a later tensor-parallel engine refuse to start."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from horizonrl.tiny_model import ensure_tiny_model

@@ -104,7 +104,10 @@ def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | N
 
     captured = []
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, args: captured.append(args) or object()))
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # set, then deleted: monkeypatch then restores the variable as it was (a plain delenv of an unset variable
+    # records nothing, and the engine's setdefault below would outlive the test)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:

@@ -429,7 +429,8 @@ def test_pinning_restricts_this_process_and_binds_the_engine(monkeypatch):
 
     before = os.sched_getaffinity(0)
     core = min(before)
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # then deleted: restored as it was after the test (a
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")       # leaked "1" broke a later tensor-parallel engine)
     try:
         assert pin_to_cpus(config(), "actor", 0) is None and os.sched_getaffinity(0) == before
         assert pin_to_cpus(config(f"rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]

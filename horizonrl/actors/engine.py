@@ -265,7 +265,7 @@ class RolloutEngine:
             except BaseException as exc:
                 self.clock.exit()
                 if isinstance(exc, asyncio.CancelledError):  # it may have reached the engine: end it there
-                    await asyncio.shield(self._llm.abort(request_id))
+                    await self._abort(request_id)
                 raise
             self._in_flight.add(request_id)
             return weights, queue
@@ -283,8 +283,14 @@ class RolloutEngine:
                 if output.finished:
                     return output
         except asyncio.CancelledError:
-            await asyncio.shield(self._llm.abort(request_id))
+            await self._abort(request_id)
             raise
+
+    async def _abort(self, request_id: str) -> None:
+        """End a cancelled request in the engine. After :meth:`shutdown` there is no engine to tell: the actor
+        process ending cancels the generations still pending (asyncio.run's clean-up) after the engine is gone."""
+        if self._llm is not None:
+            await asyncio.shield(self._llm.abort(request_id))
 
     # ------------------------------------------------------------------ weights
 

@@ -147,17 +147,20 @@ def freeze_until_a_broadcast_blocks(log: Path, learner_log: Path, engines: list[
     learner logs ``step n: loss ...`` only once the previous version's send has ended (each version is
     sent in the background while the next step trains, and the next publish waits for it): every engine
     acknowledged it, which a frozen engine never does. With the engines frozen the actors produce
-    nothing, so the learner may have no batch for a next step: then the engines run for a moment to
-    produce one, and are frozen again."""
-    deadline = time.monotonic() + 300
+    nothing, so the learner may have no batch for a next step: then the engines run for a while to
+    produce some, and are frozen again. The while doubles each time (2 s up to 32 s): on a loaded machine
+    (a second test beside this one) 2 s produced no batch, and 13 rounds of it ran out the time."""
+    deadline = time.monotonic() + 600
+    thaw_s = 2.0
     while time.monotonic() < deadline:
         reached = max(steps_in(log), default=0)
         _suspend(engines)
         try:
             wait_until(lambda: max(steps_in(log), default=0) > reached, 20, "a step with the engines frozen")
         except TimeoutError:
-            _resume(engines)  # no batch for a next step: let the actors produce one
-            time.sleep(2)
+            _resume(engines)  # no batch for a next step: let the actors produce some
+            time.sleep(thaw_s)
+            thaw_s = min(2 * thaw_s, 32.0)
             continue
         step = max(steps_in(log))
         time.sleep(5)  # a broadcast that began before the freeze has finished (and is logged) by now
