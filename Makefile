@@ -48,13 +48,15 @@ demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
 # Two pytest workers (pytest-xdist), each taking whole files: most of a test's wall time is processes starting,
-# waiting and shutting down, so a second worker fills the idle core. TEST_WORKERS=0 runs in one process.
+# waiting and shutting down, so a second worker fills the idle core. Files go out in collection order, longest
+# first (tests/conftest.py), not xdist's default of most tests first. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=1800 --durations=40 tests
+	$(PY) -m pytest -q $(XDIST) --timeout=1800 --durations=40 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

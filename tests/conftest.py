@@ -15,6 +15,39 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
 
 
+# The files that take longest (seconds in one process, fresh clone, 2026-11-26), run first: `make test`'s two
+# pytest-xdist workers take whole files in collection order, and a long file started last is the run's tail (the
+# BabyAI learning test, started 35 minutes in beside other tests, ended the run 15 minutes after everything else).
+# The first two go to different workers, one building the demo's model and one the Signpost model.
+LONGEST_FIRST = (
+    "integration/test_learning.py",  # 670, after the demo model's build (320)
+    "faults/test_crash_and_resume.py",  # 590
+    "faults/test_supervision.py",  # 400
+    "integration/test_babyai_loop.py",  # 100 after the demo model, and the recorded run the viewer tests share
+    "integration/test_bench_system.py",  # 250
+    "integration/test_resume_loop.py",  # 230
+    "integration/test_webarena_loop.py",  # 220, a model of its own
+    "faults/test_stragglers.py",  # 200
+    "integration/test_ray_launcher.py",  # 190
+    "integration/test_engine_weights.py",  # 180
+    "integration/test_launcher.py",  # 150
+    "learner/test_offline.py",  # 150
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FIRST, then the other files with slow tests, then the rest; collection order within each."""
+    tests_dir = Path(__file__).parent
+
+    def rank(item) -> tuple[int, int]:
+        path = Path(str(item.fspath)).relative_to(tests_dir).as_posix()
+        if path in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(path)
+        return (1 if item.get_closest_marker("slow") else 2), 0
+
+    items.sort(key=rank)  # stable: the order within a file stays
+
+
 @pytest.fixture(autouse=True)
 def environment_as_it_was():
     """What a test leaves in os.environ is undone after it. A pytest-xdist worker runs many files in one process:
