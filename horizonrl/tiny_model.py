@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -537,8 +538,6 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     reuses it instead of building it again. A directory that holds something else (no spec
     file) is never deleted.
     """
-    import fcntl
-
     out = Path(out_dir)
     spec_args = {k: v for k, v in kwargs.items() if k != "progress"}
     wanted = tiny_model_spec(**spec_args)
@@ -546,8 +545,7 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     if existing is not None and existing.get("spec") == wanted:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+    with build_lock(out.parent / f".{out.name}.lock", f"the tiny model {out}"):
         existing = read_spec(out)
         if existing is not None and existing.get("spec") == wanted:
             return out  # built while we waited
@@ -563,6 +561,31 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def build_lock(lock_path: Path, what: str, timeout_s: float = 3600.0):
+    """Hold an exclusive lock on ``lock_path`` (created if missing) while building ``what``. A second builder
+    waits, saying so once, and gives up with an error after ``timeout_s``. The lock goes with its holder: a
+    builder that dies (even by kill -9) releases it, so a lock file left behind never blocks anyone."""
+    import fcntl
+
+    with open(lock_path, "w") as lock:
+        deadline = time.monotonic() + timeout_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {what} for over {timeout_s:.0f} s "
+                                       f"(it holds {lock_path}): stop it if it hangs, or build elsewhere") from None
+                if not waiting:
+                    print(f"waiting for another process building {what}", file=sys.stderr)
+                    waiting = True
+                time.sleep(1.0)
+        yield
 
 
 def default_cache_dir() -> Path:

@@ -38,6 +38,9 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     """LONGEST_FIRST, then the other files with slow tests, then the rest; collection order within each."""
     tests_dir = Path(__file__).parent
+    missing = [path for path in LONGEST_FIRST if not (tests_dir / path).exists()]
+    if missing:  # renamed or removed: the list would quietly stop ordering them
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names files that do not exist: {missing}")
 
     def rank(item) -> tuple[int, int]:
         path = Path(str(item.fspath)).relative_to(tests_dir).as_posix()
@@ -107,15 +110,15 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     """``build(directory)`` once per test run, shared by every test that asks. Under pytest-xdist each worker has
     a session of its own: the workers share the run's temporary root and take turns on a lock there, so the
     second one reuses the first one's directory (a failed build leaves no mark, and the next asker retries)."""
-    import fcntl
     import shutil
+
+    from horizonrl.tiny_model import build_lock
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # pytest-N/, shared by the run's popen-gwK/ worker directories
     out = root / name
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(root / f"{name}.lock", str(out)):
         if not (out / ".built").exists():
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()

@@ -227,6 +227,20 @@ def test_two_builders_of_one_directory_build_it_once(tmp_path):
     assert read_spec(tmp_path / "m")["spec"]["episodes_per_env"] == 8
 
 
+def test_a_builder_waiting_on_a_hung_one_gives_up_with_a_clear_error(tmp_path):
+    import fcntl
+
+    from horizonrl.tiny_model import build_lock
+
+    with open(tmp_path / ".m.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: it blocks this process's build_lock as another's would
+        with pytest.raises(TimeoutError, match="another process has been building the model"):
+            with build_lock(tmp_path / ".m.lock", "the model", timeout_s=1.5):
+                pass
+    with build_lock(tmp_path / ".m.lock", "the model", timeout_s=1.5):  # released with its holder
+        pass
+
+
 def test_the_shape_is_a_setting_and_the_default_keeps_earlier_directories_valid(tmp_path):
     args = dict(envs=("signpost",), episodes_per_env=8, warmup_steps=1, batch_size=4, max_turns=3, progress=False)
     assert "shape" not in tiny_model_spec(**{k: v for k, v in args.items() if k != "progress"})  # as before
