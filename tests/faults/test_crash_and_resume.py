@@ -140,34 +140,39 @@ def _resume(processes: list[psutil.Process]) -> None:
             pass
 
 
-def freeze_until_a_broadcast_blocks(log: Path, learner_log: Path, engines: list[psutil.Process]) -> int:
-    """Freeze the engines (SIGSTOP) until the learner reports a step whose broadcast then does not finish.
+def freeze_a_broadcast(log: Path, run_dir: Path, learners: list[psutil.Process],
+                       engines: list[psutil.Process]) -> int:
+    """Make the learner's broadcast of a version wait on engines frozen (SIGSTOP) for good; returns the step
+    reported after that version, the one the learner cannot finish.
 
-    A step is reported (the launcher's ``step n/N`` line) before its weights are sent, and the
-    learner logs ``step n: loss ...`` only once the previous version's send has ended (each version is
-    sent in the background while the next step trains, and the next publish waits for it): every engine
-    acknowledged it, which a frozen engine never does. With the engines frozen the actors produce
-    nothing, so the learner may have no batch for a next step: then the engines run for a while to
-    produce some, and are frozen again. The while doubles each time (2 s up to 32 s): on a loaded machine
-    (a second test beside this one) 2 s produced no batch, and 13 rounds of it ran out the time."""
-    deadline = time.monotonic() + 600
-    thaw_s = 2.0
-    while time.monotonic() < deadline:
-        reached = max(steps_in(log), default=0)
+    The learner is stopped first while the actors fill the buffer, then the engines are frozen and the learner
+    resumes: it trains the buffered batches, sends the next version to engines that never acknowledge it, and
+    reports the step after — whose ``step n: loss`` line it logs only once the previous version's send has ended
+    (each version is sent in the background while the next step trains). Freezing the engines whenever a step
+    came instead depended on timing: with a second test beside it, the learner always caught up with the actors
+    between freezes, and no step came with the engines frozen."""
+    buffer_log = run_dir / "logs" / "buffer.log"
+    learner_log = run_dir / "logs" / "learner-0.log"
+    fills = buffer_log.read_text(errors="replace").count("buffer full")
+    _suspend(learners)
+    try:
+        wait_until(lambda: buffer_log.read_text(errors="replace").count("buffer full") > fills, 300,
+                   "the buffer full while the learner was stopped")
         _suspend(engines)
-        try:
-            wait_until(lambda: max(steps_in(log), default=0) > reached, 20, "a step with the engines frozen")
-        except TimeoutError:
-            _resume(engines)  # no batch for a next step: let the actors produce some
-            time.sleep(thaw_s)
-            thaw_s = min(2 * thaw_s, 32.0)
-            continue
-        step = max(steps_in(log))
-        time.sleep(5)  # a broadcast that began before the freeze has finished (and is logged) by now
-        if f"step {step}: loss" not in learner_log.read_text(errors="replace"):
-            return step
-        _resume(engines)
-    raise AssertionError("the learner never blocked in a weight broadcast to the frozen engines")
+        reached = max(steps_in(log), default=0)
+    finally:
+        _resume(learners)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        wait_until(lambda: max(steps_in(log), default=0) > reached, 300, "a step with the engines frozen")
+        time.sleep(5)  # a loss line that is coming has come by now
+        text = learner_log.read_text(errors="replace")
+        newest = max(steps_in(log))
+        waiting = [s for s in range(reached + 1, newest + 1) if f"step {s}: loss" not in text]
+        if waiting:
+            return waiting[0]
+        reached = newest  # each loss logged: the version sent before the freeze got through; the next cannot
+    raise AssertionError("every step's loss was logged: no broadcast waited on the frozen engines")
 
 
 def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_model, tmp_path):
@@ -184,7 +189,7 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
         wait_until(lambda: any(s >= 2 for s in steps_in(log)), 400, "learner step 2")
         engines = [p for actor in role_processes(proc.pid, "actor") for p in actor.children(recursive=True)]
         assert engines, "no engine processes under the actor"
-        blocked = freeze_until_a_broadcast_blocks(log, run_dir / "logs" / "learner-0.log", engines)
+        blocked = freeze_a_broadcast(log, run_dir, role_processes(proc.pid, "learner"), engines)
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=300)
     finally:
