@@ -47,10 +47,10 @@ $(STAMP): pyproject.toml | system-deps
 demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
-# Two pytest workers (pytest-xdist), each taking whole files: most of a test's wall time is processes starting,
-# waiting and shutting down, so a second worker fills the idle core. Files go out in collection order, longest
-# first (tests/conftest.py), not xdist's default of most tests first. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# One pytest process by default. TEST_WORKERS=N runs N pytest-xdist workers, each taking whole files, longest
+# first (tests/conftest.py): for a machine with cores to spare. On 2 cores two workers were no faster (measured
+# 2026-11-27: two whole-loop tests at once each ran 2-2.3x slower, and one ran past its 300 s limit).
+TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q $(XDIST) --timeout=1800 --durations=40 tests

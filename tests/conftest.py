@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
 
 
-# The files that take longest (seconds in one process, fresh clone, 2026-11-26), run first: `make test`'s two
-# pytest-xdist workers take whole files in collection order, and a long file started last is the run's tail (the
-# BabyAI learning test, started 35 minutes in beside other tests, ended the run 15 minutes after everything else).
-# The first two go to different workers, one building the demo's model and one the Signpost model.
+# The files that take longest (seconds in one process, fresh clone, 2026-11-26), run first under pytest-xdist
+# (`make test TEST_WORKERS=N`): the workers take whole files in collection order, and a long file started last
+# is the run's tail (the BabyAI learning test, started 35 minutes in beside other tests, ended a run 15 minutes
+# after everything else). The first two go to different workers, one building the demo's model and one the
+# Signpost model. One process keeps the collection order.
 LONGEST_FIRST = (
     "integration/test_learning.py",  # 670, after the demo model's build (320)
     "faults/test_crash_and_resume.py",  # 590
@@ -36,7 +37,10 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """LONGEST_FIRST, then the other files with slow tests, then the rest; collection order within each."""
+    """Under pytest-xdist: LONGEST_FIRST, then the other files with slow tests, then the rest; collection order
+    within each."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     tests_dir = Path(__file__).parent
     missing = [path for path in LONGEST_FIRST if not (tests_dir / path).exists()]
     if missing:  # renamed or removed: the list would quietly stop ordering them

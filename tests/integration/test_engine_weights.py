@@ -30,7 +30,7 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "HORIZONRL_CPU_WEIGHT_LOAD": load_path})
         try:
-            rc = proc.wait(timeout=300)
+            rc = proc.wait(timeout=600)  # 129 s alone; over 300 s beside another whole-loop test
         finally:
             if proc.poll() is None:
                 import signal
