@@ -48,8 +48,9 @@ demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
 # One pytest process by default. TEST_WORKERS=N runs N pytest-xdist workers, each taking whole files, longest
-# first (tests/conftest.py): for a machine with cores to spare. On 2 cores two workers were no faster (measured
-# 2026-11-27: two whole-loop tests at once each ran 2-2.3x slower, and one ran past its 300 s limit).
+# first (tests/conftest.py): for a machine with cores to spare. On 2 cores two workers saved little (2026-11-27:
+# ~62 min against 75, each with other work beside it) at a cost in reliability: two whole-loop tests at once each
+# ran 2-2.3x slower, and one ran past its 300 s limit.
 TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) system-deps
