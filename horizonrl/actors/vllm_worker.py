@@ -78,6 +78,29 @@ def packed_cpu_layers(model) -> list | None:
     return layers
 
 
+def load_in_place(model, named_tensors, packed: list) -> None:
+    """A version into the linear layers' kept weights (a tied lm_head shares the embedding's), then each packed
+    layer's packed copy from its new weight (vLLM-CPU with the hook above)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model.load_weights(named_tensors)
+    for layer in packed:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+
+def load_by_reload(worker, named_tensors) -> None:
+    """A version through vLLM's layer-wise ``reload_weights``, which re-runs the post-load processing layer by
+    layer (GPUs; a vLLM-CPU whose layers dropped their weights)."""
+    worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
+        # With tied embeddings the lm_head keeps its own packed copy of the old embedding.
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(lm_head)
+
+
 keep_unpacked_cpu_linear_weights()
 
 
@@ -204,28 +227,16 @@ class WeightReceiverExtension:
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
     def _horizonrl_load(self, named_tensors) -> None:
-        model = self.model_runner.get_model()
         from vllm.platforms import current_platform
 
+        model = self.model_runner.get_model()
         packed = packed_cpu_layers(model) if current_platform.is_cpu() else None
         if packed is not None:
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            model.load_weights(named_tensors)  # into the kept weights (a tied lm_head shares the embedding's)
-            for layer in packed:
-                dispatch_cpu_unquantized_gemm(layer, remove_weight=False)  # the packed copy, from the new weight
+            load_in_place(model, named_tensors, packed)
             self._horizonrl_load_path = "in-place"
-            return
-        # Elsewhere (GPUs; a vLLM-CPU whose layers dropped their weights) vLLM's reload re-runs the post-load
-        # processing layer by layer.
-        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
-        self._horizonrl_load_path = "reload"
-        lm_head = getattr(model, "lm_head", None)
-        if lm_head is not None and getattr(model.config, "tie_word_embeddings", False):
-            # With tied embeddings the lm_head keeps its own packed copy of the old embedding.
-            quant_method = getattr(lm_head, "quant_method", None)
-            if quant_method is not None:
-                quant_method.process_weights_after_loading(lm_head)
+        else:
+            load_by_reload(self, named_tensors)
+            self._horizonrl_load_path = "reload"
 
     def _horizonrl_worker_rank(self) -> int:
         """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""
