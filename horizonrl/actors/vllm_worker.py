@@ -69,8 +69,9 @@ def keep_unpacked_cpu_linear_weights() -> bool:
 
 
 def packed_cpu_layers(model) -> list | None:
-    """The layers vLLM-CPU packed for its GEMM kernels, to repack after new weights were written into them;
-    None when one of them dropped its weight (the hook above did not take): only vLLM's reload works then."""
+    """The layers vLLM-CPU packed for its GEMM kernels, to repack after new weights were written into them
+    (none on other platforms); None when one of them dropped its weight (the hook above did not take): only
+    vLLM's reload works then."""
     layers = [m for m in model.modules()
               if hasattr(m, "cpu_linear") and not getattr(m, "_cpu_skip_gemm_dispatch", False)]
     if any(getattr(m, "weight", None) is None or m.weight.ndim != 2 or m.weight.numel() == 0 for m in layers):
@@ -227,11 +228,11 @@ class WeightReceiverExtension:
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
     def _horizonrl_load(self, named_tensors) -> None:
-        from vllm.platforms import current_platform
-
+        # Only vLLM-CPU packs layers, so the model says which path applies; nothing here imports vLLM on the
+        # reload path (scripts/gpu_check.py drives this class with a transformers model on a GPU without vLLM).
         model = self.model_runner.get_model()
-        packed = packed_cpu_layers(model) if current_platform.is_cpu() else None
-        if packed is not None:
+        packed = packed_cpu_layers(model)
+        if packed:
             load_in_place(model, named_tensors, packed)
             self._horizonrl_load_path = "in-place"
         else:
