@@ -145,6 +145,7 @@ def record_babyai_run(babyai_tiny_model: Path, work: Path) -> None:
         f"algorithm.rounds_ctrl.rounds=[{RECORDED_RUN_TURNS}]", "rollout.max_tokens_per_turn=16",
         "rollout.max_context_tokens=1024", f"learner.total_steps={RECORDED_RUN_STEPS}", "buffer.max_staleness=0",
         "learner.groups_per_step=2", "buffer.capacity_groups=4", "monitor.record_fraction=1.0",
+        "rollout.num_actors=1",  # one engine: the viewer needs recorded groups, not two actors' worth
         # A format-warmed tiny model rarely succeeds yet; keep equal-reward groups so steps happen.
         "buffer.skip_equal_reward_groups=false", "eval.episodes=0"), work / "train.log")
     try:

@@ -1,6 +1,7 @@
 """The actor's acknowledged delivery (real ZMQ sockets; the test plays the buffer) and its task sequence."""
 
 import asyncio
+import time
 
 import pytest
 import zmq
@@ -155,3 +156,38 @@ def test_the_task_sequence_continues_where_it_left_off(tmp_path):
     assert 0.65 < names.count("b") / 400 < 0.85  # drawn by the environments' weights (3:1)
 
 
+
+
+async def test_a_stop_waits_for_acknowledgements_while_they_come_and_not_for_a_silent_buffer(tmp_path):
+    ctx = zmq.asyncio.Context()
+    buffer = Buffer(ctx)
+    delivery, socket = _delivery(ctx, buffer.port, tmp_path)
+    runner = asyncio.create_task(delivery.run())
+    try:
+        for i in range(5):
+            await delivery.send(make_trajectory("g", i, group_size=5))
+        arrived = await buffer.receive(5)
+
+        async def acknowledge_one_a_second():
+            for identity, trajectory in arrived[:4]:
+                await asyncio.sleep(1.0)
+                await buffer.ack(identity, [trajectory.trajectory_id])
+
+        # Acknowledgements keep coming, each within quiet_s of the last, for longer than quiet_s in all: the
+        # drain waits for all four...
+        acker = asyncio.create_task(acknowledge_one_a_second())
+        start = time.monotonic()
+        left = await delivery.drain(timeout_s=120.0, quiet_s=3.0)
+        took = time.monotonic() - start
+        await acker
+        assert delivery.counters["acked_accepted"] == 4, took
+        # ...then the buffer says nothing more (full, or gone): the drain ends quiet_s after the last one, far
+        # before its timeout, and the unacknowledged trajectory stays in the outbox for the next start.
+        assert left == 1 and list(delivery.unacked) == ["g-4"]
+        assert 4.0 <= took < 60.0, took
+    finally:
+        runner.cancel()
+        delivery.close()
+        socket.close(linger=0)
+        buffer.socket.close(linger=0)
+        ctx.term()

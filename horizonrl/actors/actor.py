@@ -21,8 +21,9 @@ Coroutines on one event loop:
   and ends before many newer weights arrive.
 
 Stopping (SIGINT/SIGTERM, or the coordinator's stop): no new episodes; episodes in progress are
-abandoned (counted, never produced); what was sent gets ``STOP_DRAIN_S`` to be acknowledged,
-the rest stays in the outbox and is sent by the next start.
+abandoned (counted, never produced); what was sent gets ``STOP_DRAIN_S`` to be acknowledged (less
+when the buffer stops acknowledging: full or gone), the rest stays in the outbox and is sent by the
+next start.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ class TrajectoryDelivery:
         # Set by the actor while the coordinator pauses the rollout: the buffer holds a full load and reads
         # nothing until the learner takes a batch, so sends wait for their acknowledgement as designed.
         self.backpressure = False
+        self._last_ack_at = 0.0  # time.monotonic() of the last acknowledgement read
         self._resend_log = RateLimitedLog(log)
         self._reject_log = RateLimitedLog(log)
         self._load_outbox()
@@ -168,6 +169,7 @@ class TrajectoryDelivery:
             await self._resend_overdue()
 
     def _on_ack(self, data: bytes) -> None:
+        self._last_ack_at = time.monotonic()
         try:
             ack = decode_as(data, TrajectoryAck, MAX_ACK_BYTES, self.run_id)
         except ProtocolError as exc:
@@ -213,10 +215,16 @@ class TrajectoryDelivery:
         else:
             self._room.clear()
 
-    async def drain(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for every trajectory to be acknowledged; returns how many are not."""
-        deadline = time.monotonic() + timeout_s
-        while self.unacked and time.monotonic() < deadline:
+    async def drain(self, timeout_s: float, quiet_s: float = 2.0) -> int:
+        """Wait up to ``timeout_s`` for every trajectory to be acknowledged, but no longer than ``quiet_s`` after
+        the last acknowledgement: a buffer that acknowledges nothing for that long is full (it reads nothing
+        until the learner takes a batch, and at the end of a run it never will) or gone, and what it did not
+        acknowledge stays in the outbox for the next start. Returns how many are not acknowledged."""
+        start = time.monotonic()
+        while self.unacked:
+            now = time.monotonic()
+            if now - start >= timeout_s or now - max(start, self._last_ack_at) >= quiet_s:
+                break
             await asyncio.sleep(0.05)
         return len(self.unacked)
 

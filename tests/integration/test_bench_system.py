@@ -50,7 +50,7 @@ def test_rollout_loops_and_bare_engine_on_a_real_engine(tiny_model):
 
 def test_synchronous_baseline_has_no_staleness_and_async_overlaps(tiny_model, tmp_path):
     result = training.run(True, tmp_path, model=str(tiny_model), repeats=1, steps=4, warmup=1,
-                          extra_overrides=["learner.groups_per_step=4"])
+                          extra_overrides=["learner.groups_per_step=4", "rollout.num_actors=1"])
     rows = {row["label"]: row for row in result["rows"]}
     assert set(rows) == {"synchronous", "async"}
     assert rows["synchronous"]["staleness"]["max"] == 0.0
