@@ -390,9 +390,10 @@ class Coordinator:
         if turns:
             scalars["rollout/agent/invalid_action_rate"] = invalid / turns
         # Weight updates, cumulative over actors: how long the engines generated nothing for them (the stall),
-        # the receive (in the background with rollout.weight_staging) and the load into the engine.
-        for key in ("weight_stall_s", "weight_transfer_s", "weight_load_s", "weight_updates", "weight_versions_skipped",
-                    "continued_requests", "kept_requests"):
+        # the receive (in the background with rollout.weight_staging), the load into the engine, and the wait for
+        # the engine to end its step before a pause (generating meanwhile: not stall).
+        for key in ("weight_stall_s", "weight_transfer_s", "weight_load_s", "weight_pause_wait_s", "weight_updates",
+                    "weight_versions_skipped", "continued_requests", "kept_requests"):
             scalars[f"rollout/{key}"] = self.health.total("actor", key)
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")

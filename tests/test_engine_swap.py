@@ -203,6 +203,33 @@ async def test_kept_requests_go_on_through_the_swap_without_a_new_request_and_ar
     assert engine._switches == {} and engine.clock.in_flight == 0
 
 
+async def test_the_wait_for_the_engine_to_end_its_step_is_not_counted_as_stall():
+    """vLLM pauses between two steps: the engine first ends the step it is in, generating its tokens. The swap
+    reports that wait apart (pause_wait_s) and counts as stall only the time from the pause to the resume."""
+    llm, engine, requests = await four_requests_in_flight("keep")
+    step_s, load_s = 1.0, 0.1
+    pause = llm._pause_scheduler
+
+    async def pause_after_a_step(**kwargs):
+        await asyncio.sleep(step_s)  # the step in progress ends first
+        await pause(**kwargs)
+
+    rpc = llm.collective_rpc
+
+    async def slow_load(method, timeout=None, args=()):
+        if method != "horizonrl_output_counts":
+            await asyncio.sleep(load_s)
+        return await rpc(method, timeout, args)
+
+    llm.engine_core = SimpleNamespace(pause_scheduler_async=pause_after_a_step)
+    llm.collective_rpc = slow_load
+    update = await engine.load_staged()
+    await asyncio.gather(*requests)
+    assert update.pause_wait_s >= step_s and update.stall_s >= load_s, update
+    # The stall must not hold the step (it did before); 0.9 s of margin for a loaded machine.
+    assert update.stall_s < step_s, update
+
+
 async def test_a_failed_swap_resumes_the_kept_requests_on_the_old_weights():
     llm = FakeLLM()
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep")

@@ -435,10 +435,11 @@ class Actor:
         """The engine holds ``update``'s weights now."""
         self.counters["weight_updates"] += 1
         self.counters["weight_stall_s"] += update.stall_s  # the engine generated nothing meanwhile
+        self.counters["weight_pause_wait_s"] += update.pause_wait_s  # it ended the step it was in meanwhile
         self.counters["weight_transfer_s"] += update.receive_s
         self.counters["weight_load_s"] += update.load_s
-        log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s)", self.weights, update.stall_s,
-                  update.receive_s, update.load_s)
+        log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s; before it, %.3f s to end a step)",
+                  self.weights, update.stall_s, update.receive_s, update.load_s, update.pause_wait_s)
 
     async def _run_groups(self, slot: int) -> None:
         while not self.stop and not self.control.stop:

@@ -150,7 +150,8 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
                         trained.append(await asyncio.to_thread(one_training_run, r))
                         m = trained[-1]
                         progress("engine", f"  {m['tokens_per_s']:.0f} generated tokens/s, weight-update stall "
-                                           f"{m['weight_stall_share']:.1%}, engine idle {m['engine_idle_share']:.0%}, "
+                                           f"{m['weight_stall_share']:.1%} (+{m['weight_pause_wait_share']:.1%} "
+                                           f"ending a step before a pause), engine idle {m['engine_idle_share']:.0%}, "
                                            f"{m['engine_requests_mean']:.1f} requests in flight on average")
         finally:
             for engine in engines:
@@ -159,8 +160,8 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
             os.sched_setaffinity(0, everywhere)
 
     asyncio.run(go())
-    keys = ("tokens_per_s", "engine_requests_mean", "weight_stall_share", "weight_load_share", "engine_idle_share",
-            "steps_per_min", "staleness")
+    keys = ("tokens_per_s", "engine_requests_mean", "weight_stall_share", "weight_load_share",
+            "weight_pause_wait_share", "engine_idle_share", "steps_per_min", "staleness")
     rows = [{"label": "async training (partitioned)", **{k: summarize([m[k] for m in trained]) for k in keys}},
             {"label": "bare engines (same cores)", "tokens_per_s": summarize(bare),
              "engine_requests_mean": summarize(bare_in_flight)}]

@@ -114,6 +114,9 @@ def window_metrics(s: dict[str, dict[int, float]], first: int, last: int, num_ac
                                  if engine_wall > 0 and "rollout/engine_request_s_total" in s else float("nan")),
         "weight_stall_share": delta("rollout/weight_stall_s") / (wall * num_actors),
         "weight_load_share": delta("rollout/weight_load_s") / (wall * num_actors),
+        # The engines ending their step before a pause (not stall; runs from before this scalar existed: nan).
+        "weight_pause_wait_share": (delta("rollout/weight_pause_wait_s") / (wall * num_actors)
+                                    if "rollout/weight_pause_wait_s" in s else float("nan")),
         "tokens_per_s": delta("rollout/generated_tokens_total") / wall,
         "step_s": sum(s["time/step_s"][k] for k in steps) / len(steps),
         "staleness": sum(s["batch/staleness_mean"][k] for k in steps) / len(steps),
