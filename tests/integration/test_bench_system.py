@@ -58,6 +58,9 @@ def test_synchronous_baseline_has_no_staleness_and_async_overlaps(tiny_model, tm
     for label, row in rows.items():
         assert row["steps_per_min"]["median"] > 0 and row["samples_per_s"]["median"] > 0, label
         assert 0.0 <= row["learner_idle_share"]["median"] <= 1.0, label
+        # the swaps' two parts, from the run's own scalars: the stall and the engine ending a step before a pause
+        assert 0.0 <= row["weight_stall_share"]["median"] < 1.0, label
+        assert 0.0 <= row["weight_pause_wait_share"]["median"] < 1.0, label
     scalars = training.read_scalars(tmp_path / "training" / "synchronous-0")
     assert all(v == 0.0 for v in scalars["batch/staleness_mean"].values())
     assert set(result["ratios"]) == {"async / synchronous learner steps/min", "async / synchronous samples/s"}
