@@ -182,8 +182,10 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
     log = tmp_path / "first.log"
     # Far more steps than it will reach: the learner runs ahead of the actors (up to the staleness bound), and
     # a short run could end during a moment the engines are thawed before any broadcast blocked.
+    # A generation caught by the freeze holds its group back until it times out, and the buffer may hold no complete
+    # group until then (one run waited the default 300 s for it, as long as the test waits for a step): 60 s.
     proc = start(tiny_model, run_dir, log, "learner.save_every=0", "learner.weight_sync_timeout_s=600",
-                 "learner.total_steps=10000")
+                 "learner.total_steps=10000", "rollout.turn_timeout_s=60")
     engines: list[psutil.Process] = []
     try:
         wait_until(lambda: any(s >= 2 for s in steps_in(log)), 400, "learner step 2")
@@ -197,7 +199,13 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
         stop_process(proc)
     text = log.read_text(errors="replace")
     assert rc == 130, text[-5000:]
-    assert "abandoned the broadcast" in (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
+    # The stop ends the blocked broadcast one of two ways, whichever comes first: the learner gives up on it after
+    # its grace (STOP_SEND_GRACE_S, 5 s; the hub's own test is tests/learner/test_learner_weight_sync.py), or the
+    # actor, stopping too, kills its engine processes — frozen or not — within ~3 s, and the hub drops the member
+    # whose connection closed. Either way the step is checkpointed and the run resumes.
+    learner_log = (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
+    assert ("abandoned the broadcast" in learner_log
+            or re.search(r"dropped actor 0 worker \d+ from the weight hub", learner_log)), learner_log[-3000:]
     checkpoint = latest_checkpoint(run_dir)
     # the step whose broadcast was abandoned is in the checkpoint
     assert checkpoint is not None and read_state(checkpoint)["step"] == blocked, (checkpoint, blocked)
