@@ -204,8 +204,10 @@ class RolloutEngine:
             disable_log_stats=True,
         )
         with starting_on_cpus(cpus):
-            llm = AsyncLLM.from_engine_args(args)
-        return cls(llm, on_gpu, engine.on_weight_update)
+            # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (an
+            # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
+            # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
+            return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.on_weight_update)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:

@@ -46,6 +46,14 @@ def test_rollout_loops_and_bare_engine_on_a_real_engine(tiny_model):
     rates = rollout.bare_engine_tokens_per_s(str(tiny_model), rollout.BareSpec(
         num_engines=1, concurrency=4, env_settings={"length": 2}, max_turns=2, episodes=4, repeats=1))
     assert len(rates) == 1 and rates[0] > 0
+    # Shut down, an engine is gone: none left for vLLM's __del__ to shut down again at interpreter exit, when
+    # module globals are gone ("Exception ignored in AsyncLLM.__del__" after every evaluation, until 2026-11-27).
+    import gc
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, AsyncLLM)], "an engine outlived its shutdown()"
 
 
 def test_synchronous_baseline_has_no_staleness_and_async_overlaps(tiny_model, tmp_path):
