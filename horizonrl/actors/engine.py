@@ -204,7 +204,7 @@ class RolloutEngine:
             disable_log_stats=True,
         )
         with starting_on_cpus(cpus):
-            # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (an
+            # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (likely an
             # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
             # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
             return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.on_weight_update)
