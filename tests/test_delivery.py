@@ -1,6 +1,7 @@
 """The actor's acknowledged delivery (real ZMQ sockets; the test plays the buffer) and its task sequence."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -43,6 +44,23 @@ def _delivery(ctx, port, outbox, **kw):
     return TrajectoryDelivery(socket, outbox, RUN_ID, **args), socket
 
 
+@contextlib.asynccontextmanager
+async def delivering(tmp_path, **kw):
+    """The test's buffer and a running delivery to it; every socket closed afterwards."""
+    ctx = zmq.asyncio.Context()
+    buffer = Buffer(ctx)
+    delivery, socket = _delivery(ctx, buffer.port, tmp_path, **kw)
+    runner = asyncio.create_task(delivery.run())
+    try:
+        yield buffer, delivery
+    finally:
+        runner.cancel()
+        delivery.close()
+        socket.close(linger=0)
+        buffer.socket.close(linger=0)
+        ctx.term()
+
+
 async def test_acknowledged_trajectories_leave_the_outbox_and_unacknowledged_survive_a_restart(tmp_path):
     ctx = zmq.asyncio.Context()
     buffer = Buffer(ctx)
@@ -79,11 +97,7 @@ async def test_acknowledged_trajectories_leave_the_outbox_and_unacknowledged_sur
 
 
 async def test_an_unacknowledged_trajectory_is_resent_and_too_many_hold_the_sender_back(tmp_path):
-    ctx = zmq.asyncio.Context()
-    buffer = Buffer(ctx)
-    delivery, socket = _delivery(ctx, buffer.port, tmp_path, ack_timeout_s=0.5, max_unacked=2)
-    runner = asyncio.create_task(delivery.run())
-    try:
+    async with delivering(tmp_path, ack_timeout_s=0.5, max_unacked=2) as (buffer, delivery):
         await delivery.send(make_trajectory("g", 0))
         await delivery.send(make_trajectory("g", 1))
         third = asyncio.create_task(delivery.send(make_trajectory("g", 2)))
@@ -101,24 +115,14 @@ async def test_an_unacknowledged_trajectory_is_resent_and_too_many_hold_the_send
         assert len(delivery.unacked) == 2
         await buffer.ack(arrived[0][0], ["g-1"])
         await asyncio.wait_for(asyncio.gather(third, fourth), 10)
-    finally:
-        runner.cancel()
-        delivery.close()
-        socket.close(linger=0)
-        buffer.socket.close(linger=0)
-        ctx.term()
 
 
 @pytest.mark.parametrize("backpressure", [False, True])
 async def test_a_resend_under_backpressure_is_not_a_warning(tmp_path, caplog, backpressure):
     """While the coordinator pauses the rollout the buffer reads nothing, so late acknowledgements are the
     design at work: the resend is logged at INFO (off the console), otherwise it is a WARNING."""
-    ctx = zmq.asyncio.Context()
-    buffer = Buffer(ctx)
-    delivery, socket = _delivery(ctx, buffer.port, tmp_path, ack_timeout_s=0.3)
-    delivery.backpressure = backpressure
-    runner = asyncio.create_task(delivery.run())
-    try:
+    async with delivering(tmp_path, ack_timeout_s=0.3) as (buffer, delivery):
+        delivery.backpressure = backpressure
         with caplog.at_level("INFO", logger="horizonrl.actors"):
             await delivery.send(make_trajectory("g", 0))
             await buffer.receive(2)  # sent, then sent again after the ack timeout
@@ -126,12 +130,6 @@ async def test_a_resend_under_backpressure_is_not_a_warning(tmp_path, caplog, ba
         [record] = [r for r in caplog.records if "unacknowledged" in r.getMessage()]
         assert record.levelname == ("INFO" if backpressure else "WARNING")
         assert ("the buffer is full" in record.getMessage()) == backpressure
-    finally:
-        runner.cancel()
-        delivery.close()
-        socket.close(linger=0)
-        buffer.socket.close(linger=0)
-        ctx.term()
 
 
 async def _until(predicate):
@@ -156,14 +154,8 @@ def test_the_task_sequence_continues_where_it_left_off(tmp_path):
     assert 0.65 < names.count("b") / 400 < 0.85  # drawn by the environments' weights (3:1)
 
 
-
-
 async def test_a_stop_waits_for_acknowledgements_while_they_come_and_not_for_a_silent_buffer(tmp_path):
-    ctx = zmq.asyncio.Context()
-    buffer = Buffer(ctx)
-    delivery, socket = _delivery(ctx, buffer.port, tmp_path)
-    runner = asyncio.create_task(delivery.run())
-    try:
+    async with delivering(tmp_path) as (buffer, delivery):
         for i in range(5):
             await delivery.send(make_trajectory("g", i, group_size=5))
         arrived = await buffer.receive(5)
@@ -185,9 +177,3 @@ async def test_a_stop_waits_for_acknowledgements_while_they_come_and_not_for_a_s
         # before its timeout, and the unacknowledged trajectory stays in the outbox for the next start.
         assert left == 1 and list(delivery.unacked) == ["g-4"]
         assert 4.0 <= took < 60.0, took
-    finally:
-        runner.cancel()
-        delivery.close()
-        socket.close(linger=0)
-        buffer.socket.close(linger=0)
-        ctx.term()
