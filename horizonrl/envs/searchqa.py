@@ -11,7 +11,8 @@ guessing again after a wrong answer cannot pay).
 Data: ``data_dir`` holding Search-R1-style ``train.jsonl`` / ``test.jsonl`` (rows with
 ``question`` and ``golden_answers``, optionally ``hops``) and, for BM25, ``corpus.jsonl``;
 or ``retriever_url`` for a Search-R1 retrieval server. Without ``data_dir`` the synthetic
-corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``.
+corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``, ``people``
+and ``name_parts``.
 Ids: train rows are ``0..n_train-1`` and test rows follow, so the splits are disjoint. ``hops``
 (e.g. ``[2]``) keeps only the questions of those hop counts in both splits.
 The category is ``hops-<n>`` (``hops-unknown`` if the row does not say).
@@ -62,10 +63,10 @@ def exact_match(prediction: str, golden_answers: list[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _synthetic(seed: int) -> dict[str, Any]:
+def _synthetic(seed: int, people: int, name_parts: int | None) -> dict[str, Any]:
     from horizonrl.envs.synthetic_corpus import generate
 
-    return generate(seed=seed)
+    return generate(seed=seed, num_people=people, name_parts=name_parts)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -80,11 +81,17 @@ class SearchQAEnv:
     reply_format = "tags"  # the reply carries <search>/<answer> tags, not a ReAct "Action:" line
 
     def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
-                 seed: int = 0, answer_ends_episode: bool = False, hops: list[int] | None = None) -> None:
+                 seed: int = 0, answer_ends_episode: bool = False, hops: list[int] | None = None,
+                 random_answers: str = "unasked", people: int = 120, name_parts: int | None = None) -> None:
+        if random_answers not in ("unasked", "found"):
+            raise ValueError(f"searchqa: random_answers must be 'unasked' or 'found', not {random_answers!r}")
+        if data_dir is not None and (people, name_parts) != (120, None):
+            raise ValueError("searchqa: people and name_parts shape the synthetic corpus; with data_dir, generate "
+                             "it with `python -m horizonrl.envs.synthetic_corpus DIR --people N --name-parts K`")
         if data_dir is None:
-            data = _synthetic(seed)
+            data = _synthetic(seed, people, name_parts)
             self.train, self.test = data["train"], data["test"]
-            corpus_key: Any = ("synthetic", seed)
+            corpus_key: Any = ("synthetic", seed, people, name_parts)
             corpus = lambda: [row["contents"] for row in data["corpus"]]  # noqa: E731
         else:
             root = Path(data_dir)
@@ -107,6 +114,7 @@ class SearchQAEnv:
                 self.retriever = _RETRIEVERS[corpus_key]
         self.topk = topk
         self.answer_ends_episode = bool(answer_ends_episode)
+        self.random_answers = random_answers
         self.row: dict[str, Any] | None = None
         self.last_documents: list[Any] = []  # the latest search's results (names the random policy can use)
         self._done = True
@@ -171,13 +179,18 @@ class SearchQAEnv:
         uniformly. It names the answer only by chance, with no skill. With ``answer_ends_episode`` (one
         answer per episode) it searches first, for names only (the question's capitalised words and those
         found), and answers only with a name from the latest results that the question does not hold: an
-        answer before any search would end the episode with a name the question already gave."""
+        answer before any search would end the episode with a name the question already gave. With
+        ``random_answers="found"`` it answers with any name of the latest results, the question's included:
+        then telling the asked name from the answer is left for training to learn (on a 1-hop question the
+        page names the person and the city: the "unasked" rule alone makes the random policy right whenever
+        its search found the page)."""
         question = self.row["question"] if self.row else "the answer"
         words = re.findall(r"[A-Za-z]+", question)
         found = set(re.findall(CAPITALISED, " ".join(f"{d.title} {d.text}" for d in self.last_documents)))
         names = sorted(set(re.findall(CAPITALISED, question)) | found) or words
         if self.answer_ends_episode:
-            names = sorted(found - set(re.findall(CAPITALISED, question))) or names
+            unasked = found - set(re.findall(CAPITALISED, question)) if self.random_answers == "unasked" else found
+            names = sorted(unasked) or names
         if rng.random() < 0.5 or (self.answer_ends_episode and not found):
             pool = sorted(set(words) | found)
             if self.answer_ends_episode:  # names only: the question's and those found (the next hop)

@@ -41,14 +41,31 @@ def _unique(rng: random.Random, used: set[str], make) -> str:
 
 
 def generate(seed: int = 0, num_people: int = 120, num_cities: int = 40, num_countries: int = 10,
-             num_companies: int = 40, test_fraction: float = 0.2) -> dict[str, Any]:
-    """Corpus rows and train/test QA rows, the same for the same arguments on every machine."""
+             num_companies: int = 40, test_fraction: float = 0.2, name_parts: int | None = None) -> dict[str, Any]:
+    """Corpus rows and train/test QA rows, the same for the same arguments on every machine.
+
+    ``name_parts``: people's first names and surnames are drawn from two pools of this many words
+    (a person is a new pair of known words), rather than each person having two words of their own.
+    A large corpus then has few distinct words, each seen often, so a small model can spell every
+    name, held-out people's included, while no two people share a whole name.
+    """
+    if name_parts is not None and name_parts * name_parts < num_people:
+        raise ValueError(f"name_parts={name_parts} makes {name_parts ** 2} names, fewer than {num_people} people")
     rng = random.Random(seed)
     used: set[str] = set()
     countries = [_unique(rng, used, lambda: _word(rng, 2) + "ia") for _ in range(num_countries)]
     cities = [{"name": _unique(rng, used, lambda: _word(rng, 2)), "country": rng.choice(countries),
                "river": _word(rng, 2)} for _ in range(num_cities)]
-    people = [{"name": _unique(rng, used, lambda: f"{_word(rng, 2)} {_word(rng, 2)}"), "city": rng.choice(cities),
+    if name_parts is None:
+        def person_name() -> str:
+            return f"{_word(rng, 2)} {_word(rng, 2)}"
+    else:
+        first_names = [_unique(rng, used, lambda: _word(rng, 2)) for _ in range(name_parts)]
+        surnames = [_unique(rng, used, lambda: _word(rng, 2)) for _ in range(name_parts)]
+
+        def person_name() -> str:
+            return f"{rng.choice(first_names)} {rng.choice(surnames)}"
+    people = [{"name": _unique(rng, used, person_name), "city": rng.choice(cities),
                "job": rng.choice(_PROFESSIONS), "year": rng.randint(1700, 1990)} for _ in range(num_people)]
     companies = [{"name": _unique(rng, used, lambda: _word(rng, 2) + " Works"), "founder": rng.choice(people),
                   "makes": rng.choice(_INDUSTRIES), "year": rng.randint(1750, 2010)} for _ in range(num_companies)]
@@ -104,8 +121,11 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--people", type=int, default=120)
+    parser.add_argument("--name-parts", type=int, default=None,
+                        help="draw first names and surnames from pools of this many words (default: two new words "
+                             "per person)")
     args = parser.parse_args()
-    print(write(args.out_dir, seed=args.seed, num_people=args.people))
+    print(write(args.out_dir, seed=args.seed, num_people=args.people, name_parts=args.name_parts))
 
 
 if __name__ == "__main__":

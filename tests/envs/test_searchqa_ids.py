@@ -93,6 +93,47 @@ async def test_with_answer_ends_episode_the_random_policy_searches_names_first_a
     assert answers and set(answers) <= page_words - question_words
 
 
+async def test_random_answers_found_lets_the_random_policy_answer_the_asked_name_too():
+    """With ``random_answers="found"`` its answers are any name of the page it read, the question's
+    included, so on a 1-hop question it is right only by chance (the default never answers the asked name)."""
+    env = SearchQAEnv(topk=1, answer_ends_episode=True, hops=[1], random_answers="found")
+    rng = random.Random(0)
+    await env.reset(env.task_ids("test")[0])
+    asked = {w for w in env.row["question"].rstrip("?").split() if w[0].isupper() and w != "In"}
+    await env.step(env.expert_plan()[0])
+    page_names = {w for d in env.last_documents for w in f"{d.title} {d.text}".replace(".", " ").split()
+                  if w[0].isupper()}
+    answers = {r.split("<answer>")[1].split("</answer>")[0].strip()
+               for r in (env.random_action(rng) for _ in range(200)) if "<answer>" in r}
+    assert answers == page_names and asked <= answers and env.row["golden_answers"][0] in answers
+    with pytest.raises(ValueError, match="random_answers"):
+        SearchQAEnv(random_answers="oracle")
+
+
+def test_name_parts_builds_people_from_two_pools_of_words_with_no_name_twice():
+    data = generate(seed=1, num_people=300, name_parts=20)
+    people = [row["supporting_titles"][0] for row in data["train"] + data["test"] if row["hops"] == 1]
+    assert len(people) == 300 == len(set(people))
+    firsts, lasts = {p.split()[0] for p in people}, {p.split()[1] for p in people}
+    assert len(firsts) <= 20 and len(lasts) <= 20 and not firsts & lasts
+    assert generate(seed=1, num_people=300, name_parts=20) == data
+    with pytest.raises(ValueError, match="fewer than 500 people"):
+        generate(num_people=500, name_parts=20)
+
+
+async def test_the_env_generates_a_larger_synthetic_corpus_in_memory_as_the_command_writes_it(tmp_path):
+    write(tmp_path, num_people=200, name_parts=15)
+    from_files = SearchQAEnv(data_dir=str(tmp_path), topk=1, hops=[1])
+    in_memory = SearchQAEnv(topk=1, hops=[1], people=200, name_parts=15)
+    assert in_memory.rows == from_files.rows and len(in_memory.rows) == 200
+    task = in_memory.task_ids("test")[0]
+    await in_memory.reset(task)
+    result = await in_memory.step(in_memory.expert_plan()[0])
+    assert in_memory.row["golden_answers"][0] in result.observation
+    with pytest.raises(ValueError, match="synthetic corpus"):
+        SearchQAEnv(data_dir=str(tmp_path), people=200)
+
+
 async def test_random_policy_searches_question_words_and_guesses_names_it_has_seen():
     """The warm-up's random policy: a search for words of the question or names in the latest search
     results, or an answer naming one capitalised word from the question or those results; it knows no
