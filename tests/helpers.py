@@ -1,12 +1,14 @@
-"""Shared test helpers: trajectories, processes started and ended by pid, free ports."""
+"""Shared test helpers: trajectories, processes started and ended by pid, free ports, scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from horizonrl.protocol import Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
@@ -90,3 +92,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module, to test its functions (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module

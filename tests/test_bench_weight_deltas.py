@@ -6,25 +6,12 @@ whose changes are known.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_weight_deltas.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_weight_deltas_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 def test_compare_counts_changed_elements_and_bytes():
-    compare = _load_script().compare
+    compare = load_script("bench_weight_deltas").compare
     old = {"a": torch.zeros(10, dtype=torch.bfloat16), "b": torch.ones(2, 5, dtype=torch.bfloat16)}
     new = {name: tensor.clone() for name, tensor in old.items()}
     new["a"][3] = 1.5
@@ -37,7 +24,7 @@ def test_compare_counts_changed_elements_and_bytes():
 
 
 def test_compare_of_a_version_with_itself_is_empty():
-    compare = _load_script().compare
+    compare = load_script("bench_weight_deltas").compare
     version = {"w": torch.randn(4, 4).to(torch.bfloat16)}
     figures = compare(version, {"w": version["w"].clone()})
     assert figures["changed_share"] == 0 and figures["sparse_bytes"] == 0 and figures["dense_per_tensor_bytes"] == 0

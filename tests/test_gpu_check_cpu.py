@@ -5,24 +5,16 @@ The CUDA-only checks must say SKIPPED (never PASS) here; a failing check must ma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -45,7 +37,7 @@ def test_cpu_checks_pass_and_cuda_checks_say_skipped(tmp_path):
 
 
 def test_a_failing_check_makes_the_exit_status_1(tmp_path):
-    gpu_check = _load_script()
+    gpu_check = load_script("gpu_check")
 
     def check_planted_failure(ctx):
         raise AssertionError("planted")
@@ -65,7 +57,7 @@ def test_the_sizing_counts_the_parameters_transformers_builds(key):
 
     from horizonrl.learner.sizing import QWEN25
 
-    gpu_check = _load_script()
+    gpu_check = load_script("gpu_check")
     with torch.device("meta"):
         model = Qwen2ForCausalLM(gpu_check.qwen_config(key))
     shape = QWEN25[key]

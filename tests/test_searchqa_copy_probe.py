@@ -3,19 +3,7 @@ predicts that name, and on a model that has learnt nothing no name stands out.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "searchqa_copy_probe.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("searchqa_copy_probe_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 def test_an_untrained_model_gives_no_name_a_high_probability(tmp_path):
@@ -30,7 +18,7 @@ def test_an_untrained_model_gives_no_name_a_high_probability(tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
 
-    figures = _load_script().probe(str(tmp_path), settings, "test", questions=3)
+    figures = load_script("searchqa_copy_probe").probe(str(tmp_path), settings, "test", questions=3)
     assert set(figures) == {"search_first", "answer_city", "answer_first", "answer_last", "greedy_city"}
     assert all(0.0 < figures[key] < 0.05 for key in ("search_first", "answer_city", "answer_first", "answer_last"))
     assert figures["greedy_city"] in (0.0, 1 / 3, 2 / 3, 1.0)

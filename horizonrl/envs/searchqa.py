@@ -187,14 +187,14 @@ class SearchQAEnv:
         question = self.row["question"] if self.row else "the answer"
         words = re.findall(r"[A-Za-z]+", question)
         found = set(re.findall(CAPITALISED, " ".join(f"{d.title} {d.text}" for d in self.last_documents)))
-        names = sorted(set(re.findall(CAPITALISED, question)) | found) or words
+        asked = set(re.findall(CAPITALISED, question))
+        names = sorted(asked | found) or words
         if self.answer_ends_episode:
-            unasked = found - set(re.findall(CAPITALISED, question)) if self.random_answers == "unasked" else found
-            names = sorted(unasked) or names
+            names = sorted(found - asked if self.random_answers == "unasked" else found) or names
         if rng.random() < 0.5 or (self.answer_ends_episode and not found):
             pool = sorted(set(words) | found)
             if self.answer_ends_episode:  # names only: the question's and those found (the next hop)
-                pool = sorted(set(re.findall(CAPITALISED, question)) | found) or pool
+                pool = sorted(asked | found) or pool
             picked = " ".join(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
             return f"<think>I should look this up.</think>\n<search> {picked} </search>"
         return f"<think>I will guess.</think>\n<answer> {rng.choice(names)} </answer>"
