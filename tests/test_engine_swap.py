@@ -28,10 +28,12 @@ class FakeLLM:
         self.resumed = asyncio.Event()  # cleared while paused with the requests kept (vLLM's mode "keep")
         self.resumed.set()
         self.unscheduled: set[str] = set()  # requests the worker does not hold yet (not in its output counts)
+        self.salts: list[str] = []  # each request's prefix-cache salt, in submission order
         self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause_scheduler)
 
     async def add_request(self, request_id, prompt, params):
         await asyncio.sleep(self.add_delay_s)  # vLLM's input processing before the request reaches the engine
+        self.salts.append(prompt["cache_salt"])
         queue: asyncio.Queue = asyncio.Queue()
         queue.get_nowait = lambda q=queue: None if q.empty() else asyncio.Queue.get_nowait(q)
         state = {"ids": [], "logprobs": [], "queue": queue, "max": params.max_tokens}
@@ -182,6 +184,22 @@ async def test_resubmitting_keeps_the_prefix_cache():
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="resubmit")
     await engine.load_staged()
     assert engine.weights == (0, 1) and llm.prefix_resets == 0
+
+
+@pytest.mark.parametrize("on_weight_update", ["keep", "resubmit", "recompute"])
+async def test_the_prefix_cache_is_keyed_by_the_weights_a_request_starts_under(on_weight_update):
+    """A request started after a swap never reuses keys and values of the old weights (the real engine's
+    logprobs show it: tests/integration/test_engine_weights.py); only resubmit's continuation of a request cut
+    off keeps its first salt, to reuse its own context's blocks."""
+    llm, engine, requests = await four_requests_in_flight(on_weight_update)
+    llm.unscheduled.add(sorted(llm.running)[0])  # keep cuts off (only) a request the worker does not hold yet
+    await engine.load_staged()
+    later = await engine.generate([1, 2, 3], max_tokens=3, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    await asyncio.gather(*requests)
+    assert later.version_spans == [(3, 0, 1)]
+    continuations = {"keep": ["w0.1"], "resubmit": ["w0.0"] * 4, "recompute": ["w0.1"] * 4}[on_weight_update]
+    assert llm.salts[:4] == ["w0.0"] * 4  # then the continuations and the later request, in either order
+    assert sorted(llm.salts[4:]) == sorted([*continuations, "w0.1"])
 
 
 async def test_kept_requests_go_on_through_the_swap_without_a_new_request_and_are_tagged_per_span():

@@ -116,6 +116,12 @@ class RolloutEngine:
 
     Either way a request in flight during an update finishes, and every token is known to come from
     exactly one version (``Generation.version_spans``). Measured: docs/benchmarks.md.
+
+    The prefix cache is keyed by weight version (vLLM's ``cache_salt``): a request started after a swap
+    never reuses keys and values an older version computed (without the salt the system prompt's blocks,
+    hit by every episode, would have stayed those of version 0 for the whole run, and a new turn's context
+    those of the version that generated it). A request cut off by a swap under ``resubmit`` goes on under
+    its first salt, so it reuses its own context's blocks as described above.
     """
 
     def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep") -> None:
@@ -215,12 +221,12 @@ class RolloutEngine:
         it off, and either way it goes on under the new weights (see the class docstring): it returns only when
         the reply is complete, each token tagged with the version that sampled it."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         ids: list[int] = []
         logprobs: list[float] = []
         spans: list[tuple[int, int, int]] = []
+        salt = None  # resubmit: the first submission's weights' salt, for a continuation after a cut-off
         while True:
             params = SamplingParams(
                 temperature=temperature,
@@ -235,7 +241,9 @@ class RolloutEngine:
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             request_id = uuid.uuid4().hex
-            weights, queue = await self._submit(request_id, TokensPrompt(prompt_token_ids=prompt_ids + ids), params)
+            weights, queue = await self._submit(request_id, prompt_ids + ids, params, salt)
+            if self.on_weight_update == "resubmit":  # its continuation reuses the blocks of its own context
+                salt = salt or cache_salt(weights)
             try:
                 final = await self._final_output(request_id, queue)
             finally:
@@ -257,17 +265,21 @@ class RolloutEngine:
                 finish_reason = "length"  # every token it asked for had come before the swap
             return Generation(ids, logprobs, finish_reason, _merged(spans))
 
-    async def _submit(self, request_id: str, prompt, params) -> tuple[tuple[int, int], object]:
+    async def _submit(self, request_id: str, prompt_ids: list[int], params,
+                      salt: str | None) -> tuple[tuple[int, int], object]:
         """Put one request into the engine once no swap is in progress; returns the weights it is generated
         with and vLLM's output queue. A swap that starts meanwhile waits for this to return (so it sees and
         aborts the request) and cannot finish before, so those weights are the request's until it ends or
-        is cut off."""
+        is cut off. Its prefix-cache salt is ``salt``, else those weights' (the class docstring)."""
+        from vllm.inputs import TokensPrompt
+
         while not self._gate_open.is_set():
             await self._gate_open.wait()
         self._submitting += 1
         self._submitted.clear()
         try:
             weights = self.weights
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt or cache_salt(weights))
             self.clock.enter()
             try:
                 queue = await self._llm.add_request(request_id, prompt, params)
@@ -455,6 +467,11 @@ class RolloutEngine:
         import gc
 
         gc.collect()
+
+
+def cache_salt(weights: tuple[int, int]) -> str:
+    """The prefix-cache salt of requests generated with ``weights`` = (epoch, version)."""
+    return f"w{weights[0]}.{weights[1]}"
 
 
 def spans_of_request(before: int, new: int, weights: tuple[int, int],

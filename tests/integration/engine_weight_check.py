@@ -85,12 +85,20 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
     nucleus = await engine.generate(prompt, **{**kwargs, "max_tokens": 48, "top_p": top_p})
-    in_flight, newer = await update_in_flight(engine, hub, learner, prompt, temperature, version=2)
+    in_flight, newer, _ = await update_in_flight(engine, hub, learner, prompt, temperature, version=2)
     # rollout.engine.on_weight_update=keep: the same with the requests kept in the engine through the swap
     engine.on_weight_update = "keep"
     continued = engine.continued_requests
-    kept, _ = await update_in_flight(engine, hub, newer, prompt, temperature, version=3)
+    kept, v3, kept_generations = await update_in_flight(engine, hub, newer, prompt, temperature, version=3)
     kept["continued_requests"] = engine.continued_requests - continued
+    # A request that starts after the swap, with a context the engine holds cached keys and values of (computed by
+    # the old weights, and by the new ones on top of them): the first 300 tokens of a kept request, two whole
+    # blocks and more. The prefix cache is keyed by weight version, so it is computed by the new weights alone.
+    context = prompt + kept_generations[0].token_ids[:300]
+    fresh = await engine.generate(context, **kwargs)
+    kept["fresh_vs_v3"] = max(abs(x - y) for x, y in zip(
+        fresh.logprobs, hf_logprobs(v3, context, fresh.token_ids, temperature)))
+    kept["fresh_spans"] = [list(span) for span in fresh.version_spans]
     # The learner goes away (its groups close): the engine's next receive fails, the worker lives on,
     # and the engine joins another hub (a restarted learner), which answers with its own weights.
     hub.close()
@@ -169,7 +177,7 @@ async def update_in_flight(engine, hub, learner, prompt, temperature, version: i
     """``version`` arrives while 8 long requests are in flight (the engine holds the one before, ``learner``): it
     is staged while they generate and swapped in; each request finishes, its tokens tagged per version span, and
     the learner's ratio for them is taken against the logprobs actually sampled. Returns the figures and the
-    model sent. (Below, v1 is the engine's version before the swap and v2 the one after.)"""
+    model sent and the generations. (Below, v1 is the engine's version before the swap and v2 the one after.)"""
     import copy
 
     import torch
@@ -248,7 +256,7 @@ async def update_in_flight(engine, hub, learner, prompt, temperature, version: i
         result["new_span_ratio_vs_1"] = max(result["new_span_ratio_vs_1"], float((new - 1).abs().max()))
         result["old_span_ratio_error"] = max(result["old_span_ratio_error"], float((old - expected_old).abs().max()))
         result["old_span_ratio_vs_1"] = max(result["old_span_ratio_vs_1"], float((old - 1).abs().max()))
-    return result, newer
+    return result, newer, generations
 
 
 if __name__ == "__main__":

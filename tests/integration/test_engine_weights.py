@@ -91,3 +91,5 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     assert all(kept["valid"])
     assert kept["old_span_vs_v1"] <= 1e-4 and kept["new_span_vs_kept"] <= 1e-4
     assert kept["new_span_vs_v1"] > 1e-3 and kept["old_span_ratio_error"] <= 1e-3
+    # a new request over a context whose keys and values the old weights cached is computed by the new weights
+    assert kept["fresh_spans"] == [[24, 0, 3]] and kept["fresh_vs_v3"] <= 1e-4
