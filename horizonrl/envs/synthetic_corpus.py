@@ -28,7 +28,8 @@ _PROFESSIONS = ["painter", "engineer", "botanist", "composer", "cartographer", "
 _INDUSTRIES = ["glassware", "river barges", "clockwork toys", "seed oils", "wool dyes", "lanterns"]
 
 
-def _word(rng: random.Random, syllables: int) -> str:
+def invented_word(rng: random.Random, syllables: int) -> str:
+    """A pronounceable invented word, capitalised (``Kaithor``)."""
     return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)).title()
 
 
@@ -53,21 +54,21 @@ def generate(seed: int = 0, num_people: int = 120, num_cities: int = 40, num_cou
         raise ValueError(f"name_parts={name_parts} makes {name_parts ** 2} names, fewer than {num_people} people")
     rng = random.Random(seed)
     used: set[str] = set()
-    countries = [_unique(rng, used, lambda: _word(rng, 2) + "ia") for _ in range(num_countries)]
-    cities = [{"name": _unique(rng, used, lambda: _word(rng, 2)), "country": rng.choice(countries),
-               "river": _word(rng, 2)} for _ in range(num_cities)]
+    countries = [_unique(rng, used, lambda: invented_word(rng, 2) + "ia") for _ in range(num_countries)]
+    cities = [{"name": _unique(rng, used, lambda: invented_word(rng, 2)), "country": rng.choice(countries),
+               "river": invented_word(rng, 2)} for _ in range(num_cities)]
     if name_parts is None:
         def person_name() -> str:
-            return f"{_word(rng, 2)} {_word(rng, 2)}"
+            return f"{invented_word(rng, 2)} {invented_word(rng, 2)}"
     else:
-        first_names = [_unique(rng, used, lambda: _word(rng, 2)) for _ in range(name_parts)]
-        surnames = [_unique(rng, used, lambda: _word(rng, 2)) for _ in range(name_parts)]
+        first_names = [_unique(rng, used, lambda: invented_word(rng, 2)) for _ in range(name_parts)]
+        surnames = [_unique(rng, used, lambda: invented_word(rng, 2)) for _ in range(name_parts)]
 
         def person_name() -> str:
             return f"{rng.choice(first_names)} {rng.choice(surnames)}"
     people = [{"name": _unique(rng, used, person_name), "city": rng.choice(cities),
                "job": rng.choice(_PROFESSIONS), "year": rng.randint(1700, 1990)} for _ in range(num_people)]
-    companies = [{"name": _unique(rng, used, lambda: _word(rng, 2) + " Works"), "founder": rng.choice(people),
+    companies = [{"name": _unique(rng, used, lambda: invented_word(rng, 2) + " Works"), "founder": rng.choice(people),
                   "makes": rng.choice(_INDUSTRIES), "year": rng.randint(1750, 2010)} for _ in range(num_companies)]
 
     corpus: list[dict[str, str]] = []

@@ -14,6 +14,15 @@ Replies are the package's: ``Got 1 oak log``, ``Crafted 4 minecraft:oak_planks``
 ``Inventory: [oak planks] (4)``, ``Could not find ...``. Reward 1 (and success) when the goal
 item is obtained, which ends the episode; otherwise 0.
 
+``renamed_variants: V`` (default 0: the package's names) turns each goal into V tasks that show every
+item under other names (task ``v * G + g`` is goal ``g`` under renaming ``v``; the split still goes by the
+goal, so held-out goals stay unseen), in the observations and in the actions read back. ``rename`` says how:
+``words`` permutes the words of the package's item names (``birch planks`` and ``birch logs`` still share
+their first word), ``items`` gives each item of the episode a name of its own, two invented words drawn from
+two pools (no shared words but by chance). The recipes, the crafting rules and the success test are the
+package's; only the names change. With the package's names the tiny model learns its 100 training goals one
+by one; renamed, an answer cannot be remembered and must be read from the recipes (docs/learning.md).
+
 Fixes over AgentGym: the package's recipe tree is built from an alphabetically sorted file
 list and the package's tree walk (which appends to the shared recipe lists on every call) is
 replaced by a pure one; commands and distractors are drawn with a per-task RNG instead of the
@@ -34,6 +43,16 @@ from horizonrl.envs.base import StepResult, extract_react_action
 
 MAX_DISTRACTORS = 10
 TEST_MODULUS = 5
+# Words of the env's own replies and commands that also occur in item names ("crafting table", "item frame"):
+# renaming keeps them, so a reply's or a command's fixed words never change meaning.
+_FIXED_WORDS = frozenset(
+    "a action actions anything are carrying command commands could craft crafted crafting enough episode execute "
+    "find for format get goal got inventory invalid is item items minecraft more no not over recipe reply the to "
+    "using valid with wrong you".split())
+_WORD = re.compile(r"(?<![A-Za-z])[a-z]+(?![A-Za-z])")  # a lower-case word, also inside minecraft:oak_planks
+_ITEM_ID = re.compile(r"minecraft:[a-z_]+")
+RENAMINGS = ("words", "items")
+ITEM_NAME_POOL = 40  # rename=items: each name is one of 40 first words and one of 40 second words
 _TREE: Any = None
 _TREE_LOCK = threading.Lock()
 
@@ -59,6 +78,26 @@ def crafting_tree() -> Any:
         return _TREE
 
 
+def _invented_pools(size: int) -> tuple[list[str], list[str]]:
+    """Two disjoint pools of invented lower-case words, the same on every machine."""
+    from horizonrl.envs.synthetic_corpus import invented_word
+
+    rng, words = random.Random("textcraft-item-names"), set()
+    while len(words) < 2 * size:
+        word = invented_word(rng, 2).lower()
+        if word not in _FIXED_WORDS:
+            words.add(word)
+    ordered = sorted(words)
+    rng.shuffle(ordered)
+    return ordered[:size], ordered[size:]
+
+
+def _names_pattern(names: list[str]) -> re.Pattern:
+    """Any of ``names`` as a whole (the longest first), not inside a longer name or an id."""
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    return re.compile(rf"(?<![a-z_:])(?:{alternatives})(?![a-z_])")
+
+
 def item_name(item_id: str) -> str:
     return item_id.replace("minecraft:", "").replace("_", " ")
 
@@ -72,9 +111,15 @@ class TextCraftEnv:
 
     name = "textcraft"
 
-    def __init__(self, max_distractors: int = MAX_DISTRACTORS, max_depth: int | None = None) -> None:
+    def __init__(self, max_distractors: int = MAX_DISTRACTORS, max_depth: int | None = None,
+                 renamed_variants: int = 0, rename: str = "words") -> None:
         if max_depth is not None and max_depth < 1:
             raise ValueError("max_depth must be >= 1 (crafting depths are 1-4)")
+        if not isinstance(renamed_variants, int) or isinstance(renamed_variants, bool) or renamed_variants < 0:
+            raise ValueError(
+                f"renamed_variants must be an integer >= 0 (0: the package's names), got {renamed_variants!r}")
+        if rename not in RENAMINGS:
+            raise ValueError(f"rename must be one of {', '.join(RENAMINGS)}, got {rename!r}")
         self.tree = crafting_tree()
         self.max_distractors = max_distractors
         self.goals: list[tuple[str, int]] = sorted(
@@ -86,6 +131,14 @@ class TextCraftEnv:
             # The goals are sorted by depth, so the first ones keep their ids: task i is the same goal with
             # or without the limit, and the test split (i % 5 == 0) stays disjoint from the train split.
             self.goals = [(item, depth) for item, depth in self.goals if depth <= max_depth]
+        self.renamed_variants = renamed_variants
+        self.rename = rename
+        self._name_words = sorted(self._all_name_words() - _FIXED_WORDS) if renamed_variants else []
+        self._name_pools = _invented_pools(ITEM_NAME_POOL) if renamed_variants and rename == "items" else ([], [])
+        # package name or word -> what this episode shows, and back; empty: the package's names
+        self._to_shown: dict[str, str] = {}
+        self._to_package: dict[str, str] = {}
+        self._shown_pattern = self._package_pattern = _WORD
         self.goal: str | None = None
         self.commands: list[str] = []
         self.inventory: dict[str, int] = {}
@@ -94,24 +147,82 @@ class TextCraftEnv:
 
     @property
     def num_tasks(self) -> int:
-        return len(self.goals)
+        return len(self.goals) * max(1, self.renamed_variants)
+
+    def goal_index(self, task_id: int) -> int:
+        """The goal a task crafts (task ``v * G + g`` is goal ``g``, renamed by variant ``v``)."""
+        return task_id % len(self.goals)
 
     def task_ids(self, split: str) -> list[int]:
+        # By goal, so a held-out goal is held out under every renaming.
         if split == "train":
-            return [i for i in range(self.num_tasks) if i % TEST_MODULUS != 0]
+            return [i for i in range(self.num_tasks) if self.goal_index(i) % TEST_MODULUS != 0]
         if split == "test":
-            return [i for i in range(self.num_tasks) if i % TEST_MODULUS == 0]
+            return [i for i in range(self.num_tasks) if self.goal_index(i) % TEST_MODULUS == 0]
         raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
 
     def task_category(self, task_id: int) -> str:
-        return f"depth-{self.goals[task_id][1]}"
+        return f"depth-{self.goals[self.goal_index(task_id)][1]}"
+
+    # ------------------------------------------------------------ renaming
+    def _all_name_words(self) -> set[str]:
+        names = {*self.tree.itemid_recipes, *self.tree.tag_recipes, *self.tree.item_id_to_tag,
+                 *self.tree.item_id_to_tag.values()}
+        for recipes in [*self.tree.itemid_recipes.values(), *self.tree.tag_recipes.values()]:
+            for recipe in recipes:
+                names.add(recipe.output_item.item_tag.name)
+                names.update(ingredient.item_tag.name for ingredient in recipe.input_items)
+        return {word for name in names if name for word in _WORD.findall(item_name(name))}
+
+    def _rename_for(self, task_id: int, commands: list[str]) -> None:
+        """This episode's names: none, a permutation of the name words, or a name per item of ``commands``."""
+        variant = task_id // len(self.goals)
+        self._to_shown, self._to_package = {}, {}
+        self._shown_pattern = self._package_pattern = _WORD
+        if not self.renamed_variants:
+            return
+        if self.rename == "words":
+            shown = list(self._name_words)
+            random.Random(f"textcraft-rename-{variant}").shuffle(shown)
+            self._to_shown = dict(zip(self._name_words, shown))
+            self._to_package = dict(zip(shown, self._name_words))
+            return
+        # rename=items: every item named in the commands or the goal gets a pair of invented words of its own.
+        items = {item_name(self.goal)}
+        for command in commands:
+            output, inputs = command.removeprefix("craft ").split(" using ", 1)
+            items.add(output.split(" ", 1)[1])
+            items.update(part.split(" ", 1)[1] for part in inputs.split(", "))
+        rng = random.Random(f"textcraft-rename-items-{task_id}")
+        firsts, seconds = self._name_pools
+        pairs = rng.sample([(a, b) for a in firsts for b in seconds], len(items))
+        for item, (first, second) in zip(sorted(items), pairs):
+            self._to_shown[item] = f"{first} {second}"
+            self._to_package[f"{first} {second}"] = item
+        self._shown_pattern = _names_pattern(list(self._to_shown))
+        self._package_pattern = _names_pattern(list(self._to_package))
+
+    def _show(self, text: str) -> str:
+        """Package names -> this episode's names (identity without renaming)."""
+        return self._rename_text(text, self._to_shown, self._shown_pattern)
+
+    def _read(self, text: str) -> str:
+        """This episode's names -> package names, for an action."""
+        return self._rename_text(text, self._to_package, self._package_pattern)
+
+    def _rename_text(self, text: str, names: dict[str, str], pattern: re.Pattern) -> str:
+        if not names:
+            return text
+        if self.rename == "items":  # ids first ("minecraft:oak_planks"), which name an item with underscores
+            text = _ITEM_ID.sub(lambda m: item_id(names.get(item_name(m.group()), item_name(m.group()))), text)
+        return pattern.sub(lambda m: names.get(m.group(), m.group()), text)
 
     # -------------------------------------------------------------- episode
     async def reset(self, task_id: int) -> str:
         if not isinstance(task_id, int) or isinstance(task_id, bool) or not 0 <= task_id < self.num_tasks:
             raise ValueError(f"textcraft task id must be an integer in 0..{self.num_tasks - 1}, got {task_id!r}")
-        rng = random.Random(task_id)
-        self.goal = self.goals[task_id][0]
+        rng = random.Random(task_id)  # renamed variants of a goal also differ in distractors and order
+        self.goal = self.goals[self.goal_index(task_id)][0]
         needed = self._recipes_for(self.goal)
         needed_strs = sorted({r.recipe_str for r in needed})
         uses = self._uses()
@@ -124,10 +235,11 @@ class TextCraftEnv:
         commands = needed_strs + rng.sample(distractors, min(len(distractors), self.max_distractors))
         rng.shuffle(commands)
         self.commands = commands
+        self._rename_for(task_id, commands)
         self.inventory = {}
         self._done = False
         self._success = False
-        return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_name(self.goal))
+        return self._show("Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_name(self.goal)))
 
     async def step(self, action_text: str) -> StepResult:
         if self._done:
@@ -137,7 +249,8 @@ class TextCraftEnv:
         if action is None:
             return StepResult("Invalid format: reply with 'Action: <get, craft or inventory command>'.", 0.0,
                               False, info={"invalid_action": True})
-        observation, valid = self._apply(" ".join(action.split()))
+        observation, valid = self._apply(self._read(" ".join(action.split())))
+        observation = self._show(observation)
         if self.goal in self.inventory:
             self._done = self._success = True
             return StepResult(observation, 1.0, True, True, 1.0, {"invalid_action": False})
@@ -154,7 +267,7 @@ class TextCraftEnv:
                 count, _, name = part.partition(" ")
                 if self._is_base(item_id(name)):
                     choices.append(f"get {count} {name}")
-        return f"Action: {rng.choice(choices)}"
+        return f"Action: {self._show(rng.choice(choices))}"
 
     # --------------------------------------------------------------- rules
     def _apply(self, action: str) -> tuple[str, bool]:
@@ -235,7 +348,7 @@ class TextCraftEnv:
         plan: list[str] = []
         stock: dict[str, int] = {}
         self._obtain(self.goal, 1, plan, stock, depth=0)
-        return [f"Action: {step}" for step in plan]
+        return [f"Action: {self._show(step)}" for step in plan]
 
     def _concrete(self, tag_or_item: str) -> str:
         """A concrete item for a recipe input (tags such as ``planks`` need e.g. ``oak planks``)."""

@@ -102,13 +102,123 @@ async def test_random_action_well_formed(env):
         await env.step(reply)
 
 
+@pytest.fixture(scope="module")
+def renamed():
+    return TextCraftEnv(max_depth=1, max_distractors=2, renamed_variants=20)
+
+
+async def test_renamed_variants_show_each_goal_under_other_names_and_hold_the_same_goals_out(renamed):
+    plain = TextCraftEnv(max_depth=1, max_distractors=2)
+    goals = len(plain.goals)
+    assert renamed.num_tasks == 20 * goals
+    # A task is goal task_id % goals; held-out goals are held out under every renaming.
+    assert {renamed.goal_index(i) for i in renamed.task_ids("test")} == set(plain.task_ids("test"))
+    assert {renamed.goal_index(i) for i in renamed.task_ids("train")} == set(plain.task_ids("train"))
+    assert len(renamed.task_ids("test")) == 20 * len(plain.task_ids("test"))
+    goal = plain.task_ids("train")[7]
+    texts = set()
+    for variant in range(4):
+        text = await renamed.reset(variant * goals + goal)
+        texts.add(text)
+        plan = renamed.expert_plan()
+        for reply in plan:  # the plan in this variant's words crafts the package's goal
+            result = await renamed.step(reply)
+        assert result.success and result.reward == 1.0
+        assert renamed.goal == plain.goals[goal][0]
+    package_text = await plain.reset(goal)
+    assert len(texts) == 4 and package_text not in texts
+    # Only item-name words change: the layout and the command words are the package's.
+    shape = [line.split()[:1] for line in package_text.splitlines()]
+    assert all([line.split()[:1] for line in text.splitlines()] == shape for text in texts)
+
+
+async def test_renamed_replies_use_the_episode_words_both_ways(renamed):
+    goal = len(renamed.goals) * 3 + 12
+    observation = await renamed.reset(goal)
+    plan = renamed.expert_plan()
+    _, count, name = plan[0].removeprefix("Action: ").split(" ", 2)  # "get <count> <name>"
+    plain = TextCraftEnv(max_depth=1, max_distractors=2)
+    await plain.reset(renamed.goal_index(goal))
+    assert name in observation and name not in plain.expert_plan()[0]  # renamed, and shown in the recipes
+    assert (await renamed.step(plan[0])).observation == f"Got {count} {name}"  # echoed in the shown words
+    assert (await renamed.step("Action: inventory")).observation == f"Inventory: [{name}] ({count})"
+    # A name no variant word makes is refused as "Could not find", echoed as typed.
+    missing = await renamed.step("Action: get 1 qqq zzz")
+    assert missing.observation == "Could not find qqq zzz" and missing.info["invalid_action"]
+
+
+@pytest.mark.parametrize("rename", ["words", "items"])
+async def test_renamed_random_policy_succeeds_as_often_as_with_the_package_names(rename):
+    async def random_success(env, tasks, seed):
+        rng, wins = random.Random(seed), 0
+        for task in tasks:
+            await env.reset(task)
+            for _ in range(6):
+                result = await env.step(env.random_action(rng))
+                if result.done:
+                    break
+            wins += result.success
+        return wins / len(tasks)
+
+    plain = TextCraftEnv(max_depth=1, max_distractors=2)
+    renamed = TextCraftEnv(max_depth=1, max_distractors=2, renamed_variants=20, rename=rename)
+    tasks = random.Random(0).sample(renamed.task_ids("train"), 300)
+    renamed_rate = await random_success(renamed, tasks, 1)
+    plain_rate = await random_success(plain, [renamed.goal_index(t) for t in tasks], 1)
+    # Renaming changes the words (and draws the distractors and their order per variant), not the task's
+    # difficulty: a random policy succeeds about as often (fixed seeds, so the figures are fixed too).
+    assert abs(renamed_rate - plain_rate) < 0.1 and 0.15 < renamed_rate < 0.6
+
+
+def test_renamed_variants_must_be_a_count_and_the_renaming_known():
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="renamed_variants"):
+            TextCraftEnv(renamed_variants=bad)
+    with pytest.raises(ValueError, match="rename must be one of words, items"):
+        TextCraftEnv(renamed_variants=3, rename="letters")
+
+
+async def test_renamed_items_get_invented_names_of_their_own():
+    """rename=items: every item of the episode shows as two invented words; no package name is left in the
+    text, the plan in those names crafts the package's goal, and the names differ between renamings."""
+    items = TextCraftEnv(max_depth=1, max_distractors=2, renamed_variants=20, rename="items")
+    plain = TextCraftEnv(max_depth=1, max_distractors=2)
+    package_words = plain._all_name_words() - {"a", "the", "crafting", "item"}
+    goals = len(plain.goals)
+    seen_goal_names = set()
+    for goal in (plain.task_ids("train")[3], plain.task_ids("test")[4], 37):
+        for variant in range(3):
+            text = await items.reset(variant * goals + goal)
+            head, _, goal_line = text.partition("\n\n")
+            names = [goal_line.removeprefix("Goal: craft ").removesuffix(".")]
+            for command in head.splitlines()[1:]:
+                output, inputs = command.removeprefix("craft ").split(" using ")
+                names += [output.split(" ", 1)[1]] + [part.split(" ", 1)[1] for part in inputs.split(", ")]
+            assert all(len(name.split()) == 2 for name in names), text
+            assert not package_words & set(" ".join(names).split()), text
+            seen_goal_names.add(names[0])
+            for reply in items.expert_plan():
+                result = await items.step(reply)
+            assert result.success and items.goal == plain.goals[goal][0]
+            assert result.observation.startswith("Crafted ") and "minecraft:" + names[0].replace(" ", "_") in \
+                result.observation
+    assert len(seen_goal_names) == 9  # each renaming names the goal anew
+    # a name that is a longer name's part is not replaced inside it, and unknown names stay as typed
+    await items.reset(5)
+    assert (await items.step("Action: get 1 qqq zzz")).observation == "Could not find qqq zzz"
+
+
 SCRIPT = """
 import asyncio, hashlib
 from horizonrl.envs.textcraft import TextCraftEnv
 async def main():
-    env, h = TextCraftEnv(), hashlib.sha256()
+    env, renamed, h = TextCraftEnv(), TextCraftEnv(max_depth=1, renamed_variants=50), hashlib.sha256()
     for i in (0, 17, 250, 543):
         h.update((await env.reset(i)).encode())
+    items = TextCraftEnv(max_depth=1, renamed_variants=50, rename="items")
+    for i in (0, 17, 250, 6249):
+        h.update((await renamed.reset(i)).encode() + repr(renamed.expert_plan()).encode())
+        h.update((await items.reset(i)).encode() + repr(items.expert_plan()).encode())
     print(h.hexdigest())
 asyncio.run(main())
 """
