@@ -203,7 +203,7 @@ async def test_renamed_items_get_invented_names_of_their_own():
             assert result.observation.startswith("Crafted ") and "minecraft:" + names[0].replace(" ", "_") in \
                 result.observation
     assert len(seen_goal_names) == 9  # each renaming names the goal anew
-    # a name that is a longer name's part is not replaced inside it, and unknown names stay as typed
+    # a name this episode does not show stays as typed
     await items.reset(5)
     assert (await items.step("Action: get 1 qqq zzz")).observation == "Could not find qqq zzz"
 
