@@ -133,7 +133,9 @@ class TextCraftEnv:
             self.goals = [(item, depth) for item, depth in self.goals if depth <= max_depth]
         self.renamed_variants = renamed_variants
         self.rename = rename
-        self._name_words = sorted(self._all_name_words() - _FIXED_WORDS) if renamed_variants else []
+        # what each renaming draws from, built only for the one in use
+        words = renamed_variants and rename == "words"
+        self._name_words = sorted(self._all_name_words() - _FIXED_WORDS) if words else []
         self._name_pools = _invented_pools(ITEM_NAME_POOL) if renamed_variants and rename == "items" else ([], [])
         # package name or word -> what this episode shows, and back; empty: the package's names
         self._to_shown: dict[str, str] = {}
