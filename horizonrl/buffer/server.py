@@ -179,15 +179,20 @@ class BufferServer:
         if self.wal is not None:
             poller.register(self.wal.wakeup_fd, zmq.POLLIN)  # the log's writer made more records durable
         reading = False
+        paused = False  # intake paused by backpressure at least once: say when it resumes
         last_beat = 0.0
         while not self.stop:
-            # Backpressure: read trajectories only while there is room for them.
+            # Backpressure: read trajectories only while there is room for them. Both transitions are logged, so
+            # the log's last such line says whether the buffer is full now.
             if self.groups.full == reading:
                 if reading:
                     poller.unregister(self.intake)
                     log.info("buffer full (%d groups); pausing intake", self.groups.ready_groups)
+                    paused = True
                 else:
                     poller.register(self.intake, zmq.POLLIN)
+                    if paused:
+                        log.info("buffer has room (%d groups); resuming intake", self.groups.ready_groups)
                 reading = not reading
             events = dict(poller.poll(200))
             if events.get(self.control):

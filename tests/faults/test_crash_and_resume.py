@@ -140,24 +140,30 @@ def _resume(processes: list[psutil.Process]) -> None:
             pass
 
 
+def buffer_is_full(buffer_log: Path) -> bool:
+    """The buffer logs both backpressure transitions ("buffer full", "buffer has room"): the last one says
+    whether it is full now."""
+    text = buffer_log.read_text(errors="replace")
+    return text.rfind("buffer full") > text.rfind("buffer has room")
+
+
 def freeze_a_broadcast(log: Path, run_dir: Path, learners: list[psutil.Process],
                        engines: list[psutil.Process]) -> int:
     """Make the learner's broadcast of a version wait on engines frozen (SIGSTOP) for good; returns the step
     reported after that version, the one the learner cannot finish.
 
-    The learner is stopped first while the actors fill the buffer, then the engines are frozen and the learner
-    resumes: it trains the buffered batches, sends the next version to engines that never acknowledge it, and
-    reports the step after — whose ``step n: loss`` line it logs only once the previous version's send has ended
-    (each version is sent in the background while the next step trains). Freezing the engines whenever a step
-    came instead depended on timing: with a second test beside it, the learner always caught up with the actors
-    between freezes, and no step came with the engines frozen."""
+    The learner is stopped first until the actors have filled the buffer, then the engines are frozen and the
+    learner resumes: it trains the buffered batches, sends the next version to engines that never acknowledge it,
+    and reports the step after — whose ``step n: loss`` line it logs only once the previous version's send has
+    ended (each version is sent in the background while the next step trains). Freezing the engines whenever a
+    step came instead depended on timing: with a second test beside it, the learner always caught up with the
+    actors between freezes, and no step came with the engines frozen. Waiting for a *new* "buffer full" line
+    depended on timing too: a buffer that filled just before the learner stopped logs none (CI, 2026-11-27)."""
     buffer_log = run_dir / "logs" / "buffer.log"
     learner_log = run_dir / "logs" / "learner-0.log"
-    fills = buffer_log.read_text(errors="replace").count("buffer full")
     _suspend(learners)
     try:
-        wait_until(lambda: buffer_log.read_text(errors="replace").count("buffer full") > fills, 300,
-                   "the buffer full while the learner was stopped")
+        wait_until(lambda: buffer_is_full(buffer_log), 300, "the buffer full while the learner was stopped")
         _suspend(engines)
         reached = max(steps_in(log), default=0)
     finally:
@@ -184,8 +190,11 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
     # a short run could end during a moment the engines are thawed before any broadcast blocked.
     # A generation caught by the freeze holds its group back until it times out, and the buffer may hold no complete
     # group until then (one run waited the default 300 s for it, as long as the test waits for a step): 60 s.
+    # No staleness bound: the groups buffered while the learner was stopped must all stay trainable after it
+    # resumes (with the bound of 2, one run trained one step from them, dropped the rest as stale, and waited
+    # on the frozen engines for more).
     proc = start(tiny_model, run_dir, log, "learner.save_every=0", "learner.weight_sync_timeout_s=600",
-                 "learner.total_steps=10000", "rollout.turn_timeout_s=60")
+                 "learner.total_steps=10000", "rollout.turn_timeout_s=60", "buffer.max_staleness=10000")
     engines: list[psutil.Process] = []
     try:
         wait_until(lambda: any(s >= 2 for s in steps_in(log)), 400, "learner step 2")
