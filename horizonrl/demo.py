@@ -30,20 +30,25 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 TINY_MODEL_RECIPE = TinyModelRecipe().model_dump()
 
 
-def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
-    from horizonrl.actors.evaluate import EvalSpec, evaluate
-    from horizonrl.envs import make_env
+def held_out_specs(config: TrainConfig, episodes: int | None = None) -> list:
+    """The before/after evaluation of each environment: ``eval.episodes`` test tasks (or ``episodes``),
+    ``eval.samples_per_task`` each, sampled as in training (its system prompt, token limits)."""
+    from horizonrl.actors.evaluate import EvalSpec
 
     max_turns = config.eval.max_turns or TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl).final_max_turns
-    results = {}
-    for spec in config.envs:
-        results[spec.name] = evaluate(model_path, EvalSpec(
-            env=spec.name, env_settings=spec.settings, split="test", episodes=config.eval.episodes,
-            max_turns=max_turns, temperature=config.eval.temperature, samples=config.eval.samples_per_task,
-            max_tokens_per_turn=config.rollout.max_tokens_per_turn,
-            max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed), make_env,
-            config.rollout.engine)
-    return results
+    return [EvalSpec(env=spec.name, env_settings=spec.settings, split="test", episodes=episodes or config.eval.episodes,
+                     max_turns=max_turns, temperature=config.eval.temperature, samples=config.eval.samples_per_task,
+                     max_tokens_per_turn=config.rollout.max_tokens_per_turn,
+                     max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed,
+                     system_prompt=config.rollout.system_prompt)
+            for spec in config.envs]
+
+
+def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:
+    from horizonrl.actors.evaluate import evaluate
+    from horizonrl.envs import make_env
+
+    return {spec.env: evaluate(model_path, spec, make_env, config.rollout.engine) for spec in held_out_specs(config)}
 
 
 def check_transformers_load(path: Path) -> int:

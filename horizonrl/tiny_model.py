@@ -299,6 +299,7 @@ def warmup(
     pad_id: int = 0,
     progress: bool = True,
     num_threads: int = 1,
+    device: str = "cpu",
 ) -> list[float]:
     """Language-model warm-up on (ids, loss_mask) pairs; returns the loss of every step.
 
@@ -308,14 +309,19 @@ def warmup(
     One torch thread by default: the result then does not depend on the machine's core
     count, and on a busy 2-core machine (tests beside engines) two threads spin-wait on
     each other and run 3-4x slower than one.
+
+    ``device`` (e.g. ``cuda``): where the steps run; the model is back on the CPU afterwards. Batches are
+    drawn the same way on every device, but the arithmetic differs, so the weights do too (slightly).
     """
     import torch
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
+    model.to(device)
     try:
-        return _warmup_loop(model, sequences, steps, batch_size, lr, seed, pad_id, progress)
+        return _warmup_loop(model, sequences, steps, batch_size, lr, seed, pad_id, progress, device)
     finally:
+        model.to("cpu")
         torch.set_num_threads(previous_threads)
 
 
@@ -328,6 +334,7 @@ def _warmup_loop(
     seed: int,
     pad_id: int,
     progress: bool,
+    device: str = "cpu",
 ) -> list[float]:
     import torch
     from tqdm import tqdm
@@ -346,7 +353,7 @@ def _warmup_loop(
         if not batches:
             batches = _length_bucketed_batches([len(ids) for ids, _ in sequences], batch_size, generator)
         batch = [sequences[i] for i in batches.pop()]
-        input_ids, attention_mask, loss_mask = _pad_batch(batch, pad_id)
+        input_ids, attention_mask, loss_mask = (t.to(device) for t in _pad_batch(batch, pad_id))
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         loss = assistant_token_loss(logits, input_ids, loss_mask)
         optimizer.zero_grad(set_to_none=True)
@@ -446,11 +453,14 @@ def make_tiny_model(
     progress: bool = True,
     layers: int = 2,
     hidden: int = 128,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Build the tiny model into ``out_dir`` (a Hugging Face directory) and return its spec file.
 
     The spec file records the arguments and the build's figures (episode count, random
-    success rate, warm-up seconds, final loss). Same arguments → same weights.
+    success rate, warm-up seconds, final loss, the device). Same arguments and device → same
+    weights. The device is where the recipe ran, not part of it: a directory built on a GPU
+    (``device="cuda"``, for long warm-ups) is reused by a CPU run that asks for the same spec.
     """
     import torch
     from transformers import GenerationConfig
@@ -478,7 +488,8 @@ def make_tiny_model(
 
     model = build_model(len(tokenizer), seed, layers, hidden)
     started = time.perf_counter()
-    losses = warmup(model, sequences, warmup_steps, batch_size, lr, seed, tokenizer.pad_token_id, progress)
+    losses = warmup(model, sequences, warmup_steps, batch_size, lr, seed, tokenizer.pad_token_id, progress,
+                    device=device)
     warmup_s = time.perf_counter() - started
     final_loss = sum(losses[-10:]) / max(1, len(losses[-10:]))
 
@@ -503,13 +514,14 @@ def make_tiny_model(
             "episodes_s": round(episodes_s, 2),
             "warmup_s": round(warmup_s, 2),
             "final_loss": final_loss,
+            "device": str(device),
         },
     }
     (out / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
     print(
         f"tiny model -> {out}: {len(episodes)} random episodes ({episodes_s:.1f} s), "
         f"vocab {len(tokenizer)}, {record['built']['parameters']:,} parameters, "
-        f"warm-up {warmup_steps} steps in {warmup_s:.1f} s, final loss {final_loss:.4f}",
+        f"warm-up {warmup_steps} steps in {warmup_s:.1f} s on {device}, final loss {final_loss:.4f}",
         file=sys.stderr,
     )
     return record
@@ -539,7 +551,7 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     file) is never deleted.
     """
     out = Path(out_dir)
-    spec_args = {k: v for k, v in kwargs.items() if k != "progress"}
+    spec_args = {k: v for k, v in kwargs.items() if k not in ("progress", "device")}
     wanted = tiny_model_spec(**spec_args)
     existing = read_spec(out)
     if existing is not None and existing.get("spec") == wanted:
@@ -599,7 +611,7 @@ def cached_tiny_model(**kwargs: Any) -> Path:
     Every caller with the same arguments (tests, demo, benchmarks) shares one build;
     different specs do not overwrite each other.
     """
-    spec = tiny_model_spec(**{k: v for k, v in kwargs.items() if k != "progress"})
+    spec = tiny_model_spec(**{k: v for k, v in kwargs.items() if k not in ("progress", "device")})
     digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return ensure_tiny_model(default_cache_dir() / f"tiny-{'-'.join(spec['envs'])}-{digest}", **kwargs)
 
@@ -629,6 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size, a multiple of 64 (heads of 64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="where the warm-up runs (cpu, cuda, cuda:1); the spec is the same on every device")
     parser.add_argument("--reuse", action="store_true", help="keep OUT_DIR if it was built with the same arguments")
     args = parser.parse_args(argv)
     try:
@@ -658,6 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         system_prompt=args.system_prompt,
         layers=args.layers,
         hidden=args.hidden,
+        device=args.device,
     )
     if args.hidden < 64 or args.hidden % 64 or args.layers < 1:
         parser.error("--hidden must be a multiple of 64 (attention heads of 64) and --layers at least 1")

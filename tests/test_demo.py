@@ -39,6 +39,11 @@ def test_held_out_evaluation_plays_each_task_samples_per_task_times(monkeypatch)
     [spec] = specs
     assert (spec.env, spec.split, spec.episodes, spec.samples_per_task) == ("textcraft", "test", 25, 8)
     assert spec.env_settings == {"max_depth": 1} and spec.max_turns == 6
+    assert spec.system_prompt is None
+    # played as in training: the rollout's system prompt too (the demo's table once evaluated without it)
+    config = load_config(CONFIGS / "textcraft.yaml", ["rollout.system_prompt=Craft the goal."])
+    held_out_success("unused", config)
+    assert specs[-1].system_prompt == "Craft the goal."
 
 
 def test_the_tiny_model_recipe_comes_from_the_config_and_defaults_to_the_tests_recipe():

@@ -331,3 +331,25 @@ def test_vllm_loads_the_model_and_its_logprobs_match_transformers(model_dir, hf,
         worst = max(worst, (hf_logprobs - torch.tensor(result["logprobs"])).abs().max().item())
     print(f"max |vLLM - HF| logprob: {worst:.2e}")
     assert worst < 1e-4
+
+
+def test_the_build_device_is_recorded_and_not_part_of_the_spec(tmp_path):
+    """``--device cuda`` runs a long warm-up on a GPU; the directory it builds is then reused by a CPU run that asks
+    for the same recipe (configs name the recipe, not where it ran). The device is in the build's figures."""
+    from horizonrl.tiny_model import main
+
+    args = dict(envs=("signpost",), episodes_per_env=8, warmup_steps=1, batch_size=4, max_turns=3, progress=False)
+    out = ensure_tiny_model(tmp_path / "m", device="cpu", **args)
+    record = read_spec(out)
+    assert record["built"]["device"] == "cpu" and "device" not in record["spec"]
+    assert record["spec"] == tiny_model_spec(**{k: v for k, v in args.items() if k != "progress"})
+    # as a GPU build would have written it: reused by a build that names no device
+    record["built"]["device"] = "cuda"
+    (out / SPEC_FILE).write_text(json.dumps(record))
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(tmp_path / "m", **args) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # the command line passes it through
+    assert main([str(tmp_path / "cli"), "--episodes-per-env", "8", "--steps", "1", "--batch-size", "4",
+                 "--max-turns", "3", "--device", "cpu"]) == 0
+    assert read_spec(tmp_path / "cli")["built"]["device"] == "cpu"
