@@ -52,6 +52,7 @@ def test_the_tiny_model_recipe_comes_from_the_config_and_defaults_to_the_tests_r
 
     config = load_config(CONFIGS / "demo.yaml", [])
     assert config.model.tiny.model_dump() == TINY_MODEL_RECIPE == {"episodes_per_env": 1500, "warmup_steps": 200,
-                                                                  "max_turns": 6, "layers": 2, "hidden": 128}
+                                                                  "max_turns": 6, "layers": 2, "hidden": 128,
+                                                                  "device": "cpu"}
     config = load_config(CONFIGS / "demo.yaml", ["model.tiny.warmup_steps=50"])
     assert config.model.tiny.warmup_steps == 50 and config.model.tiny.episodes_per_env == 1500

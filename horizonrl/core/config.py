@@ -41,6 +41,8 @@ class TinyModelRecipe(_Frozen):
     max_turns: int = Field(6, ge=1, description="turn cap of a random-policy episode")
     layers: int = Field(2, ge=1, description="decoder layers of the tiny Qwen2")
     hidden: int = Field(128, ge=64, multiple_of=64, description="its hidden size (heads of 64; MLP twice as wide)")
+    device: str = Field("cpu", description="where the warm-up runs (cuda: long warm-ups in minutes); not part of "
+                        "the recipe: a model built on a GPU is reused on the CPU")
 
 
 class ModelConfig(_Frozen):
