@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Which warm-up makes the tiny model copy TextCraft's renamed recipe lines (issue 16, docs/learning.md)?
-# Builds several tiny models for configs/textcraft_renamed.yaml's environment, side by side, then plays each
-# one's 200 held-out episodes (scripts/play_with_transformers.py: the run's evaluation without vLLM).
+# Builds several tiny models for configs/textcraft_renamed.yaml's environment (random-policy episodes of up to
+# 20 turns), side by side, then plays each one's 200 held-out episodes (scripts/play_with_transformers.py: the
+# run's evaluation without vLLM).
 #
 #   scripts/warmup_sweep.sh OUT_DIR [NAME:EPISODES:STEPS:LAYERS:HIDDEN ...]
 #
@@ -14,8 +15,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/warmup_sweep.sh OUT_DIR [NAME:EPISODES:STEPS:LAYERS:HIDDEN ...]}
 shift
 VARIANTS=("$@")
-[ ${#VARIANTS[@]} -gt 0 ] || VARIANTS=(recipe:10000:2000:2:128 long:10000:20000:2:128 more:40000:20000:2:128
-                                       wide:40000:20000:4:256)
+# The defaults: the two 8,000-step models docs/learning.md compares, and the 2,000-step one beside them
+# (~2.5 min on an H200 together; 20,000 steps took over 6 min each, four at a time).
+[ ${#VARIANTS[@]} -gt 0 ] || VARIANTS=(short:10000:2000:2:128 long8:10000:8000:2:128 more8:40000:8000:2:128)
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cpu}
 SCALE=${SCALE:-1}
@@ -31,7 +33,7 @@ for v in "${VARIANTS[@]}"; do
     (
         "$PY" -m horizonrl.tiny_model "$OUT/$name" --envs textcraft --env-settings "$SETTINGS" \
             --episodes-per-env $((episodes_per_env / SCALE)) --steps $((steps / SCALE > 0 ? steps / SCALE : 1)) \
-            --layers "$layers" --hidden "$hidden" --device "$DEVICE" >"$OUT/$name.log" 2>&1
+            --max-turns 20 --layers "$layers" --hidden "$hidden" --device "$DEVICE" >"$OUT/$name.log" 2>&1
         tail -n 1 "$OUT/$name.log"
         "$PY" scripts/play_with_transformers.py "$OUT/$name" --config "$CONFIG" --device "$DEVICE" \
             --episodes "$episodes" >"$OUT/$name.eval" 2>&1
