@@ -471,6 +471,7 @@ def make_tiny_model(
         envs, env_settings, episodes_per_env, warmup_steps, seed, max_turns, vocab_size, batch_size, lr, system_prompt,
         layers, hidden,
     )
+    torch.empty(0, device=device)  # an absent or unknown device fails now, not after the episodes are played
     random.seed(seed)
     torch.manual_seed(seed)
     started = time.perf_counter()
