@@ -541,6 +541,10 @@ SIGNPOST_TEST_RECIPE: dict[str, Any] = dict(envs=("signpost",), env_settings={"s
                                             episodes_per_env=1500, warmup_steps=200, max_turns=6)
 
 
+# make_tiny_model's arguments that do not change what it builds: kept out of the spec a directory is matched by.
+NOT_IN_SPEC = ("progress", "device")
+
+
 def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     """``out_dir`` built by :func:`make_tiny_model` with ``kwargs``; built only if it is not already.
 
@@ -552,8 +556,7 @@ def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     file) is never deleted.
     """
     out = Path(out_dir)
-    spec_args = {k: v for k, v in kwargs.items() if k not in ("progress", "device")}
-    wanted = tiny_model_spec(**spec_args)
+    wanted = tiny_model_spec(**{k: v for k, v in kwargs.items() if k not in NOT_IN_SPEC})
     existing = read_spec(out)
     if existing is not None and existing.get("spec") == wanted:
         return out
@@ -612,7 +615,7 @@ def cached_tiny_model(**kwargs: Any) -> Path:
     Every caller with the same arguments (tests, demo, benchmarks) shares one build;
     different specs do not overwrite each other.
     """
-    spec = tiny_model_spec(**{k: v for k, v in kwargs.items() if k not in ("progress", "device")})
+    spec = tiny_model_spec(**{k: v for k, v in kwargs.items() if k not in NOT_IN_SPEC})
     digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return ensure_tiny_model(default_cache_dir() / f"tiny-{'-'.join(spec['envs'])}-{digest}", **kwargs)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing it
 
 from horizonrl.actors.engine import Generation  # noqa: E402
-from horizonrl.actors.evaluate import EvalSpec, evaluate_with  # noqa: E402
+from horizonrl.actors.evaluate import evaluate_with  # noqa: E402
 from horizonrl.actors.actor import load_chat_tokenizer  # noqa: E402
 from horizonrl.core.config import load_config  # noqa: E402
 from horizonrl.demo import held_out_specs  # noqa: E402
@@ -54,7 +54,8 @@ class BatchedTransformersGenerator:
             # One batch shares its sampling settings; an evaluation uses one setting, so this splits nothing.
             key = self._queue[0][1:5]
             batch = [r for r in self._queue if r[1:5] == key][: self.max_batch]
-            self._queue = [r for r in self._queue if not any(r is b for b in batch)]
+            taken = {id(r) for r in batch}
+            self._queue = [r for r in self._queue if id(r) not in taken]
             try:
                 outputs = self._sample([r[0] for r in batch], *key)
             except Exception as exc:  # every waiting episode sees the error (an engine failure)
