@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import signal
 from pathlib import Path
 
 
@@ -475,8 +476,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from horizonrl.core.config import ConfigError
 
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, _frame) -> None:
+    """SIGTERM unwinds the command like Ctrl-C, so its ``finally`` blocks run: killed outright, ``horizonrl eval``
+    (or the demo's evaluation) left its vLLM engine's processes running with no parent. Commands with a stop flag of
+    their own (a run's processes, the launcher) install their handler over this one."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -69,7 +69,8 @@ def test_supervision_settings_from_the_command_line():
 SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_long.yaml", "babyai_budget_scaling.yaml"]
 
 
-LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml"]
+LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml",
+                    "searchqa_multihop.yaml"]
 BENCH_CONFIGS = ["bench_heavy_tail.yaml"]  # the training benchmark's long-tailed workload
 
 

@@ -67,22 +67,30 @@ def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_confi
     With ``record_dir`` every episode is also recorded there (core/episode_records.py)."""
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
+    from tqdm import tqdm
 
     # dtype=None: the engine's dtype as in training (rollout.engine.dtype: bf16 on a GPU, fp32 on the CPU),
     # so a checkpoint is evaluated at the precision its rollouts were generated in.
     engine = RolloutEngine.start(model_path, dtype=None, engine=engine_config or EngineConfig(),
                                  max_model_len=spec.max_context_tokens, seed=spec.seed)
     try:
-        return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env, record_dir))
+        with tqdm(desc=f"{spec.env} episodes", unit="ep", leave=False) as bar:
+            def progress(total: int) -> None:
+                bar.total = total
+                bar.update(1)
+
+            return asyncio.run(evaluate_with(engine, load_chat_tokenizer(model_path), spec, make_env, record_dir,
+                                             on_episode=progress))
     finally:
         engine.shutdown()
 
 
 async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, record_dir: str | None = None,
-                        weights: Callable[[], tuple[int, int]] | None = None) -> dict:
+                        weights: Callable[[], tuple[int, int]] | None = None,
+                        on_episode: Callable[[int], None] | None = None) -> dict:
     """Play the spec's episodes on a running engine. ``weights`` (the actor's, during training) says which
     (epoch, version) generates each turn; the result then names the oldest and newest version in
-    ``weight_versions``."""
+    ``weight_versions``. ``on_episode(episodes)`` is called as each of the ``episodes`` ends (a progress bar)."""
     probe = make_env(spec.env, spec.env_settings)
     task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
     plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
@@ -98,6 +106,8 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
                                                   sampling=sampling, weights=weights or (lambda: (0, 0)))
             finally:
                 await env.close()
+                if on_episode is not None:
+                    on_episode(len(plays))
 
     start = time.perf_counter()
     results = await asyncio.gather(*(play(t) for t in plays))
