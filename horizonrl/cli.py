@@ -28,8 +28,8 @@ import argparse
 import json
 import logging
 import os
-import sys
 import signal
+import sys
 from pathlib import Path
 
 

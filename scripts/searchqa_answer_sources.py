@@ -15,7 +15,8 @@ eval``, or a run's ``episodes/``) and sorts each country question's episode by w
 - ``a country not read``: a country named on no page it read in this episode (a guess from what it remembers);
 - ``success``, and success among the episodes that reached the right city page.
 
-A model that reads answers from the page when it has reached a city's page, and guesses only when it has not.
+A model that reads answers with the country of the city page it reached; one that guesses names countries it read
+nowhere in the episode.
 ``--env-settings`` (JSON, merged over the config's first environment's settings) must give the task ids the
 episodes were played with: ``hops`` changes them. docs/learning.md quotes the output ("SearchQA").
 """

@@ -44,12 +44,12 @@ def test_answers_are_sorted_by_where_they_came_from(tmp_path, capsys, monkeypatc
     episodes = [play(env, task_id, expert), play(env, task_id, searched_person_only),
                 play(env, task_id, [expert[0], answer(row["supporting_titles"][1])])]  # the city, not a country
 
-    lowered = {normalize_answer(c) for c in countries}
-    assert script.classify(episodes[0], row, lowered) == {
+    known = {normalize_answer(c) for c in countries}
+    assert script.classify(episodes[0], row, known) == {
         "person page", "city page", "answered", "answered a country", "answer from the page", "success"}
-    assert script.classify(episodes[1], row, lowered) == {
+    assert script.classify(episodes[1], row, known) == {
         "person page", "answered", "answered a country", "a country not read"}
-    assert script.classify(episodes[2], row, lowered) == {"person page", "answered"}
+    assert script.classify(episodes[2], row, known) == {"person page", "answered"}
 
     with open(tmp_path / "episodes-00000.jsonl", "w") as f:
         for episode in episodes:
