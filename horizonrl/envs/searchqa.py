@@ -11,8 +11,8 @@ guessing again after a wrong answer cannot pay).
 Data: ``data_dir`` holding Search-R1-style ``train.jsonl`` / ``test.jsonl`` (rows with
 ``question`` and ``golden_answers``, optionally ``hops``) and, for BM25, ``corpus.jsonl``;
 or ``retriever_url`` for a Search-R1 retrieval server. Without ``data_dir`` the synthetic
-corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``, ``people``
-and ``name_parts``.
+corpus of :mod:`horizonrl.envs.synthetic_corpus` is generated in memory from ``seed``, ``people``,
+``name_parts`` and ``countries``.
 Ids: train rows are ``0..n_train-1`` and test rows follow, so the splits are disjoint. ``hops``
 (e.g. ``[2]``) keeps only the questions of those hop counts in both splits.
 The category is ``hops-<n>`` (``hops-unknown`` if the row does not say).
@@ -63,10 +63,10 @@ def exact_match(prediction: str, golden_answers: list[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _synthetic(seed: int, people: int, name_parts: int | None) -> dict[str, Any]:
+def _synthetic(seed: int, people: int, name_parts: int | None, countries: int) -> dict[str, Any]:
     from horizonrl.envs.synthetic_corpus import generate
 
-    return generate(seed=seed, num_people=people, name_parts=name_parts)
+    return generate(seed=seed, num_people=people, name_parts=name_parts, num_countries=countries)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -82,16 +82,18 @@ class SearchQAEnv:
 
     def __init__(self, data_dir: str | None = None, retriever_url: str | None = None, topk: int = 3,
                  seed: int = 0, answer_ends_episode: bool = False, hops: list[int] | None = None,
-                 random_answers: str = "unasked", people: int = 120, name_parts: int | None = None) -> None:
+                 random_answers: str = "unasked", people: int = 120, name_parts: int | None = None,
+                 countries: int = 10) -> None:
         if random_answers not in ("unasked", "found"):
             raise ValueError(f"searchqa: random_answers must be 'unasked' or 'found', not {random_answers!r}")
-        if data_dir is not None and (people, name_parts) != (120, None):
-            raise ValueError("searchqa: people and name_parts shape the synthetic corpus; with data_dir, generate "
-                             "it with `python -m horizonrl.envs.synthetic_corpus DIR --people N --name-parts K`")
+        if data_dir is not None and (people, name_parts, countries) != (120, None, 10):
+            raise ValueError("searchqa: people, name_parts and countries shape the synthetic corpus; with data_dir, "
+                             "generate it with `python -m horizonrl.envs.synthetic_corpus DIR --people N "
+                             "--name-parts K --countries C`")
         if data_dir is None:
-            data = _synthetic(seed, people, name_parts)
+            data = _synthetic(seed, people, name_parts, countries)
             self.train, self.test = data["train"], data["test"]
-            corpus_key: Any = ("synthetic", seed, people, name_parts)
+            corpus_key: Any = ("synthetic", seed, people, name_parts, countries)
             corpus = lambda: [row["contents"] for row in data["corpus"]]  # noqa: E731
         else:
             root = Path(data_dir)

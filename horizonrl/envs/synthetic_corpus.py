@@ -122,11 +122,14 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--people", type=int, default=120)
+    parser.add_argument("--countries", type=int, default=10,
+                        help="the answers of 'In which country was <person> born?' (10: a guess is right 1 time in 10)")
     parser.add_argument("--name-parts", type=int, default=None,
                         help="draw first names and surnames from pools of this many words (default: two new words "
                              "per person)")
     args = parser.parse_args()
-    print(write(args.out_dir, seed=args.seed, num_people=args.people, name_parts=args.name_parts))
+    print(write(args.out_dir, seed=args.seed, num_people=args.people, name_parts=args.name_parts,
+                num_countries=args.countries))
 
 
 if __name__ == "__main__":

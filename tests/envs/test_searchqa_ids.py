@@ -240,3 +240,22 @@ def test_split_files_from_the_command_line_feed_eval_ids(tmp_path, capsys):
     assert list(_read_ids(tmp_path / "signpost_test.json", "signpost")) == SignpostEnv().task_ids("test")
     with pytest.raises(ConfigError, match="--env is 'babyai'"):
         _read_ids(tmp_path / "signpost_test.json", "babyai")
+
+
+async def test_countries_sets_how_many_answers_a_country_question_can_have(tmp_path):
+    """`countries` (10 by default) is the number of answers of "In which country was <person> born?": with ten, a
+    guessed country is right one time in ten (docs/learning.md). The env and the command make the same corpus."""
+    def country_answers(env: SearchQAEnv) -> set[str]:
+        return {r["golden_answers"][0] for r in env.rows if r["question"].startswith("In which country")}
+
+    assert len(country_answers(SearchQAEnv(hops=[2], people=1000, name_parts=60))) == 10
+    many = SearchQAEnv(hops=[2], people=1000, name_parts=60, countries=40)
+    assert len(country_answers(many)) == 26  # 40 cities, each in one of 40 countries drawn with seed 0
+    write(tmp_path, num_people=1000, name_parts=60, num_countries=40)
+    assert SearchQAEnv(data_dir=str(tmp_path), hops=[2]).rows == many.rows
+    await many.reset(next(t for t in many.task_ids("test") if many.rows[t]["question"].startswith("In which country")))
+    for action in many.expert_plan():  # the person's page names the city, the city's page the country
+        result = await many.step(action)
+    assert result.done and result.reward == 1.0
+    with pytest.raises(ValueError, match="synthetic corpus"):
+        SearchQAEnv(data_dir=str(tmp_path), countries=40)
