@@ -3,9 +3,9 @@
     horizonrl eval --model M --env searchqa --env-settings JSON --split test --episodes N --record DIR
     python scripts/searchqa_answer_sources.py DIR [--config configs/searchqa_multihop.yaml] [--env-settings JSON]
 
-"In which country was <person> born?" has ten possible answers in the synthetic corpus, and the most common
-country is the answer to 14% of the held-out questions: a model that learned to name a country, any country,
-succeeds 0.10 of the time without reading a page. This reads recorded episodes (``--record`` of ``horizonrl
+"In which country was <person> born?" has ten possible answers in the synthetic corpus (the env's ``countries``),
+and the most common country is the answer to 14% of the held-out questions: a model that learned to name a
+country, any country, succeeds 0.10 of the time without reading a page. This reads recorded episodes (``--record`` of ``horizonrl
 eval``, or a run's ``episodes/``) and sorts each country question's episode by what the model did:
 
 - ``person page``: a search returned the asked person's page (the first hop);
@@ -30,18 +30,15 @@ from collections import Counter
 from pathlib import Path
 
 from horizonrl.core.config import load_config
+from horizonrl.core.episode_records import EpisodeRecordReader
 from horizonrl.envs.searchqa import SearchQAEnv, normalize_answer
 
 # A person's page: "<name> was a <job> born in <city> in <year>"; a city's: "<city> is a city in <country>, ...".
 PAGE = re.compile(r"\(Title: ([^)]*)\) [^(]*?(is a city in|was a \w+ born in) (\w+)")
 
 
-def episodes(record_dir: Path) -> list[dict]:
-    rows = []
-    for path in sorted(record_dir.glob("*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            rows += [row for row in map(json.loads, f) if row.get("env") == "searchqa" and "turns" in row]
-    return rows
+def is_country_question(row: dict) -> bool:
+    return row["question"].startswith("In which country")
 
 
 def classify(episode: dict, row: dict, countries: set[str]) -> set[str]:
@@ -83,13 +80,14 @@ def main() -> None:
     args = parser.parse_args()
     settings = {**load_config(args.config).envs[0].settings, **json.loads(args.env_settings)}
     env = SearchQAEnv(**settings)
-    countries = {normalize_answer(row["golden_answers"][0]) for row in env.rows
-                 if row["question"].startswith("In which country")}
+    countries = {normalize_answer(row["golden_answers"][0]) for row in env.rows if is_country_question(row)}
     counts: Counter[str] = Counter()
     total = 0
-    for episode in episodes(args.record_dir):
+    for episode in EpisodeRecordReader(args.record_dir).new_records():
+        if episode.get("kind") != "episode" or episode.get("env") != "searchqa":
+            continue  # a record of which groups were trained, or another env's episode
         row = env.rows[episode["task_id"]]
-        if not row["question"].startswith("In which country"):
+        if not is_country_question(row):
             continue
         total += 1
         labels = classify(episode, row, countries)

@@ -23,7 +23,7 @@ def play(env: SearchQAEnv, task_id: int, replies: list[str]) -> dict:
             if result.done:
                 success = result.reward > 0
                 break
-        return {"env": "searchqa", "task_id": task_id, "success": success, "turns": turns}
+        return {"kind": "episode", "env": "searchqa", "task_id": task_id, "success": success, "turns": turns}
     return asyncio.run(run())
 
 
@@ -34,9 +34,9 @@ def answer(name: str) -> str:
 def test_answers_are_sorted_by_where_they_came_from(tmp_path, capsys, monkeypatch):
     script = load_script("searchqa_answer_sources")
     env = SearchQAEnv(**SETTINGS)
-    task_id = next(i for i in env.task_ids("test") if env.rows[i]["question"].startswith("In which country"))
+    task_id = next(i for i in env.task_ids("test") if script.is_country_question(env.rows[i]))
     row = env.rows[task_id]
-    countries = {r["golden_answers"][0] for r in env.rows if r["question"].startswith("In which country")}
+    countries = {r["golden_answers"][0] for r in env.rows if script.is_country_question(r)}
     wrong_country = sorted(countries - {row["golden_answers"][0]})[0]
     asyncio.run(env.reset(task_id))
     expert = env.expert_plan()  # search the person, search the city, answer the country
