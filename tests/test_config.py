@@ -70,7 +70,7 @@ SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_lon
 
 
 LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml",
-                    "searchqa_multihop.yaml"]
+                    "searchqa_multihop.yaml", "searchqa_multihop_names.yaml"]
 BENCH_CONFIGS = ["bench_heavy_tail.yaml"]  # the training benchmark's long-tailed workload
 
 
