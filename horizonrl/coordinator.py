@@ -393,7 +393,7 @@ class Coordinator:
         # the receive (in the background with rollout.weight_staging), the load into the engine, and the wait for
         # the engine to end its step before a pause (generating meanwhile: not stall).
         for key in ("weight_stall_s", "weight_transfer_s", "weight_load_s", "weight_pause_wait_s", "weight_updates",
-                    "weight_versions_skipped", "continued_requests", "kept_requests"):
+                    "weight_versions_skipped", "continued_requests", "kept_requests", "lost_stage_messages"):
             scalars[f"rollout/{key}"] = self.health.total("actor", key)
         scalars["rollout/paused_s"] = self.health.total("actor", "paused_s")
         scalars["rollout/send_wait_s"] = self.health.total("actor", "send_wait_s")

@@ -41,6 +41,7 @@ class StagingEngine:
         self.fail_next_stage = False
         self.continued_requests = 0
         self.kept_requests = 0
+        self.lost_stage_messages = 0
 
     async def stage_weights(self, timeout_s):
         self.calls.append(f"stage {self.next_version}")

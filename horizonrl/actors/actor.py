@@ -606,6 +606,7 @@ class Actor:
             counters["weight_epoch"], counters["weight_version"] = (float(x) for x in self.weights)
             counters["continued_requests"] = float(self.engine.continued_requests)
             counters["kept_requests"] = float(self.engine.kept_requests)
+            counters["lost_stage_messages"] = float(self.engine.lost_stage_messages)
             counters["engine_idle_s"] = self.engine.clock.idle_s
             counters["engine_wall_s"] = self.engine.clock.wall_s
             counters["engine_request_s"] = self.engine.clock.unit_s

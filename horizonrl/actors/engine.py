@@ -25,6 +25,7 @@ log = logging.getLogger("horizonrl.actors.engine")
 
 WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
+STAGED_ASK_AFTER_MS = 10_000  # a staging worker's word this late: ask it directly (stage_weights)
 # At shutdown vLLM sends its engine process SIGTERM and kills it (with its workers) after a grace period, 5 s by
 # default. On the CPU the processes hold nothing to release, and their teardown alone outlasts those 5 s (the
 # worker's interpreter exit ~3 s, then the engine process's): each vLLM-CPU engine stopped in 5 s and a kill.
@@ -149,6 +150,7 @@ class RolloutEngine:
         self.swaps = 0
         self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
         self.kept_requests = 0  # requests a swap kept in the engine (on_weight_update=keep)
+        self.lost_stage_messages = 0  # staged receives whose end the workers' message never told (stage_weights)
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
@@ -332,8 +334,9 @@ class RolloutEngine:
     async def stage_weights(self, timeout_s: float) -> StagedWeights:
         """Receive the next version into the workers' staging buffers (the size of the model in the engine's
         dtype) while the engine keeps generating; each worker acknowledges it to the learner once received,
-        and tells this engine so over a socket of its own (``weight_receiver.StagedReceive``). Raises
-        ``WeightSyncError`` when a worker's receive fails or does not end within ``timeout_s`` (+ 30 s)."""
+        and tells this engine so over a socket of its own (``weight_receiver.StagedReceive``); a word more than
+        10 s late, and the workers are asked directly. Raises ``WeightSyncError`` when a worker's receive fails or
+        does not end within ``timeout_s`` (+ 30 s)."""
         import msgspec
         import zmq
         import zmq.asyncio
@@ -354,9 +357,21 @@ class RolloutEngine:
         deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
         while len(outcomes) < len(started):
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not await self._staged.poll(left_ms):
+            if left_ms <= 0:
                 raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
                                       f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
+            if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
+                # Their message is late. Once one was lost (a 2-core run, 2026-11-28): the worker had the version
+                # and the learner its acknowledgement, the actor waited out the timeout and the learner's next
+                # version waited for it, 5 minutes of a 12-minute run. Ask the workers whether they are done.
+                asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
+                ended = {int(outcome[5]): outcome[1:] for outcome in asked if outcome is not None}
+                if len(ended) == len(started):
+                    log.warning("staged receive %d ended %.0f s ago or more with no word from its workers; "
+                                "took their outcome from them", self._stage_id, STAGED_ASK_AFTER_MS / 1000)
+                    self.lost_stage_messages += 1
+                    outcomes = ended
+                continue
             message = msgspec.msgpack.decode(await self._staged.recv())
             if message[0] == self._stage_id:  # an older stage's late word is not this one's
                 outcomes[int(message[5])] = message[1:]

@@ -125,6 +125,15 @@ class WeightReceiverExtension:
         says at ``notify_address`` when the version is here (``weight_receiver.StagedReceive``)."""
         return self._horizonrl_reply(self._horizonrl_start_staging, stage_id, notify_address)
 
+    def horizonrl_staged_outcome(self, stage_id: int) -> list | None:
+        """What staged receive ``stage_id``'s thread told, or should have told, the actor at its socket
+        (``StagedReceive.outcome``) once the thread has ended; None while it is still receiving (or for another
+        stage). The actor asks only when that message is late: one lost must cost seconds, not the timeout."""
+        staging = getattr(self, "_horizonrl_staging", None)
+        if staging is None or staging.stage_id != stage_id or staging.thread.is_alive():
+            return None
+        return staging.outcome()
+
     def horizonrl_load_staged(self) -> tuple[int, int, float, float, int, str]:
         """Load the staged version into the model (the RPC runs between two engine steps)."""
         return self._horizonrl_reply(self._horizonrl_load_staging)

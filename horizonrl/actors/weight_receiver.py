@@ -17,6 +17,7 @@ Two ways to take a version, both bounded by the group's timeout at every collect
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncErr
 
 if TYPE_CHECKING:
     from horizonrl.actors.weight_ipc import IpcReceiver
+
+log = logging.getLogger("horizonrl.actors.weights")
 
 __all__ = ["StagedReceive", "WeightReceiver", "WeightStream", "WeightSyncError", "join_weight_hub",
            "open_weight_stream", "receive_weights"]
@@ -276,7 +279,8 @@ NOTIFY_TIMEOUT_MS = 5000
 
 
 def _notify(address: str, outcome: list) -> None:
-    """One small message to the actor; if it cannot be delivered the actor's wait times out and it rejoins."""
+    """One small message to the actor; if it cannot be delivered, the actor asks the worker (it waits for this
+    message a few seconds at a time: ``Engine.stage_weights``)."""
     import msgspec
     import zmq
 
@@ -288,8 +292,9 @@ def _notify(address: str, outcome: list) -> None:
         sock.connect(address)
         try:
             sock.send(msgspec.msgpack.encode(outcome))
-        except zmq.Again:
-            pass
+        except zmq.Again:  # the actor asks for it when it is late (Engine.stage_weights)
+            log.warning("staged receive %d: could not tell the actor at %s within %.0f s that it ended", outcome[0],
+                        address, NOTIFY_TIMEOUT_MS / 1000)
         sock.close()
     finally:
         context.term()

@@ -205,10 +205,13 @@ async def update_in_flight(engine, hub, learner, prompt, temperature, version: i
     sender.start()
     staged = await engine.stage_weights(60)
     still_running = sum(not r.done() for r in requests)
+    # What the engine asks the real worker when its staging thread's message is late (tests/test_engine_staging.py)
+    asked = await engine._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(engine._stage_id,))
     update = await engine.load_staged()
     sender.join()
     generations = await asyncio.gather(*requests)
     result = {"staged": [staged.epoch, staged.version], "running_at_swap": still_running,
+              "asked": [[outcome[2], outcome[1]] for outcome in asked],
               "loaded": [update.epoch, update.version], "stall_s": update.stall_s, "lengths": [],
               "finish_reasons": [], "spans": [], "old_span_vs_v1": 0.0, "new_span_vs_v2": 0.0,
               "new_span_vs_v1": 0.0, "new_span_ratio_vs_1": 0.0, "old_span_ratio_error": 0.0,

@@ -60,6 +60,7 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     # A version staged and swapped in while 8 requests of 400 tokens were in flight:
     flight = result["in_flight"]
     assert flight["staged"] == [0, 2] and flight["loaded"] == [0, 2]
+    assert flight["asked"] == [[0, 2]] * len(flight["asked"]) and flight["asked"]  # each worker, asked, says so too
     assert flight["running_at_swap"] >= 1  # the swap came in the middle of generation, so the check can fail
     assert flight["lengths"] == [400] * 8 and set(flight["finish_reasons"]) == {"length"}  # every request finished
     cut = [spans for spans in flight["spans"] if len(spans) == 2]
