@@ -81,9 +81,12 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     # The run partitioned as `horizonrl bench --partition engines` does: the learner's side and the actors'
     # own processes on the first core, each engine's processes (and every thread of theirs) on the last.
     host, device = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    # Steps enough never to end before the Ctrl-C: with both engines on one core, one engine once took 3.5 min to
+    # start on a loaded machine, and the other actor alone had finished the config's 80 steps by then.
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
                                        f"resources.learner_cpus=[{host}]", f"resources.actor_cpus=[[{host}], [{host}]]",
-                                       f"resources.engine_cpus=[[{device}], [{device}]]"), log_path)
+                                       f"resources.engine_cpus=[[{device}], [{device}]]", "learner.total_steps=100000"),
+                         log_path)
     seen: dict[str, object] = {}
 
     def partitioned() -> list[psutil.Process] | None:
@@ -105,7 +108,7 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     try:
         wait_until(lambda: "step 1/" in log_path.read_text(), 300, "the first learner step")
         try:
-            tree = wait_until(partitioned, 180, "both actors and both engines, every thread on its cores", interval=0.5)
+            tree = wait_until(partitioned, 300, "both actors and both engines, every thread on its cores", interval=0.5)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}; last seen: {seen}") from None
         os.kill(proc.pid, signal.SIGINT)
