@@ -1,7 +1,7 @@
 """The rollout engine's wait for a staged version (``RolloutEngine.stage_weights``): the worker's staging thread
 tells the engine over a socket when the version is in; if that message is lost, the engine asks the workers
 (``horizonrl_staged_outcome``) and goes on within seconds instead of waiting out the weight-sync timeout (a lost
-message once cost a 2-core run 5 of its 12 minutes). The worker's side here is the real extension class and the
+message once cost a 2-core run 5 of its 15 minutes). The worker's side here is the real extension class and the
 real ``StagedReceive`` bookkeeping, with the receive itself stood in for; the real receive and swap run in
 tests/integration/test_engine_weights.py."""
 

@@ -363,7 +363,7 @@ class RolloutEngine:
             if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
                 # Their message is late. Once one was lost (a 2-core run, 2026-11-28): the worker had the version
                 # and the learner its acknowledgement, the actor waited out the timeout and the learner's next
-                # version waited for it, 5 minutes of a 12-minute run. Ask the workers whether they are done.
+                # version waited for it, 5 minutes of a 15-minute run. Ask the workers whether they are done.
                 asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
                 ended = {int(outcome[5]): outcome[1:] for outcome in asked if outcome is not None}
                 if len(ended) == len(started):
