@@ -5,8 +5,9 @@
 
 "In which country was <person> born?" has ten possible answers in the synthetic corpus (the env's ``countries``),
 and the most common country is the answer to 14% of the held-out questions: a model that learned to name a
-country, any country, succeeds 0.10 of the time without reading a page. This reads recorded episodes (``--record`` of ``horizonrl
-eval``, or a run's ``episodes/``) and sorts each country question's episode by what the model did:
+country, any country, succeeds 0.10 of the time without reading a page. This reads recorded episodes
+(``--record`` of ``horizonrl eval``, or a run's ``episodes/``) and sorts each country question's episode by what
+the model did:
 
 - ``person page``: a search returned the asked person's page (the first hop);
 - ``city page``: a search returned the page of the city that person was born in (the second hop);

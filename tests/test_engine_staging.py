@@ -31,6 +31,7 @@ class StagingLLM:
         self.worker = object.__new__(WeightReceiverExtension)  # the real methods, no vLLM worker around them
         self.rpcs: list[str] = []
         self.answers: list[object] = []  # what each horizonrl_staged_outcome returned
+        self.asked = threading.Event()  # a silent receive ends only once asked (so the first answer is "not yet")
 
     async def collective_rpc(self, method: str, timeout=None, args=()):
         self.rpcs.append(method)
@@ -40,6 +41,8 @@ class StagingLLM:
 
             def receive() -> None:
                 time.sleep(self.receive_s)
+                if not self.tell:
+                    self.asked.wait(10)  # however late the engine's first question comes on a loaded machine
                 staged.receive_s = self.receive_s
                 staged.layout = SimpleNamespace(version=self.version, epoch=0)
                 if self.tell:
@@ -52,6 +55,7 @@ class StagingLLM:
         if method == "horizonrl_staged_outcome":
             answer = self.worker.horizonrl_staged_outcome(*args)
             self.answers.append(answer)
+            self.asked.set()
             return [answer]
         raise AssertionError(f"unexpected rpc {method}")
 

@@ -226,7 +226,7 @@ class SearchQAEnv:
                         for m in NAME.finditer(part)})
         if found and rng.random() < 0.5:
             return f"<think>I will guess.</think>\n<answer> {rng.choice(found)} </answer>"
-        options = sorted(set(asked) | {name for name in found if name not in self.searched}) or asked or ["answer"]
+        options = sorted(set(asked) | {name for name in found if name not in self.searched}) or ["answer"]
         return f"<think>I should look this up.</think>\n<search> {rng.choice(options)} </search>"
 
     def expert_plan(self) -> list[str]:
