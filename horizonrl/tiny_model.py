@@ -493,6 +493,12 @@ def make_tiny_model(
                     device=device)
     warmup_s = time.perf_counter() - started
     final_loss = sum(losses[-10:]) / max(1, len(losses[-10:]))
+    # The curve, for comparing warm-ups: a model learning to copy from its context shows a fall after a plateau.
+    loss_by_100_steps = [round(sum(block) / len(block), 4) for block in
+                         (losses[i:i + 100] for i in range(0, len(losses), 100))]
+    # The curve, for comparing warm-ups: copying a context's names shows as a fall after a plateau.
+    loss_by_100_steps = [round(sum(block) / len(block), 4) for block in
+                         (losses[i:i + 100] for i in range(0, len(losses), 100))]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -515,6 +521,7 @@ def make_tiny_model(
             "episodes_s": round(episodes_s, 2),
             "warmup_s": round(warmup_s, 2),
             "final_loss": final_loss,
+            "loss_by_100_steps": loss_by_100_steps,
             "device": str(device),
         },
     }

@@ -210,6 +210,14 @@ def test_ensure_reuses_a_matching_directory(tmp_path):
     assert (out / SPEC_FILE).exists()
 
 
+def test_the_spec_file_keeps_the_warmup_loss_curve(tmp_path):
+    out = ensure_tiny_model(tmp_path / "m", envs=("signpost",), episodes_per_env=8, warmup_steps=150, batch_size=4,
+                            max_turns=3, progress=False)
+    curve = read_spec(out)["built"]["loss_by_100_steps"]
+    assert len(curve) == 2  # steps 1-100 and 101-150
+    assert 0 < curve[1] < curve[0]
+
+
 def test_two_builders_of_one_directory_build_it_once(tmp_path):
     """Parallel test workers (and two demos) ask for the same model at once: one builds, the other waits on the
     lock and reuses the build."""

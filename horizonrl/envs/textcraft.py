@@ -262,14 +262,20 @@ class TextCraftEnv:
         self._done = True
         self.inventory = {}
 
-    def random_action(self, rng: random.Random) -> str:
+    def random_action_choices(self) -> list[str]:
+        """What the random policy draws from, uniformly, as shown: ``inventory``, every recipe line of the first
+        observation, and a ``get`` of each base ingredient those lines name with the count they name. A choice
+        may be listed twice (two lines using the same ingredient): it is then twice as likely."""
         choices = ["inventory", *self.commands]
         for command in self.commands:
             for part in command.split(" using ", 1)[-1].split(", "):
                 count, _, name = part.partition(" ")
                 if self._is_base(item_id(name)):
                     choices.append(f"get {count} {name}")
-        return f"Action: {self._show(rng.choice(choices))}"
+        return [f"Action: {self._show(choice)}" for choice in choices]
+
+    def random_action(self, rng: random.Random) -> str:
+        return rng.choice(self.random_action_choices())
 
     # --------------------------------------------------------------- rules
     def _apply(self, action: str) -> tuple[str, bool]:
