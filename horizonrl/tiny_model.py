@@ -496,9 +496,6 @@ def make_tiny_model(
     # The curve, for comparing warm-ups: a model learning to copy from its context shows a fall after a plateau.
     loss_by_100_steps = [round(sum(block) / len(block), 4) for block in
                          (losses[i:i + 100] for i in range(0, len(losses), 100))]
-    # The curve, for comparing warm-ups: copying a context's names shows as a fall after a plateau.
-    loss_by_100_steps = [round(sum(block) / len(block), 4) for block in
-                         (losses[i:i + 100] for i in range(0, len(losses), 100))]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ Summed over the episodes and divided by their reply tokens (each reply's end-of-
 warm-up counts them), that is the floor of the warm-up's loss; the distance from it to a model's ``final_loss``
 (or ``loss_by_100_steps``, in its ``horizonrl_tiny_model.json``) is what it has not learned to copy.
 
-The episodes, tokenizer and settings are those ``horizonrl demo --config CONFIG`` builds its model from
-(seed 0, ``model.tiny.max_turns``, the config's TextCraft settings), the first ``--episodes`` of them.
+The episodes are the first ``--episodes`` of those ``horizonrl demo --config CONFIG`` builds its model from
+(seed 0, ``model.tiny.max_turns``, the config's TextCraft settings), the tokenizer trained on them as
+``make_tiny_model`` trains its own (on all of its episodes: the same tokens for the names, one per word).
 """
 
 from __future__ import annotations
