@@ -78,29 +78,30 @@ def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
 def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     run_dir = tmp_path / "interrupted"
     log_path = tmp_path / "interrupted.log"
-    # The run partitioned as `horizonrl bench --partition engines` does: the learner's side and the actors'
-    # own processes on the first core, each engine's processes (and every thread of theirs) on the last.
+    # The run partitioned as `horizonrl bench --partition engines` does: the learner's side and the actor's own
+    # process on the first core, its engine's processes (and every thread of theirs) on the last. One actor: with
+    # two engines on one core, the second one's start-up beside the first one's generation took 3.5 min once
+    # and over 6 min in a later CI-like run (never placed in the test's wait), so two engines made it a flake.
+    # Steps enough never to end before the Ctrl-C.
     host, device = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
-    # Steps enough never to end before the Ctrl-C: with both engines on one core, one engine once took 3.5 min to
-    # start on a loaded machine, and the other actor alone had finished the config's 80 steps by then.
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
-                                       f"resources.learner_cpus=[{host}]", f"resources.actor_cpus=[[{host}], [{host}]]",
-                                       f"resources.engine_cpus=[[{device}], [{device}]]", "learner.total_steps=100000"),
+                                       "rollout.num_actors=1", f"resources.learner_cpus=[{host}]",
+                                       f"resources.actor_cpus=[[{host}]]", f"resources.engine_cpus=[[{device}]]",
+                                       "learner.total_steps=100000"),
                          log_path)
     seen: dict[str, object] = {}
 
     def partitioned() -> list[psutil.Process] | None:
-        """The launcher's tree once both actors and both engines run, each thread on its core; else None.
+        """The launcher's tree once the actor and its engine run, each thread on its core; else None.
 
-        Polled, not read once: the first learner step can come from one actor's episodes while the other
-        actor's engine is still starting (on a loaded machine, CI's), and its threads are not all placed yet."""
+        Polled, not read once: the engine's threads may not all be placed at the first learner step."""
         tree = descendants(proc.pid)
         engines = [p for p in tree if "EngineCore" in command(p)]
         actors = [p for p in tree if "horizonrl actor" in command(p)]
         seen.update(tree=[command(p) for p in tree], engine_cores=[thread_cores(p) for p in engines],
                     actor_cores=[thread_cores(p) for p in actors])
-        # coordinator, buffer, learner, 2 actors and their 2 EngineCores (at least)
-        placed = (len(tree) >= 7 and len(engines) == 2 and len(actors) == 2
+        # coordinator, buffer, learner, the actor and its EngineCore (at least)
+        placed = (len(tree) >= 5 and len(engines) == 1 and len(actors) == 1
                   and all(cores == {frozenset([device])} for cores in seen["engine_cores"])
                   and all(cores == {frozenset([host])} for cores in seen["actor_cores"]))
         return tree if placed else None
@@ -108,7 +109,7 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     try:
         wait_until(lambda: "step 1/" in log_path.read_text(), 300, "the first learner step")
         try:
-            tree = wait_until(partitioned, 300, "both actors and both engines, every thread on its cores", interval=0.5)
+            tree = wait_until(partitioned, 300, "the actor and its engine, every thread on its cores", interval=0.5)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}; last seen: {seen}") from None
         os.kill(proc.pid, signal.SIGINT)
