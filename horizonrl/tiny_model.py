@@ -130,6 +130,13 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     return tokenizer
 
 
+def episodes_tokenizer(episodes: Sequence[RandomEpisode], vocab_size: int = DEFAULT_VOCAB_SIZE
+                       ) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer: trained on the episodes' messages and the chat template's role names."""
+    texts = [m["content"] for e in episodes for m in e.messages]
+    return build_tokenizer(texts + ["user\nassistant\nsystem\n"] * 100, vocab_size)
+
+
 def _strip_special(text: str) -> str:
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "\n")
@@ -482,8 +489,7 @@ def make_tiny_model(
     ]
     episodes_s = time.perf_counter() - started
 
-    texts = [m["content"] for e in episodes for m in e.messages]
-    tokenizer = build_tokenizer(texts + ["user\nassistant\nsystem\n"] * 100, vocab_size)
+    tokenizer = episodes_tokenizer(episodes, vocab_size)
     chat = ChatTokenizer(tokenizer)
     sequences = [episode_ids(chat, e.messages, system_prompt) for e in episodes]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 from horizonrl.core.chat import ChatTokenizer  # noqa: E402
 from horizonrl.core.config import load_config  # noqa: E402
 from horizonrl.envs.textcraft import TextCraftEnv  # noqa: E402
-from horizonrl.tiny_model import RandomEpisode, build_tokenizer, episode_ids, random_episodes  # noqa: E402
+from horizonrl.tiny_model import RandomEpisode, episode_ids, episodes_tokenizer, random_episodes  # noqa: E402
 
 
 async def loss_floor(env: TextCraftEnv, episodes: list[RandomEpisode], chat: ChatTokenizer) -> tuple[float, int]:
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.config} has no textcraft environment")
     recipe = config.model.tiny
     episodes = random_episodes("textcraft", dict(env_config.settings), args.episodes, 0, recipe.max_turns)
-    texts = [m["content"] for e in episodes for m in e.messages]
-    chat = ChatTokenizer(build_tokenizer(texts + ["user\nassistant\nsystem\n"] * 100))  # as make_tiny_model
+    chat = ChatTokenizer(episodes_tokenizer(episodes))
     env = TextCraftEnv(**dict(env_config.settings))
     floor, tokens = asyncio.run(loss_floor(env, episodes, chat))
     replies = sum(m["role"] == "assistant" for e in episodes for m in e.messages)
