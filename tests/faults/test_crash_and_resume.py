@@ -150,35 +150,41 @@ def buffer_is_full(buffer_log: Path) -> bool:
 def freeze_a_broadcast(log: Path, run_dir: Path, learners: list[psutil.Process],
                        engines: list[psutil.Process]) -> int:
     """Make the learner's broadcast of a version wait on engines frozen (SIGSTOP) for good; returns the step
-    reported after that version, the one the learner cannot finish.
+    the learner cannot finish.
 
     The learner is stopped first until the actors have filled the buffer, then the engines are frozen and the
-    learner resumes: it trains the buffered batches, sends the next version to engines that never acknowledge it,
-    and reports the step after — whose ``step n: loss`` line it logs only once the previous version's send has
-    ended (each version is sent in the background while the next step trains). Freezing the engines whenever a
-    step came instead depended on timing: with a second test beside it, the learner always caught up with the
-    actors between freezes, and no step came with the engines frozen. Waiting for a *new* "buffer full" line
-    depended on timing too: a buffer that filled just before the learner stopped logs none (CI, 2026-11-27)."""
+    learner resumes. Each step is reported (``step n/N`` on the console) before its weights are published, and
+    the publish first waits for the previous version's send (each version is sent in the background while the
+    next step trains); ``step n: loss`` is logged once that wait has ended. So the learner trains the buffered
+    batches until a step's publish waits on a send the frozen engines never take: that step is reported and its
+    loss line never comes. It may be the step reported before the freeze (the learner was stopped inside that
+    wait: CI, 2026-11-28, where a test that waited only for a newer step timed out) or a later one.
+
+    Freezing the engines whenever a step came instead depended on timing: with a second test beside it, the
+    learner always caught up with the actors between freezes. Waiting for a *new* "buffer full" line depended on
+    timing too: a buffer that filled just before the learner stopped logs none (CI, 2026-11-27)."""
     buffer_log = run_dir / "logs" / "buffer.log"
     learner_log = run_dir / "logs" / "learner-0.log"
     _suspend(learners)
     try:
         wait_until(lambda: buffer_is_full(buffer_log), 300, "the buffer full while the learner was stopped")
         _suspend(engines)
-        reached = max(steps_in(log), default=0)
     finally:
         _resume(learners)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        wait_until(lambda: max(steps_in(log), default=0) > reached, 300, "a step with the engines frozen")
-        time.sleep(5)  # a loss line that is coming has come by now
-        text = learner_log.read_text(errors="replace")
-        newest = max(steps_in(log))
-        waiting = [s for s in range(reached + 1, newest + 1) if f"step {s}: loss" not in text]
-        if waiting:
-            return waiting[0]
-        reached = newest  # each loss logged: the version sent before the freeze got through; the next cannot
-    raise AssertionError("every step's loss was logged: no broadcast waited on the frozen engines")
+    # A publish that can go on takes well under a second (a tiny model's gather, no wait on the engines); 30 s
+    # without the newest step's loss line, and without a newer step, is a wait that will not end.
+    newest, since = 0, time.monotonic()
+
+    def blocked_step() -> int | None:
+        nonlocal newest, since
+        reported = max(steps_in(log), default=0)
+        if reported != newest:
+            newest, since = reported, time.monotonic()
+            return None
+        stuck = f"step {newest}: loss" not in learner_log.read_text(errors="replace")
+        return newest if stuck and time.monotonic() - since >= 30 else None
+
+    return wait_until(blocked_step, 300, "a step whose weights wait on the frozen engines")
 
 
 def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_model, tmp_path):
