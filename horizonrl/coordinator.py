@@ -64,6 +64,7 @@ from horizonrl.protocol import (
 )
 from horizonrl.protocol.transport import make_socket, wire_security
 from horizonrl.core.console import BUFFER_CAPACITY, BUFFER_GROUPS, status_record_line
+from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.run_dirs import resumed_step
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
@@ -172,6 +173,7 @@ class Coordinator:
         self.pull.bind(net.endpoint(net.report_port))
         self.writer = _make_writer(config)
         self.wandb = _make_wandb(config)
+        self.events = EventLog(config.output_dir, "coordinator")
         self._wandb_rows: list[list] = []  # episode samples since the last step, logged with its scalars
         # Held-out evaluation during training: the newest step asked for, the steps logged, and (after the
         # learner's last step) until when the run waits for the last one.
@@ -447,10 +449,12 @@ class Coordinator:
         played = "" if step == result.learner_step else f" (asked for step {result.learner_step})"
         log.info("held-out success at step %d%s: %.3f (%s)", step, played, scalars.get("eval/success_rate", 0.0),
                  ", ".join(f"{env} {r['success_rate']:.3f}" for env, r in result.results.items()))
+        self.events.emit(RunEvent.HELD_OUT_EVALUATED, step=step, success_rate=scalars.get("eval/success_rate", 0.0))
         if not self.finished and self.plateau.add(step, scalars.get("eval/success_rate", 0.0)):
             log.info("held-out success has not beaten its best (%.3f at step %d) by more than %.3f for %d "
                      "evaluations: ending training (eval.stop_after_plateau)", self.plateau.best,
                      self.plateau.best_step, self.plateau.min_delta, self.plateau.patience)
+            self.events.emit(RunEvent.TRAINING_ENDED_EARLY, step=step, reason="eval.stop_after_plateau")
             self.publish()
         if self.finished:
             self.publish()  # the last evaluation is in: stop now

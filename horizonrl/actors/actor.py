@@ -66,6 +66,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.registry import FollowedEndpoint
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
+from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
 
@@ -214,6 +215,7 @@ class Actor:
         self.reports.connect(net.endpoint(net.report_port))
         self._bad_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
+        self.events = EventLog(config.output_dir, f"actor-{index}")
 
     @property
     def weights(self) -> tuple[int, int]:
@@ -304,6 +306,7 @@ class Actor:
             await asyncio.sleep(0.05)
         log.info("started: learner step %d, turn budget %d, weights %s (epoch, version)", self.control.learner_step,
                  self.control.max_turns, self.weights)
+        self.events.emit(RunEvent.ENGINE_READY, actor=self.index, weights=list(self.weights))
 
     async def _resolve_endpoints(self) -> None:
         """Where the buffer and the weight hub are, when their ports are not configured: the first Control

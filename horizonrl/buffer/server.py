@@ -47,6 +47,7 @@ from horizonrl.buffer.records import (
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
+from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (
     ACK_ACCEPTED,
@@ -96,6 +97,7 @@ class BufferServer:
         self.config = config
         self.stop = stop
         self.run_id = config.run.run_id
+        self.events = EventLog(config.output_dir, "buffer")
         # Replay starts from the log's own settings (its Settings records), then this start's apply.
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
@@ -162,6 +164,8 @@ class BufferServer:
                  count, time.perf_counter() - start, g.received, g.trained_trajectories, g.in_flight_trajectories(),
                  g.held_trajectories(), sum(g.dropped.values()),
                  f"; cut a torn record of {self.wal.torn_tail_bytes} bytes" if self.wal.torn_tail_bytes else "")
+        self.events.emit(RunEvent.BUFFER_RECOVERED, records=count, accepted=g.received,
+                         trained=g.trained_trajectories, held=g.held_trajectories())
         return count
 
     def _log(self, record):
@@ -188,11 +192,13 @@ class BufferServer:
                 if reading:
                     poller.unregister(self.intake)
                     log.info("buffer full (%d groups); pausing intake", self.groups.ready_groups)
+                    self.events.emit(RunEvent.BUFFER_FULL, ready_groups=self.groups.ready_groups)
                     paused = True
                 else:
                     poller.register(self.intake, zmq.POLLIN)
                     if paused:
                         log.info("buffer has room (%d groups); resuming intake", self.groups.ready_groups)
+                        self.events.emit(RunEvent.BUFFER_HAS_ROOM, ready_groups=self.groups.ready_groups)
                 reading = not reading
             events = dict(poller.poll(200))
             if events.get(self.control):

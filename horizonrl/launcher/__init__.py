@@ -38,6 +38,7 @@ from typing import IO, Callable, Iterator
 from horizonrl.core.config import ConfigError, SupervisionConfig, TrainConfig, dump_config
 from horizonrl.core.console import RunConsole, parse_status_line, shown_line
 from horizonrl.core.placement import PlacementPlan, plan_placement, visible_gpus
+from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, ProcessEvent, encode
 from horizonrl.protocol.transport import free_port, free_ports, is_loopback
@@ -145,6 +146,7 @@ class Launcher:
         self.learner_restarts = RestartPolicy.for_learner(config.supervision)
         self._due: list[tuple[float, str, Callable[[], None]]] = []  # (when, what, start it)
         self._events = None  # a PUSH socket to the coordinator, made on first use
+        self.run_events = EventLog(config.output_dir, "launcher")
         self._servers_recovering: dict[str, str] = {}  # restarted environment servers -> their URL
 
     # ------------------------------------------------------------------ starting
@@ -167,6 +169,7 @@ class Launcher:
         child.threads.append(t)
         self.children.append(child)
         log.info("started %s (pid %d)", name, proc.pid)
+        self.run_events.emit(RunEvent.PROCESS_STARTED, name=name, pid=proc.pid)
         return child
 
     def _child_line(self, name: str, line: str) -> None:
@@ -237,6 +240,7 @@ class Launcher:
         while True:
             if stop:
                 log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
+                self.run_events.emit(RunEvent.RUN_STOPPING, reason=stop.signal_name or "stop requested")
                 return 130
             self._start_due()
             self._check_servers_recovered()
@@ -359,6 +363,7 @@ class Launcher:
 
     def _report(self, name: str, event: str, **fields) -> None:
         """Tell the coordinator (it counts faults/ and writes faults.jsonl); never blocks."""
+        self.run_events.emit(RunEvent(f"process_{event}"), name=name, **fields)
         if self._events is None:
             self._events = CoordinatorEvents(self.config)
         self._events.report(name, event, **fields)

@@ -51,6 +51,7 @@ from pathlib import Path
 from horizonrl.core.config import ConfigError, TrainConfig
 from horizonrl.core.console import RunConsole, parse_status_line, shown_line
 from horizonrl.core.placement import ClusterBundle, cluster_bundles
+from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RESTARTED
 from horizonrl.protocol.registry import LEARNER_GANG_ENV as GANG_ENV
@@ -515,6 +516,7 @@ class RayLauncher:
         return bool(learners) and all(h.exit_code == 0 for h in learners) and not self._due
 
     def _report(self, name: str, event: str, **fields) -> None:
+        EventLog(self.config.output_dir, "launcher").emit(RunEvent(f"process_{event}"), name=name, **fields)
         if self.events is not None:
             self.events.report(name, event, **fields)
 

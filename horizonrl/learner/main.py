@@ -39,6 +39,7 @@ import torch.distributed as dist
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
+from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
@@ -148,6 +149,7 @@ class Resources:
     end_training_watch: Any = None
     weight_hub: Any = None
     weight_hub_abandoned: bool = False  # a send thread may still be blocked in it: do not touch it
+    events: EventLog = NullEventLog()  # rank 0 writes the run's events (core/run_events.py)
 
     def close(self) -> None:
         for thread in (self.heartbeat, self.end_training_watch):
@@ -207,6 +209,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # boundaries, but nothing is cut short — the last weights still reach every engine for the final evaluation.
     end_training = threading.Event()
     if is_main:
+        res.events = EventLog(config.output_dir, "learner-0")
         res.context = zmq.Context()
         security = wire_security(res.context, net.host, net.curve_keys_dir)
         res.security = security
@@ -295,6 +298,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             if tr.critic_scheduler is not None:
                 tr.critic_scheduler.step()
         step += 1
+        res.events.emit(RunEvent.STEP_TRAINED, step=step)
         consumed.append({"step": step, "request_id": batch.request_id, "trajectories": accounting.ids})
 
         num_tokens = sum(s.num_tokens for s in samples)
@@ -336,7 +340,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                                    dtype=engine_dtype, stop=stop, background=True)
             published = step
             if is_main and sync is None:
-                _log_abandoned(res.weight_hub, step)
+                _log_abandoned(res.weight_hub, step, res.events)
                 res.weight_hub_abandoned = True
                 continue
             if is_main:
@@ -345,6 +349,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
                         f"{sync['buckets']:.0f} buckets to {sync['members']:.0f} engine workers"
                         + (f", {sync['dropped']:.0f} dropped)" if sync["dropped"] else ")"))
         if is_main:
+            res.events.emit(RunEvent.STEP_DONE, step=step, weights_sent=bool(sent))
             log.info("step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs %s", step,
                      metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
                      metrics["batch/staleness_mean"], times["batch_wait"], times["step"],
@@ -352,7 +357,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
 
     if is_main and not res.weight_hub_abandoned and (
             not res.weight_hub.wait_for_send(_abandon_after(stop, STOP_SEND_GRACE_S)) or res.weight_hub.abandoned):
-        _log_abandoned(res.weight_hub, published)
+        _log_abandoned(res.weight_hub, published, res.events)
         res.weight_hub_abandoned = True
     # Ended early between two updates (eval.stop_after_plateau): the final evaluation plays the last weights. Not
     # after a stop signal (it ends at once); rank 0 decides for all (the publish is collective).
@@ -369,6 +374,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
     if is_main:
         stopped_early = step < lc.total_steps
+        res.events.emit(RunEvent.LEARNER_DONE, step=step, stopped_early=stopped_early, checkpoint=checkpoint)
         res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
                                        metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint,
                                        final=True))
@@ -422,6 +428,7 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
         "consumed_since": since,
     }
     save_train_state(out_dir, state=state, **tr.checkpoint_parts())
+    res.events.emit(RunEvent.CHECKPOINT_WRITTEN, step=step, path=str(out_dir))
     return out_dir
 
 
@@ -458,9 +465,10 @@ def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, d
                        background=background)
 
 
-def _log_abandoned(hub, version: int) -> None:
+def _log_abandoned(hub, version: int, events: EventLog) -> None:
     """``version``: the one being sent, unless the hub knows which send it abandoned."""
     version = hub.abandoned[1] if hub.abandoned is not None else version
+    events.emit(RunEvent.BROADCAST_ABANDONED, version=version)
     log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the checkpoint "
                 "comes next", version)
 

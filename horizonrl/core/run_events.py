@@ -1,0 +1,114 @@
+"""What happened in a run, for programs: one JSON object per line in ``<output_dir>/events.jsonl``.
+
+The console and the logs are for people and change wording freely; this file is the contract for
+whatever reads a run while it goes (tests, ``horizonrl chaos``, scripts). Every line has ``time``
+(Unix seconds), ``event`` (a ``RunEvent`` value), ``role`` (the process that wrote it: ``learner-0``,
+``buffer``, ``launcher``, ...), ``pid``, and the fields that event names below.
+
+Several processes append to the same file. Each line goes out in one ``write`` on a descriptor opened
+with ``O_APPEND``, so lines never interleave on a local file system; a process killed mid-write can
+leave a torn last line, which ``read_events`` skips. Writing is best effort: a run does not stop because
+its event file cannot be written (a full or read-only disk); the first failure is logged once.
+
+Bottom layer: no torch, no vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterator
+
+EVENTS_FILE = "events.jsonl"
+
+log = logging.getLogger("horizonrl.events")
+
+
+class RunEvent(str, Enum):
+    """Every kind of event and the fields it carries (besides time, event, role, pid)."""
+
+    # learner rank 0
+    STEP_TRAINED = "step_trained"  # step: the optimizer step is done; its report and weights follow
+    STEP_DONE = "step_done"  # step, weights_sent (bool): the step's weights were handed to the hub (or not due)
+    CHECKPOINT_WRITTEN = "checkpoint_written"  # step, path
+    BROADCAST_ABANDONED = "broadcast_abandoned"  # version: a stop gave up on engines that did not take it
+    LEARNER_DONE = "learner_done"  # step, stopped_early (bool), checkpoint
+    # buffer
+    BUFFER_FULL = "buffer_full"  # ready_groups: intake paused
+    BUFFER_HAS_ROOM = "buffer_has_room"  # ready_groups: intake resumed
+    BUFFER_RECOVERED = "buffer_recovered"  # records: the write-ahead log was read back at start
+    # actor
+    ENGINE_READY = "engine_ready"  # actor (index), pid: the engine started and took its first weights
+    # launcher (the last four as it tells the coordinator, which also counts them in faults.jsonl)
+    PROCESS_STARTED = "process_started"  # name, pid
+    RUN_STOPPING = "run_stopping"  # reason
+    PROCESS_DIED = "process_died"  # name, exit_code: exited before the run was over
+    PROCESS_RESTARTED = "process_restarted"  # name, restarts, delay_s: a replacement was started
+    PROCESS_RECOVERED = "process_recovered"  # name: a restarted server answers again
+    PROCESS_GAVE_UP = "process_gave_up"  # name: past the restart limit; the run stops
+    # coordinator
+    TRAINING_ENDED_EARLY = "training_ended_early"  # step, reason
+    HELD_OUT_EVALUATED = "held_out_evaluated"  # step, success_rate
+
+
+class EventLog:
+    """The writer one process keeps for its run's event file."""
+
+    def __init__(self, output_dir: str | Path, role: str) -> None:
+        self.path = Path(output_dir) / EVENTS_FILE
+        self.role = role
+        self._lock = threading.Lock()
+        self._failed = False
+
+    def emit(self, event: RunEvent, **fields: Any) -> None:
+        record = {"time": round(time.time(), 3), "event": RunEvent(event).value, "role": self.role,
+                  "pid": os.getpid(), **fields}
+        line = (json.dumps(record, default=str) + "\n").encode()
+        with self._lock:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if not self._failed:
+                    self._failed = True
+                    log.warning("cannot write %s (%s): run events are not recorded from now on", self.path, exc)
+
+
+class NullEventLog(EventLog):
+    """For code run outside a run directory (benchmarks, unit tests): emits nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(".", "none")
+
+    def emit(self, event: RunEvent, **fields: Any) -> None:
+        return None
+
+
+def read_events(output_dir: str | Path, *kinds: RunEvent | str) -> list[dict[str, Any]]:
+    """The events written so far, oldest first; only those of ``kinds`` when any are given."""
+    return list(iter_events(output_dir, *kinds))
+
+
+def iter_events(output_dir: str | Path, *kinds: RunEvent | str) -> Iterator[dict[str, Any]]:
+    path = Path(output_dir) / EVENTS_FILE
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    wanted = {RunEvent(kind).value for kind in kinds}
+    for line in data.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a process killed while writing it
+        if isinstance(record, dict) and (not wanted or record.get("event") in wanted):
+            yield record
