@@ -8,6 +8,8 @@ Commands:
   demo                           build the tiny model, evaluate, train on the CPU, evaluate again
   eval                           success rate of a model on held-out tasks
   make-tiny-model OUT_DIR        a tiny Qwen2 model + tokenizer, format-warmed on random episodes
+  make-model smollm2 OUT_DIR     a packaged pretrained model (SmolLM2-135M-Instruct) as a Hugging Face checkpoint
+  import-gguf FILE OUT_DIR       a GGUF model file as a Hugging Face checkpoint
   sft | dpo CONFIG [key=value ...]
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
@@ -253,6 +255,9 @@ def _add_tiny(sub) -> None:
     # Listed for --help; main() hands its arguments to horizonrl.tiny_model.main.
     sub.add_parser("make-tiny-model", help="build a tiny Qwen2 model and tokenizer for CPU runs "
                                            "(see `horizonrl make-tiny-model --help`)")
+    sub.add_parser("make-model", help="a packaged pretrained model (smollm2: SmolLM2-135M-Instruct) as a Hugging Face "
+                                      "checkpoint (see `horizonrl make-model --help`)")
+    sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf --help`)")
 
 
 def _add_env(sub) -> None:
@@ -473,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.tiny_model import main as tiny_main
 
         return tiny_main(argv[1:]) or 0
+    if argv[:1] in (["make-model"], ["import-gguf"]):
+        from horizonrl.model_import import import_gguf_main, make_model_main
+
+        return (make_model_main if argv[0] == "make-model" else import_gguf_main)(argv[1:])
     args = build_parser().parse_args(argv)
     from horizonrl.core.config import ConfigError
 

@@ -1,17 +1,10 @@
 """The learner process, run once per rank (torchrun-style env vars: RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-One loop, with named, timed phases:
-
-    batch_wait   rank 0 asks the buffer for ``groups_per_step`` groups; all ranks get its bytes
-    step         advantages (algorithm.adv_estimator) → ppo_epochs × mini-batches of optimizer updates
-                 (micro-batches → loss, backward, grad clip, AdamW), then the LR schedule
-    save         every ``save_every`` steps and at the end: the full state dict on rank 0 (a collective),
-                 a Hugging Face checkpoint plus the full training state (DCP, see checkpoint.py), so
-                 that ``resume=`` continues exactly
-    report       rank 0 pushes LearnerReport(step, weight_version = step) to the coordinator
-    weight_sync  every rank gathers the weights bucket by bucket on its device, in the engine's dtype
-                 (a collective); rank 0 sends each bucket to every engine in its weight hub as it fills
+This module sets a rank up — device, process group, the sharded model, a resumed checkpoint, on
+rank 0 the channels to the buffer and the coordinator and the weight hub — and hands the loop
+(``loop.py``: batch_wait, step, save, report, weight_sync) the services of this rank: rank 0 the
+real ones, the other ranks the null ones that only take part in the collectives.
 
 Rank 0 hosts the weight hub (weight_broadcast.py): engines join it whenever they start (or
 restart) and get the newest version at once — at start-up that is version ``step`` (0, or the
@@ -40,8 +33,9 @@ from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
-from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
+from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
+                                    run_training)
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
 from horizonrl.learner.model import (
     gather_full_state_dict,
@@ -53,7 +47,7 @@ from horizonrl.learner.model import (
 )
 from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, lr_multiplier, train_on_batch
 from horizonrl.core.schedule import TurnBudgetSchedule
-from horizonrl.protocol import (ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch, LearnerReport, decode_as,
+from horizonrl.protocol import (ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch, LearnerReport,
                                 learner_rendezvous_name)
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
 from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
@@ -185,12 +179,9 @@ def main(config: TrainConfig) -> int:
 
 
 def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Resources) -> None:
-    import zmq
-
-    from horizonrl.learner.channels import BatchClient, ControlWatch, HeartbeatThread, ReportSender, share_bytes
-    from horizonrl.learner.weight_broadcast import WeightHub
-
-    lc, net = config.learner, config.network
+    """Set up this rank (device, channels on rank 0, process group, model, resume, weight hub), then run the
+    loop (loop.py) with the services of this rank."""
+    lc = config.learner
     is_main = ranks.rank == 0
     backend, device = _backend_and_device(config, ranks.local_rank)
     if device.type == "cpu":
@@ -204,205 +195,283 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # whole batch wait and a weight update.
     control_timeout_s = lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S
     counters: dict[str, float] = defaultdict(float)
-    run_id = config.run.run_id
     # The coordinator's request to end early (eval.stop_after_plateau): like a stop signal at the step
     # boundaries, but nothing is cut short — the last weights still reach every engine for the final evaluation.
     end_training = threading.Event()
     if is_main:
-        res.events = EventLog(config.output_dir, "learner-0")
-        res.context = zmq.Context()
-        security = wire_security(res.context, net.host, net.curve_keys_dir)
-        res.security = security
-        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
+        _open_report_channel(config, res)
     _init_process_group(config, ranks, backend, control_timeout_s, res, stop)
     if is_main:
-        res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, security)
-        res.heartbeat.start()
-        if config.eval.stop_after_plateau or not net.batch_port:
-            # Also where the buffer is, when it registers instead of having a configured port.
-            res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id,
-                                                  end_training, security)
-            res.end_training_watch.start()
-        watch = res.end_training_watch
-        res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
-                                  config.model.vocab_size, security,
-                                  registry=(lambda: watch.endpoints) if watch is not None else None)
+        _open_rank_zero_channels(config, res, counters, end_training)
 
     start = time.perf_counter()
     tr = build_trainables(config, device)
-    model = tr.model
     log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
              backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
              " + critic" if tr.critic is not None else "")
-    step, lineage = 0, []
-    resume_from = resolve_resume(lc.resume, config.output_dir)
-    if resume_from is not None:
-        state = load_train_state(resume_from, **tr.checkpoint_parts())
-        step = int(state["step"])
-        lineage = [tuple(pair) for pair in state.get("lineage", [(0, 0)])]
-        if is_main:
-            res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
-        log.info("resumed from %s at step %d", resume_from, step)
+    step, lineage = _resume(config, tr, res)
     # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
     epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0, control_timeout_s, "weight epoch")
     lineage.append((epoch, step))
     engine_dtype = torch_dtype(learner_precision(config, device).engine_dtype)  # weights go in the engine's dtype
     if is_main:
-        # The hub before the announcement: actors that see this epoch in Control join it at once.
-        res.weight_hub = WeightHub(net.bind_address(), net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
-                                   timeout_s=lc.weight_sync_timeout_s, run_id=run_id,
-                                   bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
-        # Registered before the startup report announces the epoch: an engine that sees the new epoch
-        # in Control finds the new hub in the same Control.
-        res.reports.register(run_id, "learner-0", {
-            ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
-            ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
+        _open_weight_hub(config, res, backend, epoch)
     # Collective: every joining engine gets these weights first (no members yet: only gathers).
-    publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb, dtype=engine_dtype,
-                    stop=stop)
+    publish_weights(tr.model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
+                    dtype=engine_dtype, stop=stop)
     if is_main:
         res.weight_hub.start()
         log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", res.weight_hub.port,
                  (epoch, step))
-        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch, startup=True))
+        res.reports.send(LearnerReport(run_id=config.run.run_id, step=step, weight_version=step, weight_epoch=epoch,
+                                       startup=True))
 
+    services = LearnerServices(
+        ranks=DistributedRanks(ranks.rank, control_timeout_s),
+        batches=BufferBatches(res.batches, lc) if is_main else NoBatches(),
+        reporter=RunReporter(res.reports, res.events) if is_main else NullReporter(),
+        publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop) if is_main
+                   else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype)),
+        checkpointer=TrainStateCheckpointer(config, tr, res, ranks),
+        train=train_step_function(config, tr, ranks, device),
+    )
+    state = LoopState(step=step, epoch=epoch, lineage=lineage, saved_step=step, published=step, counters=counters)
+    run_training(state, services, LoopSettings.from_config(config), run_id=config.run.run_id, stop=stop,
+                 end_training=end_training)
+
+
+def _open_report_channel(config: TrainConfig, res: Resources) -> None:
+    """Rank 0: the run's events and the report socket to the coordinator (the rendezvous may register on it)."""
+    import zmq
+
+    from horizonrl.learner.channels import ReportSender
+
+    net = config.network
+    res.events = EventLog(config.output_dir, "learner-0")
+    res.context = zmq.Context()
+    res.security = wire_security(res.context, net.host, net.curve_keys_dir)
+    res.reports = ReportSender(res.context, net.endpoint(net.report_port), res.security)
+
+
+def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: dict[str, float],
+                             end_training: threading.Event) -> None:
+    """Rank 0: heartbeats, the coordinator's Control (an early end; where a registered buffer is), the buffer."""
+    from horizonrl.learner.channels import BatchClient, ControlWatch, HeartbeatThread
+
+    net, run_id = config.network, config.run.run_id
+    res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security)
+    res.heartbeat.start()
+    if config.eval.stop_after_plateau or not net.batch_port:
+        # Also where the buffer is, when it registers instead of having a configured port.
+        res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
+                                              res.security)
+        res.end_training_watch.start()
+    watch = res.end_training_watch
+    res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
+                              config.model.vocab_size, res.security,
+                              registry=(lambda: watch.endpoints) if watch is not None else None)
+
+
+def _resume(config: TrainConfig, tr: Trainables, res: Resources) -> tuple[int, list[tuple[int, int]]]:
+    """The step and weight lineage to continue from (0 and none for a fresh run); restores the training state."""
+    resume_from = resolve_resume(config.learner.resume, config.output_dir)
+    if resume_from is None:
+        return 0, []
+    state = load_train_state(resume_from, **tr.checkpoint_parts())
+    if res.batches is not None:
+        res.batches.next_request_id = int(state["data_cursor"]["next_request_id"])
+    log.info("resumed from %s at step %d", resume_from, int(state["step"]))
+    return int(state["step"]), [tuple(pair) for pair in state.get("lineage", [(0, 0)])]
+
+
+def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: int) -> None:
+    """Rank 0: the hub engines join, registered before the startup report announces the epoch (an engine that
+    sees the new epoch in Control finds the new hub in the same Control)."""
+    from horizonrl.learner.weight_broadcast import WeightHub
+
+    net, lc = config.network, config.learner
+    res.weight_hub = WeightHub(net.bind_address(), net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
+                               timeout_s=lc.weight_sync_timeout_s, run_id=config.run.run_id,
+                               bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
+    res.reports.register(config.run.run_id, "learner-0", {
+        ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
+        ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
+
+
+def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, device: torch.device):
+    """One optimizer step on a batch (every rank, its share of the samples): advantages, ppo_epochs x mini-batches
+    of updates, then the LR schedule."""
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
     update_settings = UpdateSettings.from_config(config)
-    saved_step, weight_sync_s, gather_s, checkpoint = step, 0.0, 0.0, ""
-    sync_every, published = config.rollout.weight_sync_every, step  # the newest version the engines were sent
-    consumed: list[dict] = []  # what each step since the last checkpoint trained on (saved with the next one)
-    while step < lc.total_steps and not _all_agree_to_stop((stop, end_training), control_timeout_s):
-        timer = PhaseTimer()
-        times = timer.seconds
-        with timer("batch_wait"):
-            payload = None
-            if is_main:
-                payload = res.batches.request(step, lc.groups_per_step, lc.batch_timeout_s,
-                                              lambda: stop.is_set() or end_training.is_set(),
-                                              lineage=lineage, committed_step=saved_step, resend_s=lc.batch_resend_s)
-            payload = share_bytes(payload, ranks.rank)
-        if payload is None:
-            break  # rank 0 was asked to stop while waiting
-        batch = decode_as(payload, Batch)  # rank 0 checked it (BatchClient); every rank holds the same bytes
 
-        with timer("step"):
-            samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
-                                                     config.algorithm.adv_estimator)
-            loss_metrics = train_on_batch(
-                model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,
-                update=update_settings, device=device, advantage=adv_settings, reference=tr.reference,
-                critic=tr.critic, critic_optimizer=tr.critic_optimizer,
-            )
-            loss_metrics["optim/lr"] = tr.scheduler.get_last_lr()[0]
-            tr.scheduler.step()
-            if tr.critic_scheduler is not None:
-                tr.critic_scheduler.step()
-        step += 1
-        res.events.emit(RunEvent.STEP_TRAINED, step=step)
-        consumed.append({"step": step, "request_id": batch.request_id, "trajectories": accounting.ids})
+    def train(batch: Batch) -> StepOutcome:
+        samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
+                                                 config.algorithm.adv_estimator)
+        metrics = train_on_batch(
+            tr.model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,
+            update=update_settings, device=device, advantage=adv_settings, reference=tr.reference,
+            critic=tr.critic, critic_optimizer=tr.critic_optimizer,
+        )
+        metrics["optim/lr"] = tr.scheduler.get_last_lr()[0]
+        tr.scheduler.step()
+        if tr.critic_scheduler is not None:
+            tr.critic_scheduler.step()
+        return StepOutcome(metrics=metrics, num_samples=len(samples), num_tokens=sum(s.num_tokens for s in samples),
+                           num_loss_tokens=sum(s.num_loss_tokens for s in samples), trained_ids=accounting.ids,
+                           accounting_metrics=accounting.metrics(), failed_skipped=sum(accounting.failed.values()))
 
-        num_tokens = sum(s.num_tokens for s in samples)
-        counters.update(step=step, weight_version=step)
-        counters["trajectories_trained"] += len(samples)
-        counters["tokens_trained"] += num_tokens
-        counters["failed_skipped"] += sum(accounting.failed.values())
-        if lc.save_every and step % lc.save_every == 0 and step < lc.total_steps:
-            with timer("save"):
-                checkpoint = str(_save(config, tr, gather_full_state_dict(model), step, res, ranks, lineage, consumed,
-                                       saved_step))
-                saved_step, consumed = step, []
-        if is_main:
-            metrics = {
-                **loss_metrics,
-                **batch_metrics(batch, learner_version=step - 1),
-                **accounting.metrics(),
-                "batch/loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
-                "batch/tokens": float(num_tokens),
-                **{f"time/{name}_s": seconds for name, seconds in times.items()},
-                "time/gather_s": gather_s,  # of the previous update (gathering is part of sending now)
-                "time/weight_sync_s": weight_sync_s,  # of the previous update
-                "throughput/learner_tokens_per_s": num_tokens / max(times["step"], 1e-9),
-            }
-            metrics.update({f"weights/{k}": float(v) for k, v in res.weight_hub.counters.items()})
-            metrics["weights/members"] = float(len(res.weight_hub.members))
-        # rollout.weight_sync_every: the same decision on every rank (the publish is collective).
-        send_now = step % sync_every == 0 or step == lc.total_steps
-        if is_main:
-            # The report announces the version: the engines start receiving and wait for the buckets.
-            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step if send_now else published,
-                                           weight_epoch=epoch, metrics=metrics,
-                                           checkpoint=checkpoint if saved_step == step else ""))
-        sent = ""
-        if send_now:
-            # Collective: every rank gathers, bucket by bucket; rank 0 sends (on gloo in the background, while
-            # the next step trains: the time engines take to start receiving is not the learner's).
-            sync = publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
-                                   dtype=engine_dtype, stop=stop, background=True)
-            published = step
-            if is_main and sync is None:
-                _log_abandoned(res.weight_hub, step, res.events)
-                res.weight_hub_abandoned = True
-                continue
-            if is_main:
-                weight_sync_s, gather_s = sync["total_s"], sync["gather_s"]
-                sent = (f"gather {gather_s:.2f}s sync {weight_sync_s:.3f}s ({sync['bytes'] / 1e6:.1f} MB in "
-                        f"{sync['buckets']:.0f} buckets to {sync['members']:.0f} engine workers"
-                        + (f", {sync['dropped']:.0f} dropped)" if sync["dropped"] else ")"))
-        if is_main:
-            res.events.emit(RunEvent.STEP_DONE, step=step, weights_sent=bool(sent))
-            log.info("step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs %s", step,
-                     metrics["loss/policy"], metrics["batch/reward_mean"], metrics["batch/success_mean"],
-                     metrics["batch/staleness_mean"], times["batch_wait"], times["step"],
-                     sent or f"weights not sent (every {sync_every} steps)")
+    return train
 
-    if is_main and not res.weight_hub_abandoned and (
-            not res.weight_hub.wait_for_send(_abandon_after(stop, STOP_SEND_GRACE_S)) or res.weight_hub.abandoned):
-        _log_abandoned(res.weight_hub, published, res.events)
-        res.weight_hub_abandoned = True
-    # Ended early between two updates (eval.stop_after_plateau): the final evaluation plays the last weights. Not
-    # after a stop signal (it ends at once); rank 0 decides for all (the publish is collective).
-    if published < step and _from_rank_zero(int(is_main and not stop.is_set() and not res.weight_hub_abandoned),
-                                            control_timeout_s, "decision to send the last weights"):
-        if is_main:
-            res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch))
-        publish_weights(model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
-                        dtype=engine_dtype, stop=stop)
-    if step > saved_step and step > 0:
+
+# ---------------------------------------------------------------------------- the loop's services (loop.py)
+
+
+class DistributedRanks:
+    """The learner's process group: every collective bounded by ``timeout_s``."""
+
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
+
+    def share(self, payload: bytes | None) -> bytes | None:
+        from horizonrl.learner.channels import share_bytes
+
+        return share_bytes(payload, self.rank)
+
+    def agree_to_stop(self, *reasons: threading.Event) -> bool:
+        return _all_agree_to_stop(reasons, self.timeout_s)
+
+    def from_rank_zero(self, value: int, what: str) -> int:
+        return _from_rank_zero(value, self.timeout_s, what)
+
+
+class BufferBatches:
+    """Rank 0's batches: ``learner.groups_per_step`` groups from the buffer (channels.BatchClient)."""
+
+    def __init__(self, client, learner_config) -> None:
+        self.client, self.lc = client, learner_config
+
+    def request(self, step: int, *, should_stop, lineage, committed_step: int) -> bytes | None:
+        lc = self.lc
+        return self.client.request(step, lc.groups_per_step, lc.batch_timeout_s, should_stop, lineage=lineage,
+                                   committed_step=committed_step, resend_s=lc.batch_resend_s)
+
+
+class NoBatches:
+    """The other ranks ask nobody: they get rank 0's bytes."""
+
+    def request(self, step: int, **_) -> None:
+        return None
+
+
+class RunReporter:
+    """Rank 0: reports to the coordinator, a log line per step, the run's events."""
+
+    def __init__(self, sender, events: EventLog) -> None:
+        self.sender, self.events = sender, events
+
+    def step_trained(self, step: int) -> None:
+        self.events.emit(RunEvent.STEP_TRAINED, step=step)
+
+    def report(self, report: LearnerReport) -> None:
+        self.sender.send(report)
+
+    def step_done(self, step: int, metrics: dict[str, float], times: dict[str, float], sent: str) -> None:
+        self.events.emit(RunEvent.STEP_DONE, step=step, weights_sent="not sent" not in sent)
+        log.info("step %d: loss %.4f reward %.3f success %.3f staleness %.2f | wait %.2fs step %.2fs %s", step,
+                 metrics["loss/policy"], metrics.get("batch/reward_mean", 0.0), metrics.get("batch/success_mean", 0.0),
+                 metrics.get("batch/staleness_mean", 0.0), times["batch_wait"], times["step"], sent)
+
+    def abandoned(self, version: int) -> None:
+        self.events.emit(RunEvent.BROADCAST_ABANDONED, version=version)
+        log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the checkpoint "
+                    "comes next", version)
+
+    def done(self, step: int, stopped_early: bool, checkpoint: str) -> None:
+        self.events.emit(RunEvent.LEARNER_DONE, step=step, stopped_early=stopped_early, checkpoint=checkpoint)
+        log.info("learner done after %d steps%s; checkpoint %s", step, " (stopped early)" if stopped_early else "",
+                 checkpoint or "-")
+
+
+class NullReporter:
+    def step_trained(self, step: int) -> None: ...
+
+    def report(self, report: LearnerReport) -> None: ...
+
+    def step_done(self, step: int, metrics: dict[str, float], times: dict[str, float], sent: str) -> None: ...
+
+    def abandoned(self, version: int) -> None: ...
+
+    def done(self, step: int, stopped_early: bool, checkpoint: str) -> None: ...
+
+
+class HubPublisher:
+    """Rank 0: the weights gathered bucket by bucket and sent to every engine in the hub. After a stop, a send
+    the engines do not take within STOP_SEND_GRACE_S is abandoned, and nothing more is sent."""
+
+    def __init__(self, model, res: Resources, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
+                 stop: threading.Event) -> None:
+        self.model, self.res, self.epoch, self.bucket_mb, self.dtype, self.stop = model, res, epoch, bucket_mb, dtype, stop
+
+    @property
+    def usable(self) -> bool:
+        return not self.res.weight_hub_abandoned
+
+    def publish(self, version: int, *, background: bool) -> Publication:
+        stats = publish_weights(self.model, self.res.weight_hub, version=version, epoch=self.epoch,
+                                bucket_mb=self.bucket_mb, dtype=self.dtype, stop=self.stop, background=background)
+        if stats is None:
+            return Publication(abandoned=self._abandon(version))
+        return Publication(stats=stats)
+
+    def finish_sending(self, in_flight: int) -> int | None:
+        hub = self.res.weight_hub
+        if hub.wait_for_send(_abandon_after(self.stop, STOP_SEND_GRACE_S)) and hub.abandoned is None:
+            return None
+        return self._abandon(in_flight)
+
+    def _abandon(self, version: int) -> int:
+        """The version abandoned (the hub's own record when it has one); the hub is not touched again."""
+        self.res.weight_hub_abandoned = True
+        hub = self.res.weight_hub
+        return hub.abandoned[1] if hub.abandoned is not None else version
+
+    def metrics(self) -> dict[str, float]:
+        hub = self.res.weight_hub
+        return {**{f"weights/{k}": float(v) for k, v in hub.counters.items()}, "weights/members": float(len(hub.members))}
+
+
+class GatherOnly:
+    """The other ranks: their part of each gather (a collective); rank 0 sends."""
+
+    usable = True
+
+    def __init__(self, model, bucket_mb: float, dtype: torch.dtype | None) -> None:
+        self.model, self.bucket_mb, self.dtype = model, bucket_mb, dtype
+
+    def publish(self, version: int, *, background: bool) -> Publication:
+        publish_weights(self.model, None, version=version, epoch=0, bucket_mb=self.bucket_mb, dtype=self.dtype,
+                        stop=threading.Event())
+        return Publication()
+
+    def finish_sending(self, in_flight: int) -> int | None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class TrainStateCheckpointer:
+    """Collective: the Hugging Face files and the full training state of a step (``_save``)."""
+
+    def __init__(self, config: TrainConfig, tr: Trainables, res: Resources, ranks: RankInfo) -> None:
+        self.config, self.tr, self.res, self.ranks = config, tr, res, ranks
+
+    def save(self, step: int, lineage: list[tuple[int, int]], consumed: list[dict], since: int) -> str:
         start = time.perf_counter()
-        checkpoint = str(_save(config, tr, gather_full_state_dict(model), step, res, ranks, lineage, consumed,
-                               saved_step))
-        log.info("saved %s in %.1f s", checkpoint, time.perf_counter() - start)
-    if is_main:
-        stopped_early = step < lc.total_steps
-        res.events.emit(RunEvent.LEARNER_DONE, step=step, stopped_early=stopped_early, checkpoint=checkpoint)
-        res.reports.send(LearnerReport(run_id=run_id, step=step, weight_version=step, weight_epoch=epoch,
-                                       metrics={"learner/stopped_early": float(stopped_early)}, checkpoint=checkpoint,
-                                       final=True))
-        log.info("learner done after %d steps%s; checkpoint %s", step, " (stopped early)" if stopped_early else "", checkpoint or "-")
-
-
-def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
-    """What the batch says about the actors: returns, success, turns, policy lag, per environment."""
-    trajectories = [t for group in batch.groups for t in group]
-    metrics = {"batch/groups": float(len(batch.groups)), "batch/trajectories": float(len(trajectories))}
-    if trajectories:
-        staleness = [learner_version - t.oldest_version for t in trajectories]
-        metrics.update({
-            "batch/reward_mean": _mean(t.reward for t in trajectories),
-            "batch/success_mean": _mean(float(t.success) for t in trajectories),
-            "batch/turns_mean": _mean(t.num_turns for t in trajectories),
-            "batch/max_turns": float(max(t.max_turns for t in trajectories)),
-            "batch/staleness_mean": _mean(staleness),
-            "batch/staleness_max": float(max(staleness)),
-        })
-    by_env: dict[str, list] = defaultdict(list)
-    for trajectory in trajectories:
-        by_env[trajectory.env].append(trajectory)
-    for env, members in by_env.items():
-        metrics[f"env/{env}/success_mean"] = _mean(float(t.success) for t in members)
-        metrics[f"env/{env}/reward_mean"] = _mean(t.reward for t in members)
-    metrics.update({f"buffer/{name}": float(value) for name, value in batch.buffer_stats.items()})
-    return metrics
+        out = _save(self.config, self.tr, gather_full_state_dict(self.tr.model), step, self.res, self.ranks, lineage,
+                    consumed, since)
+        log.info("saved %s in %.1f s", out, time.perf_counter() - start)
+        return str(out)
 
 
 def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tensor], step: int, res: Resources,
@@ -465,14 +534,6 @@ def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, d
                        background=background)
 
 
-def _log_abandoned(hub, version: int, events: EventLog) -> None:
-    """``version``: the one being sent, unless the hub knows which send it abandoned."""
-    version = hub.abandoned[1] if hub.abandoned is not None else version
-    events.emit(RunEvent.BROADCAST_ABANDONED, version=version)
-    log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the checkpoint "
-                "comes next", version)
-
-
 def _abandon_after(stop: threading.Event, grace_s: float):
     """True once ``stop`` has been set for longer than ``grace_s``."""
     seen_at: list[float] = []
@@ -520,11 +581,6 @@ def _all_agree_to_stop(reasons: tuple[threading.Event, ...], timeout_s: float) -
     _wait_for_ranks(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
                     "agreeing whether to stop")
     return bool(flag.item())
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return float(sum(values) / len(values)) if values else 0.0
 
 
 def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, timeout_s: float, res: Resources,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from horizonrl.learner.batching import micro_batches_for_rank, mini_batches, samples_from_batch, split_across_ranks
-from horizonrl.learner.main import batch_metrics
+from horizonrl.learner.loop import batch_metrics
 from horizonrl.protocol import Batch
 
 from learner_fixtures import groups, trajectory
