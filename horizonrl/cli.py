@@ -178,6 +178,11 @@ def _add_eval(sub) -> None:
     p.add_argument("--max-tokens-per-turn", type=int, default=64)
     p.add_argument("--max-context-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="the engine's dtype (rollout.engine.dtype; auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--system-prompt", default=None, help="a system prompt, as rollout.system_prompt in training")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="the engine's KV cache on the CPU (rollout.engine.kv_cache_gib; default 1)")
     p.add_argument("--ids", type=Path, default=None, help="file of task ids (one per line, or a JSON list); "
                                                         "default: the first --episodes ids of --split")
     p.add_argument("--k", type=int, default=1, help="report pass@1 and pass@K (unbiased, Chen et al. 2021)")
@@ -191,6 +196,7 @@ def _add_eval(sub) -> None:
 
 def _cmd_eval(args) -> int:
     from horizonrl.actors.evaluate import EvalSpec, evaluate, format_table
+    from horizonrl.core.config import EngineConfig
     from horizonrl.core.runtime import setup_logging
     from horizonrl.envs import make_env
 
@@ -202,8 +208,9 @@ def _cmd_eval(args) -> int:
                     episodes=args.episodes, max_turns=args.max_turns, temperature=args.temperature,
                     max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
                     seed=args.seed, task_ids=_read_ids(args.ids, args.env) if args.ids else None, k=args.k,
-                    samples=args.samples)
-    result = evaluate(args.model, spec, make_env, record_dir=args.record)
+                    samples=args.samples, system_prompt=args.system_prompt)
+    engine = EngineConfig(dtype=args.dtype, **({"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}))
+    result = evaluate(args.model, spec, make_env, engine_config=engine, record_dir=args.record)
     print(format_table(result))
     print(json.dumps(result))
     if args.json:

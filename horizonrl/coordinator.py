@@ -313,6 +313,7 @@ class Coordinator:
         self.endpoints.update(changed)
         log.info("%s (pid %d) registered %s", registration.name, registration.pid,
                  ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+        self.events.emit(RunEvent.ENDPOINTS_REGISTERED, name=registration.name, endpoints=changed)
         self.publish()
 
     def on_process_event(self, event: ProcessEvent) -> None:

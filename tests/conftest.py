@@ -76,6 +76,15 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (`horizonrl make-model smollm2`), imported once and
+    reused while the import matches (~30 s)."""
+    from horizonrl.model_import import ensure_imported
+
+    return ensure_imported(REPO / ".cache" / "smollm2", packaged="smollm2")
+
+
+@pytest.fixture(scope="session")
 def demo_tiny_model() -> Path:
     """The demo's starting policy (horizonrl/demo.py's recipe on configs/demo.yaml's BabyAI levels): what the
     BabyAI learning test trains, and the model the other BabyAI tests play with (built once: ~4 minutes)."""

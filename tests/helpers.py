@@ -104,3 +104,40 @@ def load_script(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+# ---------------------------------------------------------------------------- a run's structured events
+# Whole-run tests read <output_dir>/events.jsonl (core/run_events.py), never console or log wording.
+
+
+def run_events(run_dir: Path, *kinds, since: float = 0.0) -> list[dict]:
+    """The run's events of ``kinds`` (all when none), written at or after ``since`` (Unix time)."""
+    from horizonrl.core.run_events import read_events
+
+    return [e for e in read_events(run_dir, *kinds) if e["time"] >= since]
+
+
+def steps_trained(run_dir: Path, since: float = 0.0) -> list[int]:
+    """Learner steps in the order they were trained (what the console shows as ``step N/TOTAL``)."""
+    from horizonrl.core.run_events import RunEvent
+
+    return [e["step"] for e in run_events(run_dir, RunEvent.STEP_TRAINED, since=since)]
+
+
+def newest_step(run_dir: Path, since: float = 0.0) -> int:
+    return max(steps_trained(run_dir, since), default=0)
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float, since: float = 0.0) -> int:
+    """Wait until the learner has trained ``step`` (or a later one); returns the newest step."""
+    return wait_until(lambda: newest_step(run_dir, since) >= step and newest_step(run_dir, since), timeout,
+                      f"learner step {step}")
+
+
+def faults(run_dir: Path) -> list[dict]:
+    """The coordinator's fault ledger (``<output_dir>/faults.jsonl``): died, restarted, recovered, gave_up, each
+    with the process name and the learner step it happened at."""
+    import json
+
+    path = Path(run_dir) / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

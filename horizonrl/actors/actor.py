@@ -517,6 +517,8 @@ class Actor:
             self.counters[f"failures_{ep.failure}"] += 1
             self._failure_log.warning("%s failure in %s task %d: %s", ep.failure, env_name, task_id,
                                       ep.failure_message)
+            self.events.emit(RunEvent.EPISODE_FAILED, actor=self.index, env=env_name, task=task_id,
+                             failure=ep.failure, message=ep.failure_message)
         else:
             self.counters["completed"] += 1
             self.counters["successes"] += ep.success

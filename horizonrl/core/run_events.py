@@ -33,25 +33,29 @@ class RunEvent(str, Enum):
     """Every kind of event and the fields it carries (besides time, event, role, pid)."""
 
     # learner rank 0
+    LEARNER_STARTED = "learner_started"  # ranks, backend, resumed_step, epoch: set up, about to train
     STEP_TRAINED = "step_trained"  # step: the optimizer step is done; its report and weights follow
     STEP_DONE = "step_done"  # step, weights_sent (bool): the step's weights were handed to the hub (or not due)
     CHECKPOINT_WRITTEN = "checkpoint_written"  # step, path
     BROADCAST_ABANDONED = "broadcast_abandoned"  # version: a stop gave up on engines that did not take it
-    LEARNER_DONE = "learner_done"  # step, stopped_early (bool), checkpoint
+    LEARNER_DONE = "learner_done"  # step, stopped_early (bool), checkpoint, weights_dropped (engines the hub dropped)
     # buffer
     BUFFER_FULL = "buffer_full"  # ready_groups: intake paused
     BUFFER_HAS_ROOM = "buffer_has_room"  # ready_groups: intake resumed
     BUFFER_RECOVERED = "buffer_recovered"  # records: the write-ahead log was read back at start
     # actor
-    ENGINE_READY = "engine_ready"  # actor (index), pid: the engine started and took its first weights
+    ENGINE_READY = "engine_ready"  # actor (index), weights: the engine started, took its first weights, plays
+    EPISODE_FAILED = "episode_failed"  # actor, env, task, failure (kind), message: not the agent's fault, not trained
     # launcher (the last four as it tells the coordinator, which also counts them in faults.jsonl)
     PROCESS_STARTED = "process_started"  # name, pid
+    PROCESS_PLACED = "process_placed"  # name, node, resources: where Ray placed it (launcher.type=ray)
     RUN_STOPPING = "run_stopping"  # reason
     PROCESS_DIED = "process_died"  # name, exit_code: exited before the run was over
     PROCESS_RESTARTED = "process_restarted"  # name, restarts, delay_s: a replacement was started
     PROCESS_RECOVERED = "process_recovered"  # name: a restarted server answers again
     PROCESS_GAVE_UP = "process_gave_up"  # name: past the restart limit; the run stops
     # coordinator
+    ENDPOINTS_REGISTERED = "endpoints_registered"  # name, endpoints: what a process serves, where
     TRAINING_ENDED_EARLY = "training_ended_early"  # step, reason
     HELD_OUT_EVALUATED = "held_out_evaluated"  # step, success_rate
 

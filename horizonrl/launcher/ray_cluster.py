@@ -300,6 +300,7 @@ class RayLauncher:
         coordinator.host_pid, node = ray.get(coordinator.handle.ready.remote())
         coordinator.waiting = coordinator.handle.wait.remote()
         log.info("coordinator runs on node %s (host pid %d)", node, coordinator.host_pid)
+        self._placed(coordinator, node)
         log.info("coordinator at %s:%d (control), %d (reports)", host, ports[0], ports[1])
         return self.config_path
 
@@ -430,6 +431,7 @@ class RayLauncher:
         hosted.host_pid = pid
         hosted.waiting = hosted.handle.wait.remote()
         log.info("%s runs on node %s (host pid %d)", hosted.name, node, pid)
+        self._placed(hosted, node)
         if restarted:
             log.warning("%s restarted by Ray %.1f s after it died", hosted.name, time.monotonic() - hosted.died_at)
             self._report(hosted.name, EVENT_RESTARTED, delay_s=time.monotonic() - hosted.died_at)
@@ -514,6 +516,10 @@ class RayLauncher:
     def _run_over(self) -> bool:
         learners = [h for h in self.hosted.values() if h.gang_member]
         return bool(learners) and all(h.exit_code == 0 for h in learners) and not self._due
+
+    def _placed(self, hosted: Hosted, node: str) -> None:
+        EventLog(self.config.output_dir, "launcher").emit(RunEvent.PROCESS_PLACED, name=hosted.name, node=node,
+                                                          resources=self.bundles[hosted.bundle].resources)
 
     def _report(self, name: str, event: str, **fields) -> None:
         EventLog(self.config.output_dir, "launcher").emit(RunEvent(f"process_{event}"), name=name, **fields)

@@ -22,10 +22,9 @@ announces is the version the engines are sent next.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.protocol import Batch, LearnerReport, decode_as
@@ -62,7 +61,7 @@ class Reporter(Protocol):
 
     def abandoned(self, version: int) -> None: ...
 
-    def done(self, step: int, stopped_early: bool, checkpoint: str) -> None: ...
+    def done(self, step: int, stopped_early: bool, checkpoint: str, weights: dict[str, float]) -> None: ...
 
 
 @dataclass
@@ -211,7 +210,7 @@ def finish(state: LoopState, s: LearnerServices, settings: LoopSettings, *, run_
         state.checkpoint = s.checkpointer.save(state.step, state.lineage, state.consumed, state.saved_step)
         state.saved_step, state.consumed = state.step, []
     stopped_early = state.step < settings.total_steps
-    s.reporter.done(state.step, stopped_early, state.checkpoint)
+    s.reporter.done(state.step, stopped_early, state.checkpoint, s.publisher.metrics())
     s.reporter.report(LearnerReport(run_id=run_id, step=state.step, weight_version=state.step,
                                     weight_epoch=state.epoch, metrics={"learner/stopped_early": float(stopped_early)},
                                     checkpoint=state.checkpoint, final=True))

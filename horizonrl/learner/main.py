@@ -236,6 +236,8 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         train=train_step_function(config, tr, ranks, device),
     )
     state = LoopState(step=step, epoch=epoch, lineage=lineage, saved_step=step, published=step, counters=counters)
+    res.events.emit(RunEvent.LEARNER_STARTED, ranks=ranks.world_size, backend=backend, device=device.type,
+                    resumed_step=step, epoch=epoch)
     run_training(state, services, LoopSettings.from_config(config), run_id=config.run.run_id, stop=stop,
                  end_training=end_training)
 
@@ -386,8 +388,9 @@ class RunReporter:
         log.warning("stopping: abandoned the broadcast of version %d (the engines may be gone); the checkpoint "
                     "comes next", version)
 
-    def done(self, step: int, stopped_early: bool, checkpoint: str) -> None:
-        self.events.emit(RunEvent.LEARNER_DONE, step=step, stopped_early=stopped_early, checkpoint=checkpoint)
+    def done(self, step: int, stopped_early: bool, checkpoint: str, weights: dict[str, float]) -> None:
+        self.events.emit(RunEvent.LEARNER_DONE, step=step, stopped_early=stopped_early, checkpoint=checkpoint,
+                         weights_dropped=weights.get("weights/dropped", 0.0))
         log.info("learner done after %d steps%s; checkpoint %s", step, " (stopped early)" if stopped_early else "",
                  checkpoint or "-")
 
@@ -401,7 +404,7 @@ class NullReporter:
 
     def abandoned(self, version: int) -> None: ...
 
-    def done(self, step: int, stopped_early: bool, checkpoint: str) -> None: ...
+    def done(self, step: int, stopped_early: bool, checkpoint: str, weights: dict[str, float]) -> None: ...
 
 
 class HubPublisher:

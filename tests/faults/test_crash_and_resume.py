@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, run_events, start_process, steps_trained, stop_process, wait_for_step, wait_until
 
 from horizonrl.buffer.accounting import account
 from horizonrl.core.run_dirs import latest_checkpoint, read_state
+from horizonrl.core.run_events import RunEvent
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,11 @@ TOTAL_STEPS = 8
 SMALL_RUN = ["rollout.num_actors=1", "rollout.n=4", "learner.groups_per_step=2", "learner.save_every=2",
              "rollout.ack_timeout_s=5", "learner.batch_resend_s=10", "buffer.capacity_groups=8",
              f"learner.total_steps={TOTAL_STEPS}", "supervision.restart=false", "supervision.recover=off"]
-STEP = re.compile(r"^step (\d+)/\d+", re.M)
 
 
 def start(tiny_model: Path, run_dir: Path, log: Path, *overrides: str):
     return start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
                                        *SMALL_RUN, *overrides), log)
-
-
-def steps_in(log: Path) -> list[int]:
-    return [int(n) for n in STEP.findall(log.read_text(errors="replace"))]
 
 
 def role_processes(launcher_pid: int, role: str) -> list[psutil.Process]:
@@ -57,9 +52,9 @@ def role_processes(launcher_pid: int, role: str) -> list[psutil.Process]:
     return found
 
 
-def kill_at_a_random_moment(proc, log: Path, victims, seed: int) -> float:
+def kill_at_a_random_moment(proc, run_dir: Path, victims, seed: int) -> float:
     """After step 3 (a checkpoint of step 2 exists), wait a random 0-1.5 s, then SIGKILL ``victims()``."""
-    wait_until(lambda: any(s >= 3 for s in steps_in(log)), 400, "learner step 3")
+    wait_for_step(run_dir, 3, 400)
     delay = random.Random(seed).uniform(0, 1.5)
     time.sleep(delay)
     for victim in victims(proc.pid):
@@ -67,12 +62,14 @@ def kill_at_a_random_moment(proc, log: Path, victims, seed: int) -> float:
     return delay
 
 
-def resume_to_the_end(tiny_model: Path, run_dir: Path, tmp_path: Path, total: int = TOTAL_STEPS) -> tuple[str, int]:
-    """``resume=auto`` to ``total`` steps; returns the resumed run's log and the step it resumed from."""
+def resume_to_the_end(tiny_model: Path, run_dir: Path, tmp_path: Path, total: int = TOTAL_STEPS) -> tuple[float, int]:
+    """``resume=auto`` to ``total`` steps; returns when the resumed run started (Unix time) and the step it resumed
+    from."""
     resumed_from = latest_checkpoint(run_dir)
     assert resumed_from is not None, "no checkpoint before the crash"
     checkpoint_step = read_state(resumed_from)["step"]
     log = tmp_path / "resumed.log"
+    started = time.time()
     proc = start(tiny_model, run_dir, log, "resume=auto", f"learner.total_steps={total}")
     try:
         rc = proc.wait(timeout=900)
@@ -80,10 +77,10 @@ def resume_to_the_end(tiny_model: Path, run_dir: Path, tmp_path: Path, total: in
         stop_process(proc)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
-    assert f"resuming from {resumed_from}" in text
     # the learner continues from the checkpoint: its first step is the checkpoint's next one
-    assert steps_in(log) == list(range(checkpoint_step + 1, total + 1)), steps_in(log)
-    return text, checkpoint_step
+    resumed = steps_trained(run_dir, since=started)
+    assert resumed == list(range(checkpoint_step + 1, total + 1)), resumed
+    return started, checkpoint_step
 
 
 def assert_nothing_lost_nothing_twice(run_dir: Path, total: int = TOTAL_STEPS) -> dict:
@@ -111,15 +108,16 @@ def test_kill_9_then_resume_loses_nothing(tiny_model, tmp_path, kind):
         return found
 
     try:
-        delay = kill_at_a_random_moment(proc, log, victims, seed)
+        delay = kill_at_a_random_moment(proc, run_dir, victims, seed)
         rc = proc.wait(timeout=300)
     finally:
         stop_process(proc)
     assert rc != 0, "the run went on as if nothing happened"
-    print(f"{kind}: killed {delay:.2f} s after step 3 was reported (seed {seed}); steps before: {steps_in(log)}")
-    text, checkpoint_step = resume_to_the_end(tiny_model, run_dir, tmp_path)
-    if kind != "learner":
-        assert "recovered" in (run_dir / "logs" / "buffer.log").read_text(errors="replace")
+    print(f"{kind}: killed {delay:.2f} s after step 3 was trained (seed {seed}); steps before: "
+          f"{steps_trained(run_dir)}")
+    started, checkpoint_step = resume_to_the_end(tiny_model, run_dir, tmp_path)
+    if kind != "learner":  # the new buffer replayed its write-ahead log
+        assert any(e["records"] > 0 for e in run_events(run_dir, RunEvent.BUFFER_RECOVERED, since=started))
     ledger = assert_nothing_lost_nothing_twice(run_dir)
     print(f"{kind}: resumed from step {checkpoint_step}; accounting {ledger}")
 
@@ -140,34 +138,30 @@ def _resume(processes: list[psutil.Process]) -> None:
             pass
 
 
-def buffer_is_full(buffer_log: Path) -> bool:
-    """The buffer logs both backpressure transitions ("buffer full", "buffer has room"): the last one says
-    whether it is full now."""
-    text = buffer_log.read_text(errors="replace")
-    return text.rfind("buffer full") > text.rfind("buffer has room")
+def buffer_is_full(run_dir: Path) -> bool:
+    """The buffer writes both backpressure transitions as events: the last one says whether it is full now."""
+    transitions = run_events(run_dir, RunEvent.BUFFER_FULL, RunEvent.BUFFER_HAS_ROOM)
+    return bool(transitions) and transitions[-1]["event"] == RunEvent.BUFFER_FULL.value
 
 
-def freeze_a_broadcast(log: Path, run_dir: Path, learners: list[psutil.Process],
-                       engines: list[psutil.Process]) -> int:
+def freeze_a_broadcast(run_dir: Path, learners: list[psutil.Process], engines: list[psutil.Process]) -> int:
     """Make the learner's broadcast of a version wait on engines frozen (SIGSTOP) for good; returns the step
     the learner cannot finish.
 
     The learner is stopped first until the actors have filled the buffer, then the engines are frozen and the
-    learner resumes. Each step is reported (``step n/N`` on the console) before its weights are published, and
-    the publish first waits for the previous version's send (each version is sent in the background while the
-    next step trains); ``step n: loss`` is logged once that wait has ended. So the learner trains the buffered
-    batches until a step's publish waits on a send the frozen engines never take: that step is reported and its
-    loss line never comes. It may be the step reported before the freeze (the learner was stopped inside that
-    wait: CI, 2026-11-28, where a test that waited only for a newer step timed out) or a later one.
+    learner resumes. Each step is trained (``step_trained``) before its weights are published, and the publish
+    first waits for the previous version's send (each version is sent in the background while the next step
+    trains); ``step_done`` comes once that wait has ended. So the learner trains the buffered batches until a
+    step's publish waits on a send the frozen engines never take: that step is trained and its ``step_done``
+    never comes. It may be the step trained before the freeze (the learner was stopped inside that wait) or a
+    later one.
 
     Freezing the engines whenever a step came instead depended on timing: with a second test beside it, the
-    learner always caught up with the actors between freezes. Waiting for a *new* "buffer full" line depended on
-    timing too: a buffer that filled just before the learner stopped logs none (CI, 2026-11-27)."""
-    buffer_log = run_dir / "logs" / "buffer.log"
-    learner_log = run_dir / "logs" / "learner-0.log"
+    learner always caught up with the actors between freezes. Waiting for a *new* buffer-full event depended on
+    timing too: a buffer that filled just before the learner stopped writes none."""
     _suspend(learners)
     try:
-        wait_until(lambda: buffer_is_full(buffer_log), 300, "the buffer full while the learner was stopped")
+        wait_until(lambda: buffer_is_full(run_dir), 300, "the buffer full while the learner was stopped")
         _suspend(engines)
     finally:
         _resume(learners)
@@ -177,11 +171,11 @@ def freeze_a_broadcast(log: Path, run_dir: Path, learners: list[psutil.Process],
 
     def blocked_step() -> int | None:
         nonlocal newest, since
-        reported = max(steps_in(log), default=0)
-        if reported != newest:
-            newest, since = reported, time.monotonic()
+        trained = max(steps_trained(run_dir), default=0)
+        if trained != newest:
+            newest, since = trained, time.monotonic()
             return None
-        stuck = f"step {newest}: loss" not in learner_log.read_text(errors="replace")
+        stuck = newest not in [e["step"] for e in run_events(run_dir, RunEvent.STEP_DONE)]
         return newest if stuck and time.monotonic() - since >= 30 else None
 
     return wait_until(blocked_step, 300, "a step whose weights wait on the frozen engines")
@@ -203,10 +197,10 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
                  "learner.total_steps=10000", "rollout.turn_timeout_s=60", "buffer.max_staleness=10000")
     engines: list[psutil.Process] = []
     try:
-        wait_until(lambda: any(s >= 2 for s in steps_in(log)), 400, "learner step 2")
+        wait_for_step(run_dir, 2, 400)
         engines = [p for actor in role_processes(proc.pid, "actor") for p in actor.children(recursive=True)]
         assert engines, "no engine processes under the actor"
-        blocked = freeze_a_broadcast(log, run_dir, role_processes(proc.pid, "learner"), engines)
+        blocked = freeze_a_broadcast(run_dir, role_processes(proc.pid, "learner"), engines)
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=300)
     finally:
@@ -218,9 +212,9 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(tiny_mod
     # its grace (STOP_SEND_GRACE_S, 5 s; the hub's own test is tests/learner/test_learner_weight_sync.py), or the
     # actor, stopping too, kills its engine processes — frozen or not — within ~3 s, and the hub drops the member
     # whose connection closed. Either way the step is checkpointed and the run resumes.
-    learner_log = (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
-    assert ("abandoned the broadcast" in learner_log
-            or re.search(r"dropped actor 0 worker \d+ from the weight hub", learner_log)), learner_log[-3000:]
+    [done] = run_events(run_dir, RunEvent.LEARNER_DONE)
+    assert run_events(run_dir, RunEvent.BROADCAST_ABANDONED) or done["weights_dropped"] > 0, \
+        (run_dir / "logs" / "learner-0.log").read_text(errors="replace")[-3000:]
     checkpoint = latest_checkpoint(run_dir)
     # the step whose broadcast was abandoned is in the checkpoint
     assert checkpoint is not None and read_state(checkpoint)["step"] == blocked, (checkpoint, blocked)

@@ -15,7 +15,6 @@ import asyncio
 import glob
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -26,9 +25,10 @@ import psutil
 import pytest
 from aiohttp import web
 from env_server_proc import ServerProcess
-from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, newest_step, run_events, start_process, stop_process, wait_for_step, wait_until
 
 from horizonrl.buffer.accounting import account
+from horizonrl.core.run_events import RunEvent
 from horizonrl.protocol.transport import free_port
 
 pytestmark = pytest.mark.slow
@@ -84,15 +84,16 @@ class HangingProxy(threading.Thread):
         self.join(10)
 
 
-STEP = re.compile(r"^step (\d+)/\d+", re.M)
 # Longer than any test lets it run: the learner runs ahead of the actors, and a short run could end
 # before the first episode reached its limit. Each test stops its run with Ctrl-C once it has seen
 # what it waits for.
 UNTIL_STOPPED = "learner.total_steps=10000"
 
 
-def last_step(log: Path) -> int:
-    return max((int(n) for n in STEP.findall(log.read_text(errors="replace"))), default=0)
+def timeouts_of(run_dir: Path, actor: int | None = None) -> list[dict]:
+    """The episodes the actors ended as timeout failures (all actors', or one's)."""
+    return [e for e in run_events(run_dir, RunEvent.EPISODE_FAILED)
+            if e["failure"] == "timeout" and actor in (None, e["actor"])]
 
 
 def timeout_failures(run_dir: Path) -> float:
@@ -103,9 +104,9 @@ def timeout_failures(run_dir: Path) -> float:
     return max((e.value for e in acc.Scalars("rollout/failures/timeout")), default=0.0)
 
 
-def go_on_then_stop(proc, log: Path, after_step: int, more: int = 3) -> int:
+def go_on_then_stop(proc, run_dir: Path, after_step: int, more: int = 3) -> int:
     """Wait for ``more`` learner steps past ``after_step`` (the run goes on), then Ctrl-C; the exit code."""
-    wait_until(lambda: last_step(log) >= after_step + more, 300, f"learner step {after_step + more}")
+    wait_for_step(run_dir, after_step + more, 300)
     os.kill(proc.pid, signal.SIGINT)
     return proc.wait(timeout=300)
 
@@ -128,11 +129,9 @@ def test_a_hung_environment_step_ends_the_episode_at_its_limit_and_the_run_goes_
         "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", f"envs={envs}",
         "rollout.num_actors=1", "rollout.n=4", "learner.groups_per_step=2", UNTIL_STOPPED,
         "rollout.episode_timeout_s=4", "buffer.skip_equal_reward_groups=false"), log)
-    actor_log = run_dir / "logs" / "actor-0.log"
     try:
-        wait_until(lambda: "timeout failure" in actor_log.read_text(errors="replace") if actor_log.exists() else False,
-                   300, "an episode to time out on a hung step")
-        rc = go_on_then_stop(proc, log, last_step(log))
+        wait_until(lambda: timeouts_of(run_dir), 300, "an episode to time out on a hung step")
+        rc = go_on_then_stop(proc, run_dir, newest_step(run_dir))
     finally:
         stop_process(proc)
         proxy.stop()
@@ -157,19 +156,16 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         "buffer.capacity_groups=1000", "learner.weight_sync_timeout_s=60"), log)
     frozen = None
     try:
-        def playing(index: int) -> bool:
-            actor_log = run_dir / "logs" / f"actor-{index}.log"
-            return actor_log.exists() and "started: learner step" in actor_log.read_text(errors="replace")
+        def playing() -> list[int]:
+            return [e["actor"] for e in run_events(run_dir, RunEvent.ENGINE_READY)]
 
         # The victim's engine must be up and playing before the freeze, or the freeze only stalls its start-up
         # (no generation in flight to time out); joining the weight hub is not enough ("started:" comes after
-        # the first version is loaded). It is whichever actor plays first: an engine that starts while the other
-        # actor and the learner hold both cores can take minutes (4 in one CI run; in another, actor 0 had not
-        # started after 20 minutes, the learner at step 1693), and freezing the one playing gives the other the
-        # cores it needs.
-        victim = wait_until(lambda: [index for index in (0, 1) if playing(index)], 600, "an actor to start playing")[0]
-        actor_log = run_dir / "logs" / f"actor-{victim}.log"
-        wait_until(lambda: last_step(log) >= 2, 600, "learner step 2")
+        # the first version is loaded: the engine_ready event). It is whichever actor plays first: an engine that
+        # starts while the other actor and the learner hold both cores can take minutes, and freezing the one
+        # playing gives the other the cores it needs.
+        victim = wait_until(playing, 600, "an actor to start playing")[0]
+        wait_for_step(run_dir, 2, 600)
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == str(victim)]
         [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
@@ -178,8 +174,7 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         for attempt in range(5):
             frozen.suspend()
             try:
-                wait_until(lambda: "a generation took longer than" in actor_log.read_text(errors="replace"), 60,
-                           "a generation to time out on the frozen engine")
+                wait_until(lambda: timeouts_of(run_dir, victim), 60, "a generation to time out on the frozen engine")
                 break
             except TimeoutError:
                 frozen.resume()
@@ -188,7 +183,7 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
                 time.sleep(5)
         time.sleep(turn_limit)
         frozen.resume()
-        rc = go_on_then_stop(proc, log, last_step(log))
+        rc = go_on_then_stop(proc, run_dir, newest_step(run_dir))
     finally:
         if frozen is not None and frozen.is_running():
             frozen.resume()

@@ -9,9 +9,10 @@ import time
 import msgspec
 import pytest
 import zmq
-from helpers import horizonrl_cmd, make_trajectory, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, make_trajectory, run_events, start_process, stop_process, wait_until
 
 from horizonrl.core.config import load_config
+from horizonrl.core.run_events import RunEvent
 from horizonrl.launcher import prepare_run
 from horizonrl.protocol import (
     ACK_ACCEPTED,
@@ -184,4 +185,4 @@ def test_after_kill_9_the_buffer_holds_what_it_acknowledged(tmp_path):
         rc = stop_process(proc)
         run.close()
     assert rc == 0, (tmp_path / "second.log").read_text()[-3000:]
-    assert "recovered" in (tmp_path / "second.log").read_text()
+    assert [e["records"] >= 6 for e in run_events(run.config.output_dir, RunEvent.BUFFER_RECOVERED)] == [True]

@@ -12,7 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import horizonrl_cmd, start_process, stop_process
+from helpers import horizonrl_cmd, run_events, start_process, stop_process
+
+from horizonrl.core.run_events import RunEvent
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +50,10 @@ def test_held_out_success_is_logged_every_n_steps_and_a_plateau_ends_training(ti
     # ended at the plateau (the evaluation at step 4): at once when the learner was between steps, after the
     # step in progress otherwise; not at total_steps
     assert 4 <= last < TOTAL_STEPS, last
-    assert "ending training (eval.stop_after_plateau)" in (run_dir / "logs" / "coordinator.log").read_text()
-    assert "(stopped early)" in (run_dir / "logs" / "learner-0.log").read_text()
+    [ended] = run_events(run_dir, RunEvent.TRAINING_ENDED_EARLY)
+    assert ended["reason"] == "eval.stop_after_plateau", ended
+    [done] = run_events(run_dir, RunEvent.LEARNER_DONE)
+    assert done["stopped_early"] and done["step"] == last, done
 
     s = scalars_by_step(run_dir)
     # Logged at the step of the oldest weights that played it: 2 and 4 as asked, or a little later when the

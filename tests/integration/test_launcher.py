@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, start_process, stop_process, wait_for_step, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
         return tree if placed else None
 
     try:
-        wait_until(lambda: "step 1/" in log_path.read_text(), 300, "the first learner step")
+        wait_for_step(run_dir, 1, 300)
         try:
             tree = wait_until(partitioned, 300, "the actor and its engine, every thread on its cores", interval=0.5)
         except TimeoutError as exc:

@@ -9,17 +9,17 @@ running afterwards. Needs Ray (the ``ray`` extra, which ``make test`` installs).
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import (faults, horizonrl_cmd, newest_step, run_events, start_process, steps_trained, stop_process,
+                     wait_for_step, wait_until)
+
 from horizonrl.core.run_dirs import latest_checkpoint
-from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+from horizonrl.core.run_events import RunEvent
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +29,6 @@ CONFIG = REPO / "configs" / "signpost_test.yaml"
 SMALL = ["rollout.n=4", "learner.groups_per_step=2", "buffer.capacity_groups=4", "rollout.groups_in_flight=1",
          "launcher.type=ray", "launcher.ray.num_gpus=4", "rollout.ack_timeout_s=5", "learner.batch_resend_s=10",
          "learner.batch_timeout_s=1800"]  # engines start slowly on a loaded machine
-STEP = re.compile(r"^step (\d+)/\d+", re.M)
-
-
-def steps_in(log: Path) -> list[int]:
-    return [int(n) for n in STEP.findall(log.read_text(errors="replace"))]
-
-
-def faults(run_dir: Path) -> list[dict]:
-    path = run_dir / "faults.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def run_processes(run_dir: Path) -> list[psutil.Process]:
     """Every process of the run, wherever Ray started it: ``horizonrl ROLE --config <run_dir>/config.yaml``."""
     marker = str(run_dir / "config.yaml")
@@ -77,10 +65,6 @@ def assert_nothing_left(run_dir: Path, tree: list[psutil.Process]) -> None:
     assert run_processes(run_dir) == []
 
 
-def registered(run_dir: Path) -> str:
-    return (run_dir / "logs" / "coordinator.log").read_text(errors="replace")
-
-
 def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and_the_run_finishes(tiny_model,
                                                                                                    tmp_path):
     """One actor, and runs longer than what the buffer holds: the learner cannot finish without the replacement.
@@ -99,7 +83,7 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
                                        f"learner.total_steps={total}"), log)
     tree: list[psutil.Process] = []
     try:
-        wait_until(lambda: max(steps_in(log), default=0) >= 1, 1200, "learner step 1")
+        wait_for_step(run_dir, 1, 1200)
         [actor] = [p for p in run_processes(run_dir) if role_of(p) == "actor-0"]
         host = actor.parent()
         assert host.name().startswith("ray::RoleHost") or "RoleHost" in " ".join(host.cmdline()), host.cmdline()
@@ -110,8 +94,8 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
                    or any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
                    "actor-0 to be restarted by Ray and rejoin the weight hub")
         # A checkpoint (save_every=2) past the actor's death, then the learner's process dies.
-        wait_until(lambda: proc.poll() is not None or max(steps_in(log)) >= 4, 600, "learner step 4")
-        learner_killed_after = max(steps_in(log))
+        wait_until(lambda: proc.poll() is not None or newest_step(run_dir) >= 4, 600, "learner step 4")
+        learner_killed_after = newest_step(run_dir)
         learners = [p for p in run_processes(run_dir) if role_of(p) == "learner"]
         assert proc.poll() is None and len(learners) == 1, (
             f"the run ended (exit code {proc.poll()}) or has {len(learners)} learner processes before the learner "
@@ -119,8 +103,8 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
         [learner] = learners
         learner.send_signal(signal.SIGKILL)
         learner.wait(timeout=60)
-        # The newest checkpoint when it died. The step lines of train.log lag the learner: it was at step 4 there
-        # and had saved step 6 when the kill landed. The replacement takes two steps before it saves again.
+        # The newest checkpoint when it died (the learner may have gone on past the step seen above). The
+        # replacement takes two steps before it saves again.
         newest_at_death = latest_checkpoint(run_dir)
         rc = proc.wait(timeout=1200)
     finally:
@@ -135,12 +119,11 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
     assert learner_killed_after < total, "the learner was killed after the last step"
     assert ("learner-0", "died") in events and ("learner", "restarted") in events, events
     # the new gang goes on from its newest checkpoint (an even step, 4 or later), to the end
-    learner_log = (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
-    [checkpoint] = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", learner_log)]
+    [checkpoint] = [e["resumed_step"] for e in run_events(run_dir, RunEvent.LEARNER_STARTED) if e["resumed_step"]]
     assert newest_at_death is not None and checkpoint == int(newest_at_death.name.removeprefix("step_")), (
         checkpoint, newest_at_death)
     assert checkpoint % 2 == 0 and 4 <= checkpoint < total, checkpoint
-    steps = steps_in(log)
+    steps = steps_trained(run_dir)
     assert steps[-(total - checkpoint):] == list(range(checkpoint + 1, total + 1)), steps
     # the killed incarnation's process tree (the role process and its engine) went with its host
     _, alive = psutil.wait_procs(tree, timeout=30)
@@ -182,21 +165,24 @@ def test_a_ray_run_on_two_simulated_nodes_places_every_process_and_trains_to_the
         cluster.shutdown()
     text = log.read_text(errors="replace")
     assert rc == 0, text[-5000:]
-    assert max(steps_in(log)) == total
-    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
-    placed = dict(re.findall(r"(\S+) runs on node ([0-9a-f]+)", launcher_log))
+    assert newest_step(run_dir) == total
+    placements = run_events(run_dir, RunEvent.PROCESS_PLACED)
+    placed = {e["name"]: e["node"] for e in placements}
     assert {"coordinator", "buffer", "learner-0", "learner-1", "actor-0", "actor-1"} <= set(placed), placed
     assert len(set(placed.values())) == 2, placed
     # one placement group: CPU bundles for coordinator and buffer, a logical GPU for each rank and engine
-    assert "learner-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log and "actor-1 {'CPU': 1.0, 'GPU': 1.0}" in launcher_log
-    assert "buffer {'CPU': 1.0}" in launcher_log
+    resources = {e["name"]: e["resources"] for e in placements}
+    assert resources["learner-1"] == resources["actor-1"] == {"CPU": 1.0, "GPU": 1.0}, resources
+    assert resources["buffer"] == {"CPU": 1.0}, resources
     # every server registered a free port with the coordinator; the learner met through it
-    coordinator = registered(run_dir)
-    for name in ("trajectories=tcp://", "batches=tcp://", "weights=tcp://", "learner_rendezvous/"):
-        assert name in coordinator, name
+    endpoints = {k: v for e in run_events(run_dir, RunEvent.ENDPOINTS_REGISTERED) for k, v in e["endpoints"].items()}
+    for name in ("trajectories", "batches", "weights"):
+        assert endpoints.get(name, "").startswith("tcp://"), (name, endpoints)
+    assert any(k.startswith("learner_rendezvous/") for k in endpoints), endpoints
     config = (run_dir / "config.yaml").read_text()
     assert "trajectory_port: 0" in config and "weight_port: 0" in config and "type: ray" in config
     assert {"coordinator", "buffer", "learner", "actor-0", "actor-1"} <= roles, roles
     # each learner rank and engine saw the GPU Ray gave it, found no GPU behind it, and trained on gloo
-    assert "sharded over 2 ranks (gloo)" in (run_dir / "logs" / "learner-0.log").read_text()
+    [started] = run_events(run_dir, RunEvent.LEARNER_STARTED)
+    assert (started["ranks"], started["backend"], started["device"]) == (2, "gloo", "cpu"), started
     assert_nothing_left(run_dir, list(seen.values()))

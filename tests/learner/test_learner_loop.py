@@ -62,7 +62,7 @@ class Reporter:
     def abandoned(self, version):
         self.abandoned_versions.append(version)
 
-    def done(self, step, stopped_early, checkpoint):
+    def done(self, step, stopped_early, checkpoint, weights):
         self.finished = (step, stopped_early, checkpoint)
 
 
