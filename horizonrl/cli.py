@@ -10,6 +10,7 @@ Commands:
   make-tiny-model OUT_DIR        a tiny Qwen2 model + tokenizer, format-warmed on random episodes
   make-model smollm2 OUT_DIR     a packaged pretrained model (SmolLM2-135M-Instruct) as a Hugging Face checkpoint
   import-gguf FILE OUT_DIR       a GGUF model file as a Hugging Face checkpoint
+  make-warmup-data CONFIG OUT    random-policy episodes as SFT data for a format warm-up (horizonrl sft)
   sft | dpo CONFIG [key=value ...]
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
@@ -264,6 +265,8 @@ def _add_tiny(sub) -> None:
                                            "(see `horizonrl make-tiny-model --help`)")
     sub.add_parser("make-model", help="a packaged pretrained model (smollm2: SmolLM2-135M-Instruct) as a Hugging Face "
                                       "checkpoint (see `horizonrl make-model --help`)")
+    sub.add_parser("make-warmup-data", help="random-policy episodes of a config's environments as SFT data for a "
+                                            "format warm-up (see `horizonrl make-warmup-data --help`)")
     sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf --help`)")
 
 
@@ -485,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.tiny_model import main as tiny_main
 
         return tiny_main(argv[1:]) or 0
+    if argv[:1] == ["make-warmup-data"]:
+        from horizonrl.warmup_data import main as warmup_main
+
+        return warmup_main(argv[1:])
     if argv[:1] in (["make-model"], ["import-gguf"]):
         from horizonrl.model_import import import_gguf_main, make_model_main
 

@@ -78,9 +78,19 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
         print(f"[demo] replacing the previous demo run in {config.output_dir}", flush=True)
         shutil.rmtree(config.output_dir)
     model_dir = Path(config.model.path)
-    print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
-    ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),
-                      env_settings={s.name: dict(s.settings) for s in config.envs}, **config.model.tiny.model_dump())
+    if config.model.pretrained is not None:
+        from horizonrl.warmup_data import ensure_pretrained
+
+        recipe = config.model.pretrained
+        print(f"[demo] {recipe.packaged} in {model_dir}" + (
+            f" (imported and format-warmed: {recipe.format_warmup.steps} SFT steps on random-policy episodes; "
+            "built once, then reused)" if recipe.format_warmup else " (imported once, then reused)"), flush=True)
+        ensure_pretrained(config)
+    else:
+        print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
+        ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),
+                          env_settings={s.name: dict(s.settings) for s in config.envs},
+                          **config.model.tiny.model_dump())
 
     print(f"[demo] held-out success of the starting policy ({config.eval.episodes} episodes per env)...", flush=True)
     with _quiet_unless(verbose, config.output_dir / "logs" / "eval-before.log"):

@@ -26,7 +26,6 @@ LONGEST_FIRST = (
     "faults/test_supervision.py",  # 400
     "integration/test_babyai_loop.py",  # 100 after the demo model, and the recorded run the viewer tests share
     "integration/test_bench_system.py",  # 250
-    "integration/test_resume_loop.py",  # 230
     "integration/test_webarena_loop.py",  # 220, a model of its own
     "faults/test_stragglers.py",  # 200
     "integration/test_ray_launcher.py",  # 190

@@ -45,10 +45,33 @@ class TinyModelRecipe(_Frozen):
                         "the recipe: a model built on a GPU is reused on the CPU")
 
 
+class FormatWarmup(_Frozen):
+    """A short SFT of a pretrained model on random-policy episodes of the run's environments (horizonrl/warmup_data.py):
+    the reply format, not the skill (every reply in the data is a random valid action)."""
+
+    episodes_per_env: int = Field(500, ge=1, description="random-policy episodes per environment")
+    steps: int = Field(40, ge=1, description="SFT optimizer steps on them")
+    batch_size: int = Field(16, ge=1, description="episodes per step")
+    lr: float = Field(2e-5, gt=0)
+
+
+class PretrainedRecipe(_Frozen):
+    """How ``horizonrl demo`` makes ``model.path`` from a packaged pretrained model when it is missing: the model
+    imported (``horizonrl make-model NAME``), then, if asked, format-warmed (the import stays beside it, as
+    ``<path>.base``)."""
+
+    packaged: Literal["smollm2"] = Field(..., description="the packaged model (horizonrl/model_import.py)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the imported checkpoint's dtype")
+    format_warmup: FormatWarmup | None = Field(None, description="None: the instruct model as it is (the paper's "
+                                                                 "prompted start)")
+
+
 class ModelConfig(_Frozen):
     path: str = Field(..., description="Hugging Face model directory on local disk")
     tiny: TinyModelRecipe = Field(TinyModelRecipe(), description="horizonrl demo only: the recipe of the tiny "
                                   "model it builds at path when missing (rebuilt when the recipe changes)")
+    pretrained: PretrainedRecipe | None = Field(None, description="horizonrl demo only: build path from a packaged "
+                                                "pretrained model instead of the tiny one")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="deprecated (one dtype for learner and engine): when set (not None/auto), it is the "
                           "engine's dtype where rollout.engine.dtype is auto; the learner uses learner.param_dtype / "
