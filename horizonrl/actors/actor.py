@@ -66,6 +66,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.registry import FollowedEndpoint
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
@@ -183,6 +184,7 @@ class Actor:
         self.engine = engine
         self.chat = chat
         self.run_id = config.run.run_id
+        self.run_key = read_run_key(config.output_dir)  # the coordinator takes held-out evaluations only with it
         self.envs = EnvPool(config.envs, make_env)
         self.make_env = make_env
         self.evaluating = False  # a held-out evaluation is running: start no new groups
@@ -561,7 +563,7 @@ class Actor:
             message = HeldOutEval(
                 run_id=self.run_id, learner_step=step, wall_s=wall_s,
                 weight_versions=(min(v[0] for v in versions), max(v[1] for v in versions)) if versions else (-1, -1),
-                results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results})
+                results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results}, key=self.run_key)
             self.counters["eval_runs"] += 1
             self.counters["eval_episodes"] += sum(r["episodes"] for r in results)
             self.counters["eval_s"] += wall_s

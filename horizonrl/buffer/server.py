@@ -47,6 +47,7 @@ from horizonrl.buffer.records import (
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (
@@ -97,6 +98,7 @@ class BufferServer:
         self.config = config
         self.stop = stop
         self.run_id = config.run.run_id
+        self.run_key = read_run_key(config.output_dir)
         self.events = EventLog(config.output_dir, "buffer")
         # Replay starts from the log's own settings (its Settings records), then this start's apply.
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
@@ -437,7 +439,7 @@ class BufferServer:
 
     def _register(self) -> None:
         try:
-            self.reports.send(registration(self.run_id, "buffer", self.endpoints), zmq.NOBLOCK)
+            self.reports.send(registration(self.run_id, "buffer", self.endpoints, self.run_key), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the next heartbeat sends it again
 

@@ -11,7 +11,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -151,17 +153,19 @@ def share_bytes(payload: bytes | None, rank: int) -> bytes | None:
 
 
 class ReportSender:
-    """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error."""
+    """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error. Reports
+    and registrations go with the run's key (``key``; protocol/messages.py): the coordinator takes them only so."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, security=None) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, security=None, key: str = "") -> None:
         self.endpoint = endpoint
+        self.key = key
         self.socket = make_socket(context, zmq.PUSH, security=security)
         self.socket.setsockopt(zmq.SNDTIMEO, int(REPORT_SEND_TIMEOUT_S * 1000))
         self.socket.connect(endpoint)
 
     def send(self, report: LearnerReport) -> None:
         try:
-            self.socket.send(encode(report))
+            self.socket.send(encode(msgspec.structs.replace(report, key=self.key)))
         except zmq.Again:
             raise TimeoutError(
                 f"could not send the report of step {report.step} to the coordinator at {self.endpoint} "
@@ -172,7 +176,7 @@ class ReportSender:
         """Register endpoints with the coordinator, in order with the reports (a weight hub is registered
         before the startup report that announces its epoch)."""
         try:
-            self.socket.send(registration(run_id, name, endpoints))
+            self.socket.send(registration(run_id, name, endpoints, self.key))
         except zmq.Again:
             raise TimeoutError(f"could not register {sorted(endpoints)} with the coordinator at {self.endpoint} "
                                f"within {REPORT_SEND_TIMEOUT_S:.0f} s") from None

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
@@ -213,7 +214,8 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         res.context = zmq.Context()
         security = wire_security(res.context, net.host, net.curve_keys_dir)
         res.security = security
-        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security)
+        res.reports = ReportSender(res.context, net.endpoint(net.report_port), security,
+                                   key=read_run_key(config.output_dir))
     _init_process_group(config, ranks, backend, control_timeout_s, res, stop)
     if is_main:
         res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, security)
