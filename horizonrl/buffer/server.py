@@ -1,8 +1,9 @@
 """The buffer process: trajectories in (ROUTER, acknowledged), whole batches of groups out (ROUTER).
 
 Every trajectory is checked at the door — it must decode, belong to this run, be consistent
-(``protocol/validation.py``), fit its group, and not come from weights nobody has announced
-yet — and the actor gets one acknowledgement per trajectory: *accepted* once it is in the
+(``protocol/validation.py``), be no longer than the run's context (``rollout.max_context_tokens``) and
+of no bigger group than the run's (``rollout.n``), fit its group, and not come from weights nobody has
+announced yet nor ever will — and the actor gets one acknowledgement per trajectory: *accepted* once it is in the
 write-ahead log (durable per ``buffer.wal_fsync``), *duplicate* for a resend of an accepted one,
 *rejected* with the reason. The actor keeps a trajectory until it is acknowledged and resends it
 after ``rollout.ack_timeout_s``, so nothing is lost between the two processes.
@@ -35,6 +36,7 @@ from horizonrl.buffer.records import (
     Committed,
     Expired,
     Lineage,
+    Rejected,
     RolledBack,
     Served,
     Settings,
@@ -70,7 +72,7 @@ from horizonrl.protocol import (
 )
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
-from horizonrl.protocol.validation import trajectory_problem
+from horizonrl.protocol.validation import MAX_ID_CHARS, trajectory_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
@@ -277,12 +279,12 @@ class BufferServer:
             return
         if tid in self._early_ids:
             return  # a resend of one still waiting for its weights to be announced
-        problem = trajectory_problem(t, self.config.model.vocab_size) or self.groups.admission_problem(t)
+        rollout = self.config.rollout
+        problem = (trajectory_problem(t, self.config.model.vocab_size, max_tokens=rollout.max_context_tokens,
+                                      max_group_size=rollout.n)
+                   or self._future_problem(t) or self.groups.admission_problem(t))
         if problem is not None:
-            reason, detail = problem
-            self.groups.reject(reason)
-            self._bad_log.warning("rejected trajectory %s: %s (%s)", tid, reason, detail)
-            self._ack(identity, tid, ACK_REJECTED, reason)
+            self._reject(identity, tid, *problem)
             return
         if not self._weights_known(t):
             self._early.append(_Early(time.monotonic(), identity, t, message))
@@ -316,12 +318,39 @@ class BufferServer:
                 self._admit(early.identity, early.trajectory, early.message)
             elif now - early.since > self.config.buffer.future_hold_s:
                 self._early_ids.discard(tid)
-                self.groups.reject(REJECT_FUTURE)
-                self._bad_log.warning("rejected trajectory %s: its weights (epoch %s, version %s) were never announced",
-                                      tid, early.trajectory.turn_epochs, early.trajectory.turn_versions)
-                self._ack(early.identity, tid, ACK_REJECTED, REJECT_FUTURE)
+                self._reject(early.identity, tid, REJECT_FUTURE, f"its weights (epoch {early.trajectory.turn_epochs}, "
+                             f"version {early.trajectory.turn_versions}) were never announced")
             else:
                 self._early.append(early)
+
+    def _reject(self, identity: bytes, trajectory_id: str, reason: str, detail: str) -> None:
+        """Refuse a trajectory: counted by reason (and logged, so that the accounting lists it), acknowledged as
+        rejected so that its actor forgets it."""
+        self._log(Rejected(trajectory_id[:MAX_ID_CHARS], reason))
+        self._bad_log.warning("rejected trajectory %s: %s (%s)", trajectory_id[:MAX_ID_CHARS], reason, detail)
+        self._ack(identity, trajectory_id, ACK_REJECTED, reason)
+
+    def _future_problem(self, t: Trajectory) -> tuple[str, str] | None:
+        """Weights nobody announced and nobody will: a version past the run's last step, or, in a weight epoch that
+        has ended (a newer one is known), past both the newest version it announced and the step the next epoch
+        resumed from. (Versions of the newest epoch not announced yet wait in ``_early`` for a while.)"""
+        newest = max(self._known, default=0)
+        for epoch, version in t.weight_keys():
+            if version > self.config.learner.total_steps:
+                return REJECT_FUTURE, f"weights (epoch {epoch}, version {version}) past the run's last step"
+            bound = max(self._known.get(epoch, -1), self._resumed_after(epoch)) if epoch < newest else -1
+            if 0 <= bound < version:
+                return REJECT_FUTURE, (f"weights (epoch {epoch}, version {version}): epoch {epoch} ended, having "
+                                       f"announced up to version {bound}")
+        return None
+
+    def _resumed_after(self, epoch: int) -> int:
+        """The step the weight epoch after ``epoch`` in the learner's lineage resumed from (-1: not known)."""
+        lineage = self.groups.lineage
+        for (e, _), (_, start) in zip(lineage, lineage[1:]):
+            if e == epoch:
+                return start
+        return -1
 
     def _ack(self, identity: bytes, trajectory_id: str, status: str, reason: str = "") -> None:
         self._outbox[identity].append((trajectory_id, status, reason))

@@ -527,6 +527,12 @@ class TrainConfig(_Frozen):
     def output_dir(self) -> Path:
         return Path(self.run.output_dir)
 
+    @property
+    def step_token_budget(self) -> int:
+        """The most tokens one learner step may be given: groups_per_step groups of rollout.n trajectories, each at
+        the context limit (the buffer refuses longer ones at its door; the learner refuses a bigger batch)."""
+        return self.learner.groups_per_step * self.rollout.n * self.rollout.max_context_tokens
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says what to fix."""

@@ -38,6 +38,21 @@ class BatchTimeoutError(TimeoutError):
     """The buffer sent no batch within ``learner.batch_timeout_s``."""
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """What a batch the learner accepts may hold: its tokens bound the step's time and memory."""
+
+    max_groups: int  # learner.groups_per_step
+    max_group_size: int  # rollout.n
+    max_trajectory_tokens: int  # rollout.max_context_tokens
+    max_tokens: int  # TrainConfig.step_token_budget
+
+    @classmethod
+    def for_run(cls, config) -> "BatchLimits":
+        return cls(config.learner.groups_per_step, config.rollout.n, config.rollout.max_context_tokens,
+                   config.step_token_budget)
+
+
 class BatchClient:
     """Rank 0's DEALER to the buffer's ROUTER: one outstanding BatchRequest at a time.
 
@@ -50,11 +65,14 @@ class BatchClient:
     """
 
     def __init__(self, context: zmq.Context, endpoint: str | None, run_id: str, vocab_size: int | None = None,
-                 security=None, registry: Callable[[], Mapping[str, str]] | None = None) -> None:
+                 security=None, registry: Callable[[], Mapping[str, str]] | None = None,
+                 limits: BatchLimits | None = None) -> None:
         """``endpoint``: the buffer's configured address; None: wherever it registered, as ``registry()``
-        (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves."""
+        (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves.
+        ``limits``: a batch beyond them is a bad batch (None: only the message size limit)."""
         self.run_id = run_id
         self.vocab_size = vocab_size
+        self.limits = limits
         self.socket = make_socket(context, zmq.DEALER, max_message_bytes=MAX_BATCH_BYTES, security=security)
         self.buffer = FollowedEndpoint(self.socket, ENDPOINT_BATCHES, endpoint)
         self.registry = registry or (lambda: {})
@@ -123,11 +141,19 @@ class BatchClient:
             batch = decode_as(payload, Batch, MAX_BATCH_BYTES, self.run_id)
         except ProtocolError as exc:
             return f"malformed: {exc}", None
+        limits = self.limits
         for group in batch.groups:
             for trajectory in group:
-                problem = trajectory_problem(trajectory, self.vocab_size)
+                problem = trajectory_problem(
+                    trajectory, self.vocab_size, max_tokens=limits.max_trajectory_tokens if limits else None,
+                    max_group_size=limits.max_group_size if limits else None)
                 if problem is not None:
                     return f"trajectory {trajectory.trajectory_id}: {problem[0]} ({problem[1]})", batch.request_id
+        if limits is not None:
+            tokens = sum(t.num_tokens for group in batch.groups for t in group)
+            if len(batch.groups) > limits.max_groups or tokens > limits.max_tokens:
+                return (f"{len(batch.groups)} groups of {tokens} tokens; a step takes at most {limits.max_groups} "
+                        f"groups of {limits.max_tokens} tokens"), batch.request_id
         return None, batch.request_id
 
     def close(self) -> None:

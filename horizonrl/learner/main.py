@@ -188,7 +188,8 @@ def main(config: TrainConfig) -> int:
 def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Resources) -> None:
     import zmq
 
-    from horizonrl.learner.channels import BatchClient, ControlWatch, HeartbeatThread, ReportSender, share_bytes
+    from horizonrl.learner.channels import (BatchClient, BatchLimits, ControlWatch, HeartbeatThread, ReportSender,
+                                            share_bytes)
     from horizonrl.learner.weight_broadcast import WeightHub
 
     lc, net = config.learner, config.network
@@ -228,7 +229,8 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         watch = res.end_training_watch
         res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
                                   config.model.vocab_size, security,
-                                  registry=(lambda: watch.endpoints) if watch is not None else None)
+                                  registry=(lambda: watch.endpoints) if watch is not None else None,
+                                  limits=BatchLimits.for_run(config))
 
     start = time.perf_counter()
     tr = build_trainables(config, device)
