@@ -216,6 +216,9 @@ class LearnerConfig(_Frozen):
     batch_resend_s: float = Field(60.0, gt=0, description="ask the buffer again after this long without an answer "
                                   "(a restarted buffer lost the request; asking again is safe)")
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+    step_timeout_s: float = Field(3600.0, gt=0, description="a learner step (advantages and updates) running longer "
+                                  "fails the learner, which the launcher restarts from its newest checkpoint; at a "
+                                  "stop signal a step is abandoned after monitor.stop_timeout_s / 2")
     weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
                                     "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
                                     "a model smaller than one bucket is one collective per update")

@@ -44,6 +44,7 @@ from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
+from horizonrl.learner.step_watchdog import StepWatchdog
 from horizonrl.learner.model import (
     gather_full_state_dict,
     build_sharded_model,
@@ -150,9 +151,12 @@ class Resources:
     end_training_watch: Any = None
     weight_hub: Any = None
     weight_hub_abandoned: bool = False  # a send thread may still be blocked in it: do not touch it
+    step_watchdog: Any = None  # bounds a step's time, and a stop's wait for it (step_watchdog.py)
     events: EventLog = NullEventLog()  # rank 0 writes the run's events (core/run_events.py)
 
     def close(self) -> None:
+        if self.step_watchdog is not None:
+            self.step_watchdog.close()
         for thread in (self.heartbeat, self.end_training_watch):
             if thread is not None:
                 thread.stop()
@@ -238,6 +242,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
              backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
              " + critic" if tr.critic is not None else "")
+    res.step_watchdog = StepWatchdog.for_run(config).start()
     step, lineage = 0, []
     resume_from = resolve_resume(lc.resume, config.output_dir)
     if resume_from is not None:
@@ -289,7 +294,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
             break  # rank 0 was asked to stop while waiting
         batch = decode_as(payload, Batch)  # rank 0 checked it (BatchClient); every rank holds the same bytes
 
-        with timer("step"):
+        with timer("step"), res.step_watchdog.step(step + 1):
             samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
                                                      config.algorithm.adv_estimator)
             loss_metrics = train_on_batch(
