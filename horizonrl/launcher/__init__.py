@@ -120,13 +120,26 @@ class Child:
 
 
 def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, on_line: Callable[[str, str], None]) -> None:
-    """Every line of a child's output into its log file, then to ``on_line`` (which decides what the console shows)."""
+    """Every line of a child's output into its log file, then to ``on_line`` (which decides what the console shows).
+
+    A log file that cannot be written (a full disk) does not stop the pump: the child's lines still reach
+    ``on_line``, and the pipe keeps draining (a child writing into a full pipe would block); once the file
+    can be written again it says how many lines it lost meanwhile."""
+    lost = 0
     for raw in iter(stream.readline, b""):
-        log_file.write(raw)
-        log_file.flush()
+        try:
+            if lost:
+                log_file.write(f"[launcher: {lost} lines of this log were lost: it could not be written]\n".encode())
+            log_file.write(raw)
+            lost = 0
+        except OSError:
+            lost += 1
         on_line(name, raw.decode(errors="replace").rstrip("\r\n"))
     stream.close()
-    log_file.close()
+    try:
+        log_file.close()
+    except OSError:
+        pass
 
 
 class Launcher:
@@ -154,7 +167,7 @@ class Launcher:
 
     def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.log_dir / f"{name}.log", "ab")
+        log_file = open(self.log_dir / f"{name}.log", "ab", buffering=0)  # each line written whole, or lost whole
         quiet = {} if self.verbose or "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": QUIET_VLLM_LEVEL}
         proc = subprocess.Popen(
             args,
