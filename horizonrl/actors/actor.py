@@ -264,7 +264,9 @@ class Actor:
             await self._stop(workers, services)
 
     async def _unless_stopped(self, step) -> bool:
-        """Run a start-up step (bounded by its own timeout) unless a stop signal comes first: False then."""
+        """Run a start-up step (bounded by its own timeout) unless a stop signal comes first: False then. An
+        engine that dies meanwhile fails the actor at once, rather than when the step times out (a join
+        waits up to learner.weight_sync_timeout_s for an engine that will never answer)."""
         task = asyncio.ensure_future(step)
         while not task.done():
             if self.stop:
@@ -272,6 +274,11 @@ class Actor:
                 await asyncio.gather(task, return_exceptions=True)
                 log.info("stopped during start-up")
                 return False
+            if self.engine.dead:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise RuntimeError("the vLLM engine died during the actor's start-up (its EngineCore or worker "
+                                   "process exited)")
             await asyncio.wait([task], timeout=0.2)
         task.result()  # a failed step fails the actor loudly
         return True
