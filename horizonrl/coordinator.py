@@ -344,9 +344,9 @@ class Coordinator:
 
     @property
     def _handlers(self) -> dict:
-        return {Heartbeat: self.on_heartbeat, LearnerReport: self.on_learner_report, EpisodeSample: self.on_episode_sample,
-                ProcessEvent: self.on_process_event, HeldOutEval: self.on_held_out_eval,
-                Registration: self.on_registration}
+        return {Heartbeat: self.on_heartbeat, LearnerReport: self.on_learner_report,
+                EpisodeSample: self.on_episode_sample, ProcessEvent: self.on_process_event,
+                HeldOutEval: self.on_held_out_eval, Registration: self.on_registration}
 
     def _authority_problem(self, message) -> tuple[str, str] | None:
         """The kinds that change the run's state come only from processes holding the run's key."""
@@ -392,12 +392,12 @@ class Coordinator:
             if event.name in self._recovering:
                 self._recovered(event.name)
             return
-        if event.event == EVENT_RESTARTED and event.role == "coordinator" and event.name in self._recovering:
-            self._recovered(event.name)  # this process is the replacement, and it is reading
         self.faults[f"{event.role}_{event.event}"] += 1
         self._fault_line({"event": event.event, "name": event.name, "role": event.role, "exit_code": event.exit_code,
                           "restarts": event.restarts, "delay_s": event.delay_s, "at": event.at,
                           "learner_step": self.learner_step})
+        if event.event == EVENT_RESTARTED and event.role == "coordinator" and event.name in self._recovering:
+            self._recovered(event.name)  # this process is the replacement, and it is reading
         if event.event == EVENT_DIED and event.name == "actor-0" and self.awaiting_final_eval:
             # after the learner's last step the launcher restarts nothing: that evaluation will not come
             log.warning("actor-0 died during the held-out evaluation of the last step; stopping without it")
@@ -586,7 +586,8 @@ class Coordinator:
             plateau=PlateauState(None if plateau.best_step < 0 else plateau.best, plateau.best_step,
                                  plateau.without_progress, plateau.reached),
             endpoints=dict(self.endpoints), faults=dict(self.faults), recovery_s=dict(self.recovery_s),
-            recovering=[Recovering(name, role, died_at, then) for name, (role, died_at, then) in self._recovering.items()],
+            recovering=[Recovering(name, role, died_at, then)
+                        for name, (role, died_at, then) in self._recovering.items()],
             incarnations=self.health.incarnations(), messages_read=self.messages_read,
             bad_messages=dict(self.bad_messages), rejected=dict(self.rejected), accepted=dict(self.accepted))
 

@@ -5,6 +5,7 @@ whole-run kill -9 of the coordinator is tests/faults/test_coordinator_restart.py
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -84,6 +85,8 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
                                         restarts=1, delay_s=1.0, at=time.time(), key=key)))
         assert second.faults["coordinator_died"] == 1 and second.faults["coordinator_recovered"] == 1
         assert second.recovery_s["coordinator"] >= 3
+        lines = [json.loads(line) for line in (config.output_dir / "faults.jsonl").read_text().splitlines()]
+        assert [line["event"] for line in lines if line["name"] == "coordinator"] == ["died", "restarted", "recovered"]
         # The subscribers see the same Control as before the restart.
         sub = second.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
