@@ -198,7 +198,8 @@ def wrong_reports(run_id: str, key: str, *, total_steps: int, num_actors: int) -
                      results={"nowhere": {"success_rate": 1.0, "episodes_valid": 1.0}}, key=key),
          "held_out_eval_unknown_env"),
         (HeldOutEval(run_id=run_id, learner_step=0, weight_versions=(0, 0), wall_s=1.0,
-                     results={"signpost": {"success_rate": 0.0, "episodes_valid": 9.0}}), "held_out_eval_unauthenticated"),
+                     results={"signpost": {"success_rate": 0.0, "episodes_valid": 9.0}}),
+         "held_out_eval_unauthenticated"),
         (LearnerReport(run_id=run_id, step=total_steps, weight_version=total_steps, final=True),
          "learner_report_unauthenticated"),
         (LearnerReport(run_id=run_id, step=total_steps + 1, weight_version=0, key=key), "learner_report_out_of_range"),
@@ -237,3 +238,92 @@ def future_trajectory(run_id: str, trajectory_id: str, version: int) -> bytes:
     """A consistent trajectory from weights (epoch 0, ``version``) that no learner step of the run can make."""
     return encode(trajectory(run_id, trajectory_id, version=version))
 
+
+# Storms: many messages per socket, each with the counter it must land in (bad:<what the receiver counts a bad
+# message as> | rejected:<kind>_<reason> or rejected:<reason> | accepted[:<kind>]).
+
+def inconsistent_trajectory(run_id: str, n: int) -> tuple[bytes, str]:
+    """Schema-valid, of this run, and wrong inside; with the buffer's reason for it."""
+    t = trajectory(run_id, f"bad{n}-0")
+    kind = n % 4
+    if kind == 0:
+        return encode(msgspec.structs.replace(t, logprobs=t.logprobs[:-4])), "array_lengths"
+    if kind == 1:
+        return encode(msgspec.structs.replace(t, reward=float("nan"))), "non_finite_number"
+    if kind == 2:
+        return encode(msgspec.structs.replace(t, token_ids=pack([0] * 11 + [-1], TOKEN_DTYPE))), "token_out_of_vocab"
+    return encode(msgspec.structs.replace(t, logprobs=pack([0] * 6 + [float("nan")] * 6, LOGPROB_DTYPE))), "logprobs"
+
+
+def junk_outcome(n: int, where: str) -> str:
+    """What ``junk(rng, run_id, n)`` is counted as, on the coordinator or at the buffer's intake."""
+    kind = n % 6
+    if where == "report":
+        return {4: "bad:ForeignRunError", 5: "bad:UnexpectedMessage"}.get(kind, "bad:ProtocolError")
+    return {4: "bad:intake_other_run"}.get(kind, "bad:intake_malformed")
+
+
+def report_storm(rng: random.Random, run_id: str, key: str, n: int, *, total_steps: int, num_actors: int,
+                 real_run: bool) -> list[tuple[bytes, str]]:
+    """``n`` messages for the coordinator's report socket, each with the counter it must land in. ``real_run``:
+    aimed at a running training, whose state none of them may touch (no heartbeat of one of its processes)."""
+    wrong = wrong_reports(run_id, key, total_steps=total_steps, num_actors=num_actors)
+    utf8 = list(invalid_utf8_messages(run_id))
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append((junk(rng, run_id, i // 4), junk_outcome(i // 4, "report")))
+        elif kind == 1:
+            out.append((utf8[(i // 4) % len(utf8)], "bad:ProtocolError"))
+        elif kind == 2:
+            data, counter = wrong[(i // 4) % len(wrong)]
+            out.append((data, f"rejected:{counter}"))
+        elif real_run:  # a heartbeat of an actor the run does not have
+            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=num_actors, pid=100)),
+                        "rejected:heartbeat_unknown_process"))
+        else:  # the run's own heartbeats go on meanwhile
+            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=0, pid=100, counters={"episodes": i})),
+                        "accepted:heartbeat"))
+    return out
+
+
+def intake_storm(rng: random.Random, run_id: str, n: int, *, context_tokens: int,
+                 real_run: bool) -> list[tuple[bytes, str]]:
+    """``n`` trajectory messages for the buffer's intake, with the counter each must land in. ``real_run``:
+    aimed at a running training, which must not be given a single trajectory to train on."""
+    t = trajectory(run_id, "utf8-0")
+    utf8 = [invalid_utf8(t, path) for path in string_paths(t)] + [invalid_utf8(t, None)]
+    out = []
+    for i in range(n):
+        kind = i % 6
+        if kind == 0:
+            out.append((junk(rng, run_id, i // 6), junk_outcome(i // 6, "intake")))
+        elif kind == 1:
+            out.append((utf8[(i // 6) % len(utf8)], "bad:intake_malformed"))
+        elif kind == 2:
+            data, reason = inconsistent_trajectory(run_id, i // 6)
+            out.append((data, f"rejected:{reason}"))
+        elif kind == 3 or (kind == 5 and real_run):  # ten times the context; once 10^6 tokens (9 MB: under 64 MB)
+            tokens = 10**6 if i == 3 else 10 * context_tokens
+            out.append((oversized_trajectory(run_id, f"long{i}-0", tokens), "rejected:too_long"))
+        elif kind == 4:
+            out.append((future_trajectory(run_id, f"future{i}-0", 10**6), "rejected:future_version"))
+        else:  # a real one now and then: accepted (a group of 2 completes with its partner)
+            out.append((encode(trajectory(run_id, f"good{i // 12}-{(i // 6) % 2}")), "accepted"))
+    return out
+
+
+def request_storm(rng: random.Random, run_id: str, n: int) -> list[tuple[bytes, str]]:
+    """Never a valid request (one would take a batch from the real learner in the whole-run test)."""
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append((encode(BatchRequest(run_id=OTHER_RUN, request_id=i, learner_version=0, num_groups=1)),
+                        "bad:request_other_run"))
+        elif i % 3 == 1:
+            out.append((encode(BatchRequest(run_id=run_id, request_id=i, learner_version=0, num_groups=0)),
+                        "bad:request_malformed"))
+        else:
+            out.append((junk(rng, run_id, i), "bad:request_other_run" if i % 6 == 4 else "bad:request_malformed"))
+    return out
