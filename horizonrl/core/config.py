@@ -327,8 +327,8 @@ class MonitorConfig(_Frozen):
 class SupervisionConfig(_Frozen):
     """What the launcher does when a process of the run dies (docs/faults.md)."""
 
-    restart: bool = Field(True, description="restart a dead actor, buffer or managed environment server (off: any "
-                          "death stops the run)")
+    restart: bool = Field(True, description="restart a dead actor, buffer, coordinator or managed environment "
+                          "server (off: any death stops the run)")
     max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops the run")
     window_s: float = Field(600.0, gt=0)
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each restart in the "
