@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+from helpers import ManualClock
 
 from horizonrl.buffer.server import BufferServer
 from horizonrl.chaos_faults import ENGINE_NAME, FILL_FILE, FillDisk, FreezeEngine, KillProcess, MessageStorm
@@ -53,13 +54,6 @@ def stopped(proc: psutil.Process, wait_for: bool = True) -> bool:
     return proc.status() == psutil.STATUS_STOPPED
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_kill_finds_the_coordinator_by_its_command_line(stand_ins):
     coordinator = stand_ins("-c", "import time; time.sleep(120)", "horizonrl", "coordinator", "--config", "x.yaml")
     stand_ins("-c", "import time; time.sleep(120)", "horizonrl", "buffer", "--config", "x.yaml")
@@ -73,7 +67,7 @@ def test_an_engine_is_frozen_then_continued_when_its_time_is_up(stand_ins):
     while not [p for p in psutil.Process(actor.pid).children() if p.name().startswith(ENGINE_NAME)]:
         assert time.monotonic() < deadline, "the stand-in engine did not start"
         time.sleep(0.1)
-    clock = Clock()
+    clock = ManualClock()
     freeze = FreezeEngine(30, clock=clock)
     outcome = freeze.fire(os.getpid(), random.Random(0))
     engine = psutil.Process(outcome["pid"])
@@ -87,7 +81,7 @@ def test_an_engine_is_frozen_then_continued_when_its_time_is_up(stand_ins):
 
 
 def test_a_disk_is_filled_then_freed_and_a_big_one_is_refused(tmp_path, monkeypatch):
-    clock = Clock()
+    clock = ManualClock()
     fill = FillDisk(5, tmp_path, max_bytes=8 * 2**20, clock=clock)
     with pytest.raises(ValueError, match="put run.output_dir on a small file system"):
         fill.check()  # this machine's disk has far more than 8 MiB free

@@ -8,19 +8,13 @@ import subprocess
 import sys
 import time
 
+from helpers import ManualClock
+
 from horizonrl.learner.step_watchdog import EXIT_CODE, StepWatchdog
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_step_past_its_timeout_expires_once_and_nothing_expires_between_steps():
-    clock, expired = Clock(), []
+    clock, expired = ManualClock(100.0), []
     watchdog = StepWatchdog(step_timeout_s=60, stop_grace_s=10, on_expire=expired.append, clock=clock)
     with watchdog.step(1):
         clock.now += 59
@@ -37,7 +31,7 @@ def test_a_step_past_its_timeout_expires_once_and_nothing_expires_between_steps(
 
 
 def test_a_stop_gives_the_running_step_its_grace_counted_from_the_stop_or_the_steps_start():
-    clock, expired = Clock(), []
+    clock, expired = ManualClock(100.0), []
     watchdog = StepWatchdog(step_timeout_s=3600, stop_grace_s=10, on_expire=expired.append, clock=clock)
     watchdog.stop_requested()
     clock.now += 100  # the stop came while no step ran; a step started now still gets its whole grace
