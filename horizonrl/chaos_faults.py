@@ -145,14 +145,14 @@ class MessageStorm:
         from horizonrl.protocol.transport import wire_security
 
         config = load_config(self.run_dir / "config.yaml")
-        net, run_id = config.network, config.run.run_id
+        net, run_id, total = config.network, config.run.run_id, config.learner.total_steps
+        key = read_run_key(self.run_dir)
         storms = {
-            net.report_port: (zmq.PUSH, "report", report_storm(rng, run_id, read_run_key(self.run_dir), self.count,
-                                                               total_steps=config.learner.total_steps,
+            net.report_port: (zmq.PUSH, "report", report_storm(rng, run_id, key, self.count, total_steps=total,
                                                                num_actors=config.rollout.num_actors, real_run=True)),
             net.trajectory_port: (zmq.DEALER, "intake", intake_storm(
                 rng, run_id, self.count, context_tokens=config.rollout.max_context_tokens, real_run=True)),
-            net.batch_port: (zmq.DEALER, "requests", request_storm(rng, run_id, self.count))}
+            net.batch_port: (zmq.DEALER, "requests", request_storm(rng, run_id, key, self.count, total_steps=total))}
         context = zmq.Context()
         security = wire_security(context, net.host, net.curve_keys_dir)
         try:

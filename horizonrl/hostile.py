@@ -314,16 +314,21 @@ def intake_storm(rng: random.Random, run_id: str, n: int, *, context_tokens: int
     return out
 
 
-def request_storm(rng: random.Random, run_id: str, n: int) -> list[tuple[bytes, str]]:
-    """Never a valid request (one would take a batch from the real learner in the whole-run test)."""
+def request_storm(rng: random.Random, run_id: str, key: str, n: int, *, total_steps: int) -> list[tuple[bytes, str]]:
+    """Never a valid request: one would take a batch from a real learner, or roll its served batches back."""
     out = []
     for i in range(n):
-        if i % 3 == 0:
+        kind = i % 4
+        if kind == 0:
             out.append((encode(BatchRequest(run_id=OTHER_RUN, request_id=i, learner_version=0, num_groups=1)),
                         "bad:request_other_run"))
-        elif i % 3 == 1:
-            out.append((encode(BatchRequest(run_id=run_id, request_id=i, learner_version=0, num_groups=0)),
+        elif kind == 1:  # with the key, but asking for nothing, or for a step past the run
+            bad = {"num_groups": 0} if i % 8 == 1 else {"num_groups": 1, "learner_version": total_steps + 1}
+            out.append((encode(BatchRequest(run_id=run_id, request_id=i, key=key, **{"learner_version": 0, **bad})),
                         "bad:request_malformed"))
+        elif kind == 2:  # well-formed, but not from the learner: it would roll the served batches back
+            out.append((encode(BatchRequest(run_id=run_id, request_id=i, learner_version=0, num_groups=1)),
+                        "bad:request_unauthenticated"))
         else:
             out.append((junk(rng, run_id, i), "bad:request_other_run" if i % 6 == 4 else "bad:request_malformed"))
     return out

@@ -22,6 +22,7 @@ stop starting groups. Malformed, oversized, foreign-run or wrong-version message
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -390,9 +391,13 @@ class BufferServer:
         except ProtocolError as exc:
             self._count_bad("request_malformed", f"batch request: {exc}")
             return
-        if request.num_groups < 1 or not request.lineage or request.committed_step > request.learner_version:
-            self._count_bad("request_malformed", f"batch request for {request.num_groups} groups, lineage "
-                            f"{request.lineage}, committed step {request.committed_step} > {request.learner_version}")
+        if self.run_key and not hmac.compare_digest(request.key.encode(), self.run_key.encode()):
+            # only the learner may roll batches back or commit them (a forged request could have them trained twice)
+            self._count_bad("request_unauthenticated", "batch request without the run's key (<output_dir>/run_key)")
+            return
+        problem = self._request_problem(request)
+        if problem is not None:
+            self._count_bad("request_malformed", f"batch request: {problem}")
             return
         lineage = [(int(e), int(b)) for e, b in request.lineage]
         if lineage != self.groups.lineage:
@@ -408,6 +413,17 @@ class BufferServer:
         self._pending = (identity, request)  # a newer request replaces an older one
         self._pending_since = time.monotonic()
         self._equal_seen_at_request = self.groups.equal_groups_seen
+
+    def _request_problem(self, request: BatchRequest) -> str | None:
+        """What a request from the run's learner cannot be (its numbers bound what the buffer does for it)."""
+        learner = self.config.learner
+        if not 1 <= request.num_groups <= learner.groups_per_step:
+            return f"{request.num_groups} groups (a step takes {learner.groups_per_step})"
+        if not 0 <= request.committed_step <= request.learner_version <= learner.total_steps:
+            return f"committed step {request.committed_step}, learner version {request.learner_version}"
+        if not request.lineage or any(min(e, b) < 0 for e, b in request.lineage):
+            return f"lineage {request.lineage[:8]}"
+        return None
 
     def _serve(self) -> None:
         if self._pending is None:

@@ -66,11 +66,13 @@ class BatchClient:
 
     def __init__(self, context: zmq.Context, endpoint: str | None, run_id: str, vocab_size: int | None = None,
                  security=None, registry: Callable[[], Mapping[str, str]] | None = None,
-                 limits: BatchLimits | None = None) -> None:
+                 limits: BatchLimits | None = None, key: str = "") -> None:
         """``endpoint``: the buffer's configured address; None: wherever it registered, as ``registry()``
         (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves.
-        ``limits``: a batch beyond them is a bad batch (None: only the message size limit)."""
+        ``limits``: a batch beyond them is a bad batch (None: only the message size limit). ``key``: the run's,
+        which the buffer asks of every request (protocol/messages.py)."""
         self.run_id = run_id
+        self.key = key
         self.vocab_size = vocab_size
         self.limits = limits
         self.socket = make_socket(context, zmq.DEALER, max_message_bytes=MAX_BATCH_BYTES, security=security)
@@ -98,7 +100,7 @@ class BatchClient:
             self.next_request_id += 1
             self.socket.send(encode(BatchRequest(run_id=self.run_id, request_id=request_id,
                                                  learner_version=learner_version, num_groups=num_groups,
-                                                 lineage=lineage, committed_step=committed_step)))
+                                                 lineage=lineage, committed_step=committed_step, key=self.key)))
             sent = time.monotonic()
             while not should_stop() and time.monotonic() - sent < resend_s:
                 now = time.monotonic()

@@ -234,7 +234,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
                                   config.model.vocab_size, security,
                                   registry=(lambda: watch.endpoints) if watch is not None else None,
-                                  limits=BatchLimits.for_run(config))
+                                  limits=BatchLimits.for_run(config), key=read_run_key(config.output_dir))
 
     start = time.perf_counter()
     tr = build_trainables(config, device)

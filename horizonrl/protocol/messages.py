@@ -6,8 +6,8 @@ process rejects and counts messages of another run), and, where it concerns a po
 policy (weight) version. Arrays travel as raw little-endian bytes (see ``arrays.py``);
 nothing is pickled.
 
-The messages that change the run's state beyond counters — a learner's report, a supervision event,
-a registration, a held-out evaluation — also carry ``key``: the run's key (``<output_dir>/run_key``,
+The messages that change the run's state beyond counters — a learner's report or batch request, a
+supervision event, a registration, a held-out evaluation — also carry ``key``: the run's key (``<output_dir>/run_key``,
 made by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a
 message only with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end
 the run, re-wire its endpoints or forge its fault record.
@@ -265,6 +265,7 @@ class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
     num_groups: int
     lineage: list[tuple[int, int]] = msgspec.field(default_factory=lambda: [(0, 0)])
     committed_step: int = 0
+    key: str = ""  # the run's key (see the module docstring): a request rolls batches back and commits them
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):

@@ -127,7 +127,7 @@ def test_ten_thousand_hostile_messages_in_process_each_counted_by_kind_and_nothi
         storms = {"report": report_storm(rng, RUN_ID, run.coordinator.run_key, 4400, total_steps=20, num_actors=2,
                                          real_run=False),
                   "intake": intake_storm(rng, RUN_ID, 3600, context_tokens=64, real_run=False),
-                  "requests": request_storm(rng, RUN_ID, 2100)}
+                  "requests": request_storm(rng, RUN_ID, run.coordinator.run_key, 2100, total_steps=20)}
         assert sum(map(len, storms.values())) >= 10_000
         start = time.monotonic()
         for i in range(max(map(len, storms.values()))):
@@ -205,7 +205,8 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_go
                                          total_steps=config.learner.total_steps, num_actors=1, real_run=True),
                   "intake": intake_storm(rng, run_id, 3400, context_tokens=config.rollout.max_context_tokens,
                                          real_run=True),
-                  "requests": request_storm(rng, run_id, 3000)}
+                  "requests": request_storm(rng, run_id, (run_dir / "run_key").read_text().strip(), 3000,
+                                            total_steps=config.learner.total_steps)}
         for where, sock in (("report", connect(zmq.PUSH, net.report_port)),
                             ("intake", connect(zmq.DEALER, net.trajectory_port)),
                             ("requests", connect(zmq.DEALER, net.batch_port))):
