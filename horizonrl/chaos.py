@@ -31,6 +31,7 @@ from horizonrl.chaos_faults import FillDisk, Fault, FreezeEngine, KillProcess, M
 
 STOP_GRACE_S = 900.0  # the run's own clean stop is bounded by monitor.stop_timeout_s (600 s)
 FIRST_STEP_TIMEOUT_S = 900.0  # a run that reports no learner step in this long is stopped: something is wrong
+ABORT_GRACE_S = 120.0  # chaos itself interrupted or failed: how long the launcher may take to stop the run
 
 
 def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault: Fault | None, every_s: float,
@@ -69,8 +70,14 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault
             if fault is not None:
                 fault.end()
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                # The launcher stops its children (each in a session of its own: a SIGKILL of the launcher's group
+                # alone would leave them running); only a launcher that does not stop in time is killed.
+                os.kill(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=ABORT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
     summary = summarize(output_dir, fired, elapsed, rc, finished)
     if isinstance(fault, MessageStorm):
         summary["storm"] = {"sent": fault.sent, "counted": fault.counted()}
