@@ -15,7 +15,8 @@ Commands:
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
   bench [--quick] [--parts ...]  throughput benchmarks, async vs synchronous (docs/benchmarks.md)
-  chaos CONFIG --kill ROLE       a run with processes of one kind killed at random times (docs/faults.md)
+  chaos CONFIG --kill ROLE|...   a run under one kind of fault at random times: kill -9, SIGSTOP of an engine,
+                                 a hostile-message storm, a full disk (docs/faults.md)
   accounting RUN_DIR             where every trajectory of a run went (docs/durability.md)
   import-agentgym-rl SCRIPT.sh   an AgentGym-RL training script as a horizonrl config (docs/agentgym-rl.md)
   view RUN_DIR                   browse a run's recorded episodes in the browser, live (docs/episodes.md)
@@ -329,21 +330,32 @@ def _add_run_tools(sub) -> None:
                                    "or dropped (by reason), or are still held — and any lost or trained twice.")
     p.add_argument("run_dir", type=Path)
     p.set_defaults(func=_cmd_accounting)
-    p = sub.add_parser("chaos", help="a training run with processes of one kind killed at random times",
-                       description="Start `horizonrl train CONFIG`, kill -9 a process of the chosen kind at random "
-                                   "times (0.5-1.5 x --every) for --duration seconds from its first learner step, "
-                                   "stop the run (Ctrl-C), and "
-                                   "print the kills, restarts, time to recover and the accounting of every "
-                                   "trajectory (docs/faults.md).")
+    p = sub.add_parser("chaos", help="a training run under one kind of fault fired at random times",
+                       description="Start `horizonrl train CONFIG`, fire one kind of fault at random times (0.5-1.5 x "
+                                   "--every) for --duration seconds from its first learner step — kill -9 of a "
+                                   "process, SIGSTOP of an engine, a storm of hostile messages, a full disk — stop "
+                                   "the run (Ctrl-C), and print what was fired, deaths, restarts, time to recover and "
+                                   "the accounting of every trajectory (docs/faults.md).")
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
-    p.add_argument("--kill", required=True, choices=["actor", "buffer", "learner", "env-server"])
-    p.add_argument("--every", type=float, default=30.0, help="mean seconds between kills")
+    fault = p.add_mutually_exclusive_group(required=True)
+    fault.add_argument("--kill", choices=["actor", "buffer", "learner", "env-server", "coordinator"],
+                       help="kill -9 a process of this kind")
+    fault.add_argument("--freeze-engine", type=float, metavar="SECONDS",
+                       help="SIGSTOP an actor's vLLM EngineCore, SIGCONT it this long after")
+    fault.add_argument("--storm", type=int, metavar="N",
+                       help="send N malformed or hostile messages to each socket of the run (none can be trained on "
+                            "or change its state; the run's processes count them)")
+    fault.add_argument("--fill-disk", type=float, metavar="SECONDS",
+                       help="fill the run directory's file system to the last byte for this long, then free it "
+                            "(refused when it has more than --fill-max-gb free: give the run a small file system)")
+    p.add_argument("--fill-max-gb", type=float, default=4.0, help="with --fill-disk: the most it may write")
+    p.add_argument("--every", type=float, default=30.0, help="mean seconds between faults")
     p.add_argument("--duration", type=float, default=300.0,
                    help="seconds from the run's first learner step until it is stopped")
     p.add_argument("--from-start", action="store_true",
-                   help="kill from the launch on (start-up included) and count --duration from it")
-    p.add_argument("--seed", type=int, default=0, help="the kills' random times and victims")
+                   help="fire from the launch on (start-up included) and count --duration from it")
+    p.add_argument("--seed", type=int, default=0, help="the faults' random times and victims")
     p.add_argument("--baseline", action="store_true",
                    help="first run the same config for the same time without kills (into OUTPUT_DIR-baseline) "
                         "and print the throughput ratio")
@@ -367,8 +379,10 @@ def _cmd_accounting(args) -> int:
 def _cmd_chaos(args) -> int:
     from horizonrl.chaos import main as chaos_main
 
-    return chaos_main(args.config, args.overrides, kill=args.kill, every_s=args.every, duration_s=args.duration,
-                      seed=args.seed, baseline=args.baseline, from_start=args.from_start)
+    return chaos_main(args.config, args.overrides, every_s=args.every, duration_s=args.duration, seed=args.seed,
+                      baseline=args.baseline, from_start=args.from_start, kill=args.kill,
+                      freeze_engine_s=args.freeze_engine, storm=args.storm, fill_disk_s=args.fill_disk,
+                      fill_max_gb=args.fill_max_gb)
 
 
 def _cmd_keys(args) -> int:

@@ -23,6 +23,16 @@ evaluations in a row have not beaten the best held-out success by more than ``ev
 After each learner step it writes a status record to stdout (``core/console.py``): the launcher
 turns it into the console's status block or progress line.
 
+Every message read is counted once, by what became of it: handled (``coordinator/accepted_<kind>``),
+undecodable (``coordinator/bad_messages_<error>``), or well-formed but rejected — not this run's truth
+(``protocol/report_checks.py``: an unknown process or environment, a number out of range, a learner
+report that would take the run back), or, for the kinds that change the run's state, without the run's
+key (``coordinator/rejected_<kind>_<reason>``).
+
+The coordinator restarts like every other process (docs/faults.md): it writes what nobody re-sends to
+``<output_dir>/coordinator_state.json`` (``core/coordinator_state.py``) and a restarted one reads it
+back; the rest comes with the next heartbeats, registrations and reports.
+
 Faults are counted under ``faults/`` in TensorBoard and written one JSON line each to
 ``<output_dir>/faults.jsonl``: the launcher's events, and when a replacement has recovered
 (an actor: its engine is up and joined the weight hub, at the current weights; a buffer: its first
@@ -32,6 +42,7 @@ heartbeat, after replaying its log; a learner: its first step; an environment se
 
 from __future__ import annotations
 
+import hmac
 import logging
 import sys
 import time
@@ -62,10 +73,14 @@ from horizonrl.protocol import (
     decode,
     encode,
 )
+from horizonrl.protocol.report_checks import (KEYED_KINDS, REJECT_UNAUTHENTICATED, RunShape,
+                                              learner_report_order_problem, report_problem)
 from horizonrl.protocol.transport import make_socket, wire_security
 from horizonrl.core.console import BUFFER_CAPACITY, BUFFER_GROUPS, status_record_line
-from horizonrl.core.run_events import EventLog, RunEvent
-from horizonrl.core.run_dirs import resumed_step
+from horizonrl.core.coordinator_state import (CoordinatorSnapshot, IncarnationCounters, PlateauState, Recovering,
+                                              load_snapshot, save_snapshot)
+from horizonrl.core.run_events import EventLog, RunEvent, iter_events
+from horizonrl.core.run_dirs import read_run_key, resumed_step
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.core.wandb_log import WandbLog, episode_row
@@ -75,6 +90,9 @@ log = logging.getLogger("horizonrl.coordinator")
 CONTROL_PERIOD_S = 0.5
 STOP_BROADCAST_S = 2.0
 MAX_REPORT_BYTES = 16 * 1024 * 1024
+STATE_SAVE_PERIOD_S = 2.0  # besides every change of what is saved: the counters heartbeats bring
+LEARNER_DONE_CHECK_S = 2.0
+EVENTS_TAIL_BYTES = 256 * 1024  # where a restarted coordinator looks for the learner's end
 
 
 @dataclass
@@ -113,6 +131,20 @@ class ProcessHealth:
     def current(self, role: str, index: int) -> dict[str, float]:
         pid = self.current_pid.get((role, index))
         return self.counters.get((role, index, pid), {}) if pid is not None else {}
+
+    def incarnations(self) -> list[IncarnationCounters]:
+        return [IncarnationCounters(role, index, pid, dict(counters), self.current_pid.get((role, index)) == pid)
+                for (role, index, pid), counters in self.counters.items()]
+
+    def restore(self, incarnations: list[IncarnationCounters]) -> None:
+        """A restarted coordinator's health: the counters of every incarnation as last heard, liveness timed
+        from now (a process that is gone shows up as silent after the heartbeat timeout)."""
+        now = time.monotonic()
+        for inc in incarnations:
+            self.counters[(inc.role, inc.index, inc.pid)] = dict(inc.counters)
+            if inc.current:
+                self.current_pid[(inc.role, inc.index)] = inc.pid
+                self.last_seen[(inc.role, inc.index)] = now
 
 
 class RolloutWindow:
@@ -160,9 +192,16 @@ class Coordinator:
         self._recovering: dict[str, tuple[str, float, int]] = {}  # name -> (role, died at, pid or learner epoch then)
         self.recovery_s: dict[str, float] = {}  # role -> seconds from its last death to its recovery
         self.messages_read = 0
+        self.accepted: Counter[str] = Counter()  # handled, by kind (the message's tag)
+        self.rejected: Counter[str] = Counter()  # <kind>_<reason>: well-formed, not this run's truth
+        self.shape = run_shape(config)
+        self.run_key = read_run_key(config.output_dir)  # "": a run without a key; nothing to check
+        self.restarts = 0  # coordinators before this one in this launch (from the state they left)
         self._bad_log = RateLimitedLog(log)
         self._silent_log = RateLimitedLog(log, 30.0)
-        self._started = time.monotonic()
+        self._write_log = RateLimitedLog(log, 60.0)
+        self._started_wall = time.time()
+        self._last_report_wall = 0.0
         net = config.network
         self.ctx = zmq.Context()
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
@@ -189,7 +228,12 @@ class Coordinator:
     def for_run(cls, config: TrainConfig, stop: StopFlag) -> "Coordinator":
         """The run's coordinator. A resumed run continues the schedule from the checkpoint's completed
         step (the turn budget is a pure function of it, so it matches an uninterrupted run at every step)."""
-        return cls(config, stop, start_step=resumed_step(config.learner.resume, config.output_dir))
+        coordinator = cls(config, stop, start_step=resumed_step(config.learner.resume, config.output_dir))
+        snapshot = load_snapshot(config.output_dir, config.run.run_id)
+        if snapshot is not None:
+            coordinator.restore(snapshot)
+        coordinator.save_state()
+        return coordinator
 
     @property
     def rollout_paused(self) -> bool:
@@ -235,12 +279,18 @@ class Coordinator:
         )
 
     def run(self) -> None:
-        last_publish = 0.0
+        last_publish = last_save = last_done_check = 0.0
         finished_at = None
         while True:
             if self.pull.poll(100):
                 self._read_reports()
             now = time.monotonic()
+            if now - last_save >= STATE_SAVE_PERIOD_S:
+                self.save_state()
+                last_save = now
+            if self.restarts and not self.finished and now - last_done_check >= LEARNER_DONE_CHECK_S:
+                self._learner_done_on_disk()
+                last_done_check = now
             if now - last_publish >= CONTROL_PERIOD_S:
                 self.publish()
                 last_publish = now
@@ -252,6 +302,7 @@ class Coordinator:
                 finished_at = now
                 self.publish()
             if finished_at is not None and now - finished_at > STOP_BROADCAST_S:
+                self.save_state()
                 return
 
     def publish(self) -> None:
@@ -263,28 +314,47 @@ class Coordinator:
                 data = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.messages_read += 1
-            try:
-                message = decode(data, MAX_REPORT_BYTES, self.config.run.run_id)
-            except ProtocolError as exc:
-                self.bad_messages[type(exc).__name__] += 1
-                self._bad_log.warning("rejected malformed report #%d: %s", sum(self.bad_messages.values()), exc)
-                continue
-            if isinstance(message, Heartbeat):
-                self.on_heartbeat(message)
-            elif isinstance(message, LearnerReport):
-                self.on_learner_report(message)
-            elif isinstance(message, EpisodeSample):
-                self.on_episode_sample(message)
-            elif isinstance(message, ProcessEvent):
-                self.on_process_event(message)
-            elif isinstance(message, HeldOutEval):
-                self.on_held_out_eval(message)
-            elif isinstance(message, Registration):
-                self.on_registration(message)
-            else:
-                self.bad_messages["UnexpectedMessage"] += 1
-                self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
+            self.take(data)
+
+    def take(self, data: bytes) -> None:
+        """One message from the report socket: decoded, checked, handled — or counted as what was wrong with it
+        (nothing a peer sends can stop the coordinator)."""
+        self.messages_read += 1
+        try:
+            message = decode(data, MAX_REPORT_BYTES, self.config.run.run_id)
+        except ProtocolError as exc:
+            self.bad_messages[type(exc).__name__] += 1
+            self._bad_log.warning("rejected malformed report #%d: %s", sum(self.bad_messages.values()), exc)
+            return
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.bad_messages["UnexpectedMessage"] += 1
+            self._bad_log.warning("unexpected %s on the report socket", type(message).__name__)
+            return
+        kind = type(message).__struct_config__.tag
+        problem = self._authority_problem(message) or report_problem(message, self.shape)
+        if problem is None and isinstance(message, LearnerReport):
+            problem = learner_report_order_problem(message, self.learner_step, self.weight_epoch)
+        if problem is not None:
+            self.rejected[f"{kind}_{problem[0]}"] += 1
+            self._bad_log.warning("rejected %s #%d (%s): %s", kind, sum(self.rejected.values()), problem[0], problem[1])
+            return
+        self.accepted[kind] += 1
+        handler(message)
+
+    @property
+    def _handlers(self) -> dict:
+        return {Heartbeat: self.on_heartbeat, LearnerReport: self.on_learner_report,
+                EpisodeSample: self.on_episode_sample, ProcessEvent: self.on_process_event,
+                HeldOutEval: self.on_held_out_eval, Registration: self.on_registration}
+
+    def _authority_problem(self, message) -> tuple[str, str] | None:
+        """The kinds that change the run's state come only from processes holding the run's key."""
+        if not self.run_key or not isinstance(message, KEYED_KINDS):
+            return None
+        if hmac.compare_digest(message.key.encode(), self.run_key.encode()):
+            return None
+        return REJECT_UNAUTHENTICATED, "without the run's key (<output_dir>/run_key)"
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
         paused = self.rollout_paused
@@ -315,6 +385,7 @@ class Coordinator:
                  ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
         self.events.emit(RunEvent.ENDPOINTS_REGISTERED, name=registration.name, endpoints=changed)
         self.publish()
+        self.save_state()
 
     def on_process_event(self, event: ProcessEvent) -> None:
         """The launcher's supervision decisions: counted, written to faults.jsonl, and timed to recovery."""
@@ -326,6 +397,8 @@ class Coordinator:
         self._fault_line({"event": event.event, "name": event.name, "role": event.role, "exit_code": event.exit_code,
                           "restarts": event.restarts, "delay_s": event.delay_s, "at": event.at,
                           "learner_step": self.learner_step})
+        if event.event == EVENT_RESTARTED and event.role == "coordinator" and event.name in self._recovering:
+            self._recovered(event.name)  # this process is the replacement, and it is reading
         if event.event == EVENT_DIED and event.name == "actor-0" and self.awaiting_final_eval:
             # after the learner's last step the launcher restarts nothing: that evaluation will not come
             log.warning("actor-0 died during the held-out evaluation of the last step; stopping without it")
@@ -351,20 +424,31 @@ class Coordinator:
         log.info("%s recovered %.1f s after it died", name, seconds)
 
     def _fault_line(self, record: dict) -> None:
-        with open(self.config.output_dir / "faults.jsonl", "ab") as out:
-            out.write(msgspec.json.encode(record) + b"\n")
+        self._append_line("faults.jsonl", record)
+        self.save_state()
+
+    def _append_line(self, name: str, record: dict) -> None:
+        """One JSON line to a file of the run directory; a full or read-only disk costs the line, not the run."""
+        try:
+            with open(self.config.output_dir / name, "ab") as out:
+                out.write(msgspec.json.encode(record) + b"\n")
+        except OSError as exc:
+            self.faults["coordinator_write_failures"] += 1
+            self._write_log.warning("cannot write %s: %s", self.config.output_dir / name, exc)
 
     def on_learner_report(self, report: LearnerReport) -> None:
         pending = self._recovering.get("learner")
         if pending is not None and not report.startup and report.weight_epoch > pending[2]:
             self._recovered("learner")  # the restarted learner made its first step
         repeated = report.step == self.learner_step and report.step > 0
+        self._last_report_wall = time.time()
         self.learner_step = report.step
         self.weight_version = report.weight_version
         self.weight_epoch = report.weight_epoch
         self.finished = report.final
         self._ask_for_eval(report)
         self.publish()  # actors learn the new version and budget at once
+        self.save_state()
         if report.startup:
             log.info("learner started at step %d (weight epoch %d)", report.step, report.weight_epoch)
             self._write_status(report.step, {}, startup=True)
@@ -403,11 +487,8 @@ class Coordinator:
         # Cumulative, over all actors: what `horizonrl bench` and idle-share plots read.
         for key in ("generated_tokens", "episodes", "engine_idle_s", "engine_wall_s", "engine_request_s"):
             scalars[f"rollout/{key}_total"] = self.health.total("actor", key)
-        scalars["time/elapsed_s"] = time.monotonic() - self._started
-        # Every message on the report socket is read once and counted: good or bad (by kind).
-        scalars["coordinator/messages_read"] = float(self.messages_read)
-        scalars["coordinator/bad_messages"] = float(sum(self.bad_messages.values()))
-        scalars.update({f"coordinator/bad_messages_{kind}": float(n) for kind, n in self.bad_messages.items()})
+        scalars["time/elapsed_s"] = time.time() - self._started_wall
+        scalars.update(self.message_scalars())
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, report.step)
@@ -457,6 +538,7 @@ class Coordinator:
                      self.plateau.best_step, self.plateau.min_delta, self.plateau.patience)
             self.events.emit(RunEvent.TRAINING_ENDED_EARLY, step=step, reason="eval.stop_after_plateau")
             self.publish()
+        self.save_state()
         if self.finished:
             self.publish()  # the last evaluation is in: stop now
 
@@ -474,8 +556,88 @@ class Coordinator:
             self.writer.add_text(f"episodes/{sample.env}", episode_markdown(sample), self.learner_step)
         if self.wandb is not None:
             self._wandb_rows.append(episode_row(sample, self.learner_step))
-        with open(self.config.output_dir / "episodes.jsonl", "ab") as out:
-            out.write(msgspec.json.encode({"learner_step": self.learner_step, **msgspec.structs.asdict(sample)}) + b"\n")
+        self._append_line("episodes.jsonl", {"learner_step": self.learner_step, **msgspec.structs.asdict(sample)})
+
+    def message_scalars(self) -> dict[str, float]:
+        """Every message on the report socket is read once and counted by what became of it (and its kind)."""
+        scalars = {"coordinator/messages_read": float(self.messages_read),
+                   "coordinator/bad_messages": float(sum(self.bad_messages.values())),
+                   "coordinator/rejected": float(sum(self.rejected.values())),
+                   "coordinator/restarts": float(self.restarts)}
+        for prefix, counts in (("bad_messages", self.bad_messages), ("rejected", self.rejected),
+                               ("accepted", self.accepted)):
+            scalars.update({f"coordinator/{prefix}_{kind}": float(n) for kind, n in counts.items()})
+        return scalars
+
+    # ------------------------------------------------------------------ restarts
+
+    def save_state(self) -> None:
+        """What a restarted coordinator cannot learn from the others (core/coordinator_state.py)."""
+        save_snapshot(self.config.output_dir, self.snapshot())
+
+    def snapshot(self) -> CoordinatorSnapshot:
+        plateau = self.plateau
+        deadline = self._final_eval_deadline
+        return CoordinatorSnapshot(
+            run_id=self.config.run.run_id, saved_at=time.time(), started_at=self._started_wall,
+            last_report_at=self._last_report_wall, restarts=self.restarts, learner_step=self.learner_step,
+            weight_version=self.weight_version, weight_epoch=self.weight_epoch, finished=self.finished,
+            eval_step=self.eval_step, evaluated_steps=sorted(self.evaluated_steps),
+            final_eval_deadline=None if deadline is None else time.time() + deadline - time.monotonic(),
+            plateau=PlateauState(None if plateau.best_step < 0 else plateau.best, plateau.best_step,
+                                 plateau.without_progress, plateau.reached),
+            endpoints=dict(self.endpoints), faults=dict(self.faults), recovery_s=dict(self.recovery_s),
+            recovering=[Recovering(name, role, died_at, then)
+                        for name, (role, died_at, then) in self._recovering.items()],
+            incarnations=self.health.incarnations(), messages_read=self.messages_read,
+            bad_messages=dict(self.bad_messages), rejected=dict(self.rejected), accepted=dict(self.accepted))
+
+    def restore(self, saved: CoordinatorSnapshot) -> None:
+        """Continue where the coordinator before this one was (it died; the launcher started this one)."""
+        self.restarts = saved.restarts + 1
+        self._started_wall, self._last_report_wall = saved.started_at, saved.last_report_at
+        self.learner_step, self.weight_version, self.weight_epoch = (saved.learner_step, saved.weight_version,
+                                                                     saved.weight_epoch)
+        self.finished = saved.finished
+        self.eval_step, self.evaluated_steps = saved.eval_step, set(saved.evaluated_steps)
+        if saved.final_eval_deadline is not None:
+            self._final_eval_deadline = time.monotonic() + saved.final_eval_deadline - time.time()
+        p = saved.plateau
+        self.plateau.best = float("-inf") if p.best is None else p.best
+        self.plateau.best_step, self.plateau.without_progress, self.plateau.reached = (p.best_step, p.without_progress,
+                                                                                       p.reached)
+        self.endpoints = dict(saved.endpoints)
+        self.faults.update(saved.faults)
+        self.recovery_s = dict(saved.recovery_s)
+        self._recovering = {r.name: (r.role, r.died_at, r.then) for r in saved.recovering}
+        self.health.restore(saved.incarnations)
+        self.messages_read = saved.messages_read
+        for counts, kept in ((self.bad_messages, saved.bad_messages), (self.rejected, saved.rejected),
+                             (self.accepted, saved.accepted)):
+            counts.update(kept)
+        log.warning("restarted (coordinator %d of this launch): learner step %d, weights %s (epoch, version), %d "
+                    "endpoints registered; state of %.1f s ago", self.restarts + 1, self.learner_step,
+                    (self.weight_epoch, self.weight_version), len(self.endpoints), time.time() - saved.saved_at)
+        self.events.emit(RunEvent.COORDINATOR_RESTORED, restarts=self.restarts, step=self.learner_step,
+                         weight_epoch=self.weight_epoch)
+        self.publish()
+
+    def _learner_done_on_disk(self) -> None:
+        """The learner's closing report, sent while no coordinator was listening, went down with the learner's
+        socket when it exited; its event of the end is in the run directory. One of this launch (after its first
+        coordinator started) ends the run as the report would have."""
+        for event in iter_events(self.config.output_dir, RunEvent.LEARNER_DONE, tail_bytes=EVENTS_TAIL_BYTES):
+            step = event.get("step")
+            if (event.get("time", 0.0) >= self._started_wall and isinstance(step, int)
+                    and self.learner_step <= step <= self.config.learner.total_steps):
+                log.warning("the learner ended at step %d while no coordinator was listening (its event says so): "
+                            "ending the run", step)
+                self.events.emit(RunEvent.LEARNER_DONE_FROM_DISK, step=step)
+                self.on_learner_report(LearnerReport(
+                    run_id=self.config.run.run_id, step=step, weight_version=self.weight_version if step ==
+                    self.learner_step else step, weight_epoch=self.weight_epoch, final=True,
+                    checkpoint=str(event.get("checkpoint") or "")))
+                return
 
     def close(self) -> None:
         if self.writer is not None:
@@ -546,6 +708,16 @@ def held_out_scalars(result: HeldOutEval) -> dict[str, float]:
     scalars["eval/weight_version_min"], scalars["eval/weight_version_max"] = (float(v) for v in result.weight_versions)
     scalars["eval/wall_s"] = result.wall_s
     return scalars
+
+
+def run_shape(config: TrainConfig) -> RunShape:
+    """Who may report what in this run (protocol/report_checks.py)."""
+    schedule = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
+    return RunShape(num_actors=config.rollout.num_actors, learner_ranks=config.learner.num_ranks,
+                    env_names=frozenset(spec.name for spec in config.envs), total_steps=config.learner.total_steps,
+                    max_turns=max(max(config.algorithm.rounds_ctrl.rounds), schedule.final_max_turns,
+                                  config.eval.max_turns or 0),
+                    env_servers=len(config.envs))
 
 
 def _make_writer(config: TrainConfig):

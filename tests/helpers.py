@@ -59,6 +59,16 @@ def make_trajectory(group_id: str, index: int, *, reward: float = 0.0, group_siz
     )
 
 
+class ManualClock:
+    """A clock for code that takes one (``clock=``): it reads ``now``, which the test moves."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def start_process(args: list[str], log_path) -> subprocess.Popen:
     """Start a process in its own group so ``stop_process`` ends everything it spawned."""
     return subprocess.Popen(args, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,

@@ -1,11 +1,15 @@
 """How the actor follows the announced weight versions (actors/actor.py's ``_follow_weights``) against a stand-in
 engine: each version staged then swapped in, a version overtaken by a newer announcement while it was staged is
-not loaded, a failed receive makes the engine join the hub again, and the inline path is used without staging.
+not loaded, a failed receive makes the engine join the hub again, the inline path is used without staging, and an
+engine that dies while the actor starts fails the actor at once.
 The real engine's staging and swap are tested in tests/integration/test_engine_weights.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+
+import pytest
 
 from horizonrl.actors.actor import Actor
 from horizonrl.actors.engine import StagedWeights, WeightUpdate
@@ -148,5 +152,34 @@ async def test_without_staging_each_version_is_received_inline(tmp_path):
         actor._new_control.set()
         await follow(actor, engine, (0, 2))
         assert engine.calls == ["receive 1", "receive 2"]
+    finally:
+        await actor.close()
+
+
+class EngineDyingInStartUp(StagingEngine):
+    """An engine whose processes die while the actor waits for its first weights (they never come)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.died_at: float | None = None
+
+    @property
+    def dead(self) -> bool:
+        return self.died_at is not None
+
+    async def join_weights(self, host, port, *, actor, run_id, timeout_s):
+        self.calls.append("join")
+        await asyncio.sleep(0.3)
+        self.died_at = time.monotonic()
+        await asyncio.sleep(timeout_s)  # a join with a dead engine waits for its timeout
+
+
+async def test_an_engine_that_dies_during_start_up_fails_the_actor_at_once(tmp_path):
+    engine = EngineDyingInStartUp()
+    actor = make_actor(tmp_path, engine)
+    try:
+        with pytest.raises(RuntimeError, match="engine died during the actor's start-up"):
+            await asyncio.wait_for(actor.run(), timeout=60)  # the join alone would wait weight_sync_timeout_s (300 s)
+        assert time.monotonic() - engine.died_at < 5 and engine.calls == ["join"]
     finally:
         await actor.close()

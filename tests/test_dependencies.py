@@ -19,7 +19,8 @@ PKG = Path(__file__).resolve().parents[1] / "horizonrl"
 
 BOTTOM = {"core", "protocol"}
 PARTS = {"actors", "learner", "buffer", "envs", "coordinator", "launcher"}
-PROGRAMS = {"cli", "demo", "bench", "chaos", "tiny_model", "model_import", "warmup_data", "viewer", "import_agentgym_rl", "report", "__main__", "__init__"}
+PROGRAMS = {"cli", "demo", "bench", "chaos", "chaos_faults", "hostile", "tiny_model", "model_import", "warmup_data",
+            "viewer", "import_agentgym_rl", "report", "__main__", "__init__"}
 HEAVY = {"torch", "vllm"}
 
 

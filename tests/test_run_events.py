@@ -3,7 +3,7 @@
 import multiprocessing
 import os
 
-from horizonrl.core.run_events import EVENTS_FILE, EventLog, RunEvent, read_events
+from horizonrl.core.run_events import EVENTS_FILE, EventLog, RunEvent, iter_events, read_events
 
 
 def _write_many(output_dir: str, role: str, count: int) -> None:
@@ -44,3 +44,13 @@ def test_an_unwritable_run_directory_does_not_stop_the_writer(tmp_path):
     events.emit(RunEvent.BUFFER_FULL, ready_groups=4)  # logged once, never raised
     events.emit(RunEvent.BUFFER_FULL, ready_groups=4)
     assert read_events(blocked) == []
+
+
+def test_a_tail_reads_only_the_newest_whole_lines(tmp_path):
+    events = EventLog(tmp_path, "learner-0")
+    for step in range(200):
+        events.emit(RunEvent.STEP_DONE, step=step, weights_sent=True)
+    size = (tmp_path / EVENTS_FILE).stat().st_size
+    tail = list(iter_events(tmp_path, RunEvent.STEP_DONE, tail_bytes=size // 4))
+    assert 30 <= len(tail) <= 50 and [e["step"] for e in tail] == list(range(200 - len(tail), 200))
+    assert len(list(iter_events(tmp_path, tail_bytes=10 * size))) == 200  # a tail longer than the file: all of it

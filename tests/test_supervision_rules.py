@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from helpers import ManualClock
 
 from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig
@@ -15,16 +16,8 @@ from horizonrl.launcher import RestartPolicy, resolve_ports
 from horizonrl.protocol import EVENT_DIED, EVENT_RESTARTED, Heartbeat, LearnerReport, ProcessEvent
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_restarts_back_off_double_and_stop_at_the_limit_within_the_window():
-    clock = Clock()
+    clock = ManualClock()
     policy = RestartPolicy(limit=3, window_s=100, backoff_s=1, max_backoff_s=3, clock=clock)
     assert [policy.next_delay("actor-0") for _ in range(3)] == [1, 2, 3]  # doubled, capped at 3
     assert policy.next_delay("actor-0") is None  # a 4th within the window: give up

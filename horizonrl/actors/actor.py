@@ -66,6 +66,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.registry import FollowedEndpoint
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.core.schedule import TurnBudgetSchedule
@@ -183,6 +184,7 @@ class Actor:
         self.engine = engine
         self.chat = chat
         self.run_id = config.run.run_id
+        self.run_key = read_run_key(config.output_dir)  # the coordinator takes held-out evaluations only with it
         self.envs = EnvPool(config.envs, make_env)
         self.make_env = make_env
         self.evaluating = False  # a held-out evaluation is running: start no new groups
@@ -262,7 +264,9 @@ class Actor:
             await self._stop(workers, services)
 
     async def _unless_stopped(self, step) -> bool:
-        """Run a start-up step (bounded by its own timeout) unless a stop signal comes first: False then."""
+        """Run a start-up step (bounded by its own timeout) unless a stop signal comes first: False then. An
+        engine that dies meanwhile fails the actor at once, rather than when the step times out (a join
+        waits up to learner.weight_sync_timeout_s for an engine that will never answer)."""
         task = asyncio.ensure_future(step)
         while not task.done():
             if self.stop:
@@ -270,6 +274,11 @@ class Actor:
                 await asyncio.gather(task, return_exceptions=True)
                 log.info("stopped during start-up")
                 return False
+            if self.engine.dead:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise RuntimeError("the vLLM engine died during the actor's start-up (its EngineCore or worker "
+                                   "process exited)")
             await asyncio.wait([task], timeout=0.2)
         task.result()  # a failed step fails the actor loudly
         return True
@@ -563,7 +572,7 @@ class Actor:
             message = HeldOutEval(
                 run_id=self.run_id, learner_step=step, wall_s=wall_s,
                 weight_versions=(min(v[0] for v in versions), max(v[1] for v in versions)) if versions else (-1, -1),
-                results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results})
+                results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results}, key=self.run_key)
             self.counters["eval_runs"] += 1
             self.counters["eval_episodes"] += sum(r["episodes"] for r in results)
             self.counters["eval_s"] += wall_s

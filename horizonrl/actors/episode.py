@@ -89,6 +89,12 @@ class Episode:
                 out.append(("reply", self.replies[i]))
         return out + [("reply", r) for r in self.replies[len(self.observations):]]
 
+    def cut_to(self, max_tokens: int) -> None:
+        """Keep the first ``max_tokens`` tokens: a failed episode (never trained on) whose prompt alone overflows
+        the context is sent no longer than any episode the buffer accepts (its message says how long it was)."""
+        del self.token_ids[max_tokens:], self.loss_mask[max_tokens:], self.logprobs[max_tokens:]
+        self.prompt_length = min(self.prompt_length, len(self.token_ids))
+
     def append_context(self, ids: list[int]) -> None:
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
@@ -186,6 +192,7 @@ async def run_episode(
             ep.failure, ep.stop_reason = FAILURE_PROMPT_TOO_LONG, STOP_FAILURE
             ep.failure_message = (f"the first prompt has {ep.prompt_length} tokens; rollout.max_context_tokens is "
                                   f"{sampling.max_context_tokens}")
+            ep.cut_to(sampling.max_context_tokens)
             return ep
         while not ep.stop_before_turn(max_turns, sampling.max_context_tokens):
             room = sampling.max_context_tokens - len(ep.token_ids)

@@ -144,8 +144,8 @@ class GroupBuffer:
             self._complete(traj.group_id, group.members)
 
     def reject(self, reason: str) -> None:
-        """Count a trajectory refused at the door. It was never accepted, so it is not logged: a resend
-        of it is judged again, the same way."""
+        """Count a trajectory refused at the door (record Rejected). It was never accepted: a resend of it is
+        judged again, the same way, and counted again."""
         self.rejected[reason] += 1
 
     def _complete(self, group_id: str, members: list[Trajectory]) -> None:

@@ -64,7 +64,15 @@ class Resolved(msgspec.Struct, tag="resolved"):
     fate: str
 
 
-Record = Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved
+class Rejected(msgspec.Struct, tag="rejected"):
+    """A trajectory refused at the door, with the reason: never accepted (a resend is judged again, and counted
+    again), but in the log so that ``horizonrl accounting`` lists the rejections as the buffer counted them."""
+
+    trajectory_id: str  # cut to validation.MAX_ID_CHARS: an id may be what was wrong
+    reason: str
+
+
+Record = Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved | Rejected
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -115,6 +123,8 @@ def apply(buffer: GroupBuffer, record: Record):
         buffer.skip_equal_reward_groups = record.skip_equal_reward_groups
     elif isinstance(record, Resolved):
         buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate)
+    elif isinstance(record, Rejected):
+        buffer.reject(record.reason)
     else:  # pragma: no cover - the decoder admits only the types above
         raise TypeError(f"unknown record {record!r}")
     return None

@@ -1,8 +1,9 @@
 """The buffer process: trajectories in (ROUTER, acknowledged), whole batches of groups out (ROUTER).
 
 Every trajectory is checked at the door — it must decode, belong to this run, be consistent
-(``protocol/validation.py``), fit its group, and not come from weights nobody has announced
-yet — and the actor gets one acknowledgement per trajectory: *accepted* once it is in the
+(``protocol/validation.py``), be no longer than the run's context (``rollout.max_context_tokens``) and
+of no bigger group than the run's (``rollout.n``), fit its group, and not come from weights nobody has
+announced yet nor ever will — and the actor gets one acknowledgement per trajectory: *accepted* once it is in the
 write-ahead log (durable per ``buffer.wal_fsync``), *duplicate* for a resend of an accepted one,
 *rejected* with the reason. The actor keeps a trajectory until it is acknowledged and resends it
 after ``rollout.ack_timeout_s``, so nothing is lost between the two processes.
@@ -21,6 +22,7 @@ stop starting groups. Malformed, oversized, foreign-run or wrong-version message
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -35,6 +37,7 @@ from horizonrl.buffer.records import (
     Committed,
     Expired,
     Lineage,
+    Rejected,
     RolledBack,
     Served,
     Settings,
@@ -47,6 +50,7 @@ from horizonrl.buffer.records import (
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (
@@ -69,7 +73,7 @@ from horizonrl.protocol import (
 )
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
-from horizonrl.protocol.validation import trajectory_problem
+from horizonrl.protocol.validation import MAX_ID_CHARS, trajectory_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
@@ -97,6 +101,7 @@ class BufferServer:
         self.config = config
         self.stop = stop
         self.run_id = config.run.run_id
+        self.run_key = read_run_key(config.output_dir)
         self.events = EventLog(config.output_dir, "buffer")
         # Replay starts from the log's own settings (its Settings records), then this start's apply.
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
@@ -275,12 +280,12 @@ class BufferServer:
             return
         if tid in self._early_ids:
             return  # a resend of one still waiting for its weights to be announced
-        problem = trajectory_problem(t, self.config.model.vocab_size) or self.groups.admission_problem(t)
+        rollout = self.config.rollout
+        problem = (trajectory_problem(t, self.config.model.vocab_size, max_tokens=rollout.max_context_tokens,
+                                      max_group_size=rollout.n)
+                   or self._future_problem(t) or self.groups.admission_problem(t))
         if problem is not None:
-            reason, detail = problem
-            self.groups.reject(reason)
-            self._bad_log.warning("rejected trajectory %s: %s (%s)", tid, reason, detail)
-            self._ack(identity, tid, ACK_REJECTED, reason)
+            self._reject(identity, tid, *problem)
             return
         if not self._weights_known(t):
             self._early.append(_Early(time.monotonic(), identity, t, message))
@@ -314,12 +319,39 @@ class BufferServer:
                 self._admit(early.identity, early.trajectory, early.message)
             elif now - early.since > self.config.buffer.future_hold_s:
                 self._early_ids.discard(tid)
-                self.groups.reject(REJECT_FUTURE)
-                self._bad_log.warning("rejected trajectory %s: its weights (epoch %s, version %s) were never announced",
-                                      tid, early.trajectory.turn_epochs, early.trajectory.turn_versions)
-                self._ack(early.identity, tid, ACK_REJECTED, REJECT_FUTURE)
+                self._reject(early.identity, tid, REJECT_FUTURE, f"its weights (epoch {early.trajectory.turn_epochs}, "
+                             f"version {early.trajectory.turn_versions}) were never announced")
             else:
                 self._early.append(early)
+
+    def _reject(self, identity: bytes, trajectory_id: str, reason: str, detail: str) -> None:
+        """Refuse a trajectory: counted by reason (and logged, so that the accounting lists it), acknowledged as
+        rejected so that its actor forgets it."""
+        self._log(Rejected(trajectory_id[:MAX_ID_CHARS], reason))
+        self._bad_log.warning("rejected trajectory %s: %s (%s)", trajectory_id[:MAX_ID_CHARS], reason, detail)
+        self._ack(identity, trajectory_id, ACK_REJECTED, reason)
+
+    def _future_problem(self, t: Trajectory) -> tuple[str, str] | None:
+        """Weights nobody announced and nobody will: a version past the run's last step, or, in a weight epoch that
+        has ended (a newer one is known), past both the newest version it announced and the step the next epoch
+        resumed from. (Versions of the newest epoch not announced yet wait in ``_early`` for a while.)"""
+        newest = max(self._known, default=0)
+        for epoch, version in t.weight_keys():
+            if version > self.config.learner.total_steps:
+                return REJECT_FUTURE, f"weights (epoch {epoch}, version {version}) past the run's last step"
+            bound = max(self._known.get(epoch, -1), self._resumed_after(epoch)) if epoch < newest else -1
+            if 0 <= bound < version:
+                return REJECT_FUTURE, (f"weights (epoch {epoch}, version {version}): epoch {epoch} ended, having "
+                                       f"announced up to version {bound}")
+        return None
+
+    def _resumed_after(self, epoch: int) -> int:
+        """The step the weight epoch after ``epoch`` in the learner's lineage resumed from (-1: not known)."""
+        lineage = self.groups.lineage
+        for (e, _), (_, start) in zip(lineage, lineage[1:]):
+            if e == epoch:
+                return start
+        return -1
 
     def _ack(self, identity: bytes, trajectory_id: str, status: str, reason: str = "") -> None:
         self._outbox[identity].append((trajectory_id, status, reason))
@@ -359,9 +391,13 @@ class BufferServer:
         except ProtocolError as exc:
             self._count_bad("request_malformed", f"batch request: {exc}")
             return
-        if request.num_groups < 1 or not request.lineage or request.committed_step > request.learner_version:
-            self._count_bad("request_malformed", f"batch request for {request.num_groups} groups, lineage "
-                            f"{request.lineage}, committed step {request.committed_step} > {request.learner_version}")
+        if self.run_key and not hmac.compare_digest(request.key.encode(), self.run_key.encode()):
+            # only the learner may roll batches back or commit them (a forged request could have them trained twice)
+            self._count_bad("request_unauthenticated", "batch request without the run's key (<output_dir>/run_key)")
+            return
+        problem = self._request_problem(request)
+        if problem is not None:
+            self._count_bad("request_malformed", f"batch request: {problem}")
             return
         lineage = [(int(e), int(b)) for e, b in request.lineage]
         if lineage != self.groups.lineage:
@@ -377,6 +413,17 @@ class BufferServer:
         self._pending = (identity, request)  # a newer request replaces an older one
         self._pending_since = time.monotonic()
         self._equal_seen_at_request = self.groups.equal_groups_seen
+
+    def _request_problem(self, request: BatchRequest) -> str | None:
+        """What a request from the run's learner cannot be (its numbers bound what the buffer does for it)."""
+        learner = self.config.learner
+        if not 1 <= request.num_groups <= learner.groups_per_step:
+            return f"{request.num_groups} groups (a step takes {learner.groups_per_step})"
+        if not 0 <= request.committed_step <= request.learner_version <= learner.total_steps:
+            return f"committed step {request.committed_step}, learner version {request.learner_version}"
+        if not request.lineage or any(min(e, b) < 0 for e, b in request.lineage):
+            return f"lineage {request.lineage[:8]}"
+        return None
 
     def _serve(self) -> None:
         if self._pending is None:
@@ -437,7 +484,7 @@ class BufferServer:
 
     def _register(self) -> None:
         try:
-            self.reports.send(registration(self.run_id, "buffer", self.endpoints), zmq.NOBLOCK)
+            self.reports.send(registration(self.run_id, "buffer", self.endpoints, self.run_key), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the next heartbeat sends it again
 

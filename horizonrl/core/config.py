@@ -239,6 +239,9 @@ class LearnerConfig(_Frozen):
     batch_resend_s: float = Field(60.0, gt=0, description="ask the buffer again after this long without an answer "
                                   "(a restarted buffer lost the request; asking again is safe)")
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+    step_timeout_s: float = Field(3600.0, gt=0, description="a learner step (advantages and updates) running longer "
+                                  "fails the learner, which the launcher restarts from its newest checkpoint; at a "
+                                  "stop signal a step is abandoned after monitor.stop_timeout_s / 2")
     weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
                                     "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
                                     "a model smaller than one bucket is one collective per update")
@@ -347,8 +350,8 @@ class MonitorConfig(_Frozen):
 class SupervisionConfig(_Frozen):
     """What the launcher does when a process of the run dies (docs/faults.md)."""
 
-    restart: bool = Field(True, description="restart a dead actor, buffer or managed environment server (off: any "
-                          "death stops the run)")
+    restart: bool = Field(True, description="restart a dead actor, buffer, coordinator or managed environment "
+                          "server (off: any death stops the run)")
     max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops the run")
     window_s: float = Field(600.0, gt=0)
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each restart in the "
@@ -549,6 +552,12 @@ class TrainConfig(_Frozen):
     @property
     def output_dir(self) -> Path:
         return Path(self.run.output_dir)
+
+    @property
+    def step_token_budget(self) -> int:
+        """The most tokens one learner step may be given: groups_per_step groups of rollout.n trajectories, each at
+        the context limit (the buffer refuses longer ones at its door; the learner refuses a bigger batch)."""
+        return self.learner.groups_per_step * self.rollout.n * self.rollout.max_context_tokens
 
 
 class ConfigError(ValueError):

@@ -54,3 +54,31 @@ def resumed_step(resume: str | None, output_dir: str | Path) -> int:
     """The learner step a run with this ``resume`` setting starts from (0: a fresh run)."""
     path = resolve_resume(resume, output_dir)
     return 0 if path is None else int(read_state(path)["step"])
+
+
+RUN_KEY_FILE = "run_key"
+
+
+def ensure_run_key(output_dir: str | Path) -> str:
+    """The run's key (``<output_dir>/run_key``, made once, readable by its owner only): the processes of
+    the run read it and put it in the messages that change the run's state (protocol/messages.py), so
+    a process that only knows the run id cannot forge them."""
+    import os
+    import secrets
+
+    path = Path(output_dir) / RUN_KEY_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(16) + "\n")
+    return read_run_key(output_dir)
+
+
+def read_run_key(output_dir: str | Path) -> str:
+    """The run's key, or "" when the run has none (a run directory from before keys, or a config written
+    by hand): then nothing is checked."""
+    try:
+        return (Path(output_dir) / RUN_KEY_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""

@@ -9,12 +9,13 @@ writes goes to ``<output_dir>/logs/``, its own log to ``launcher.log``), and on 
 stops all of them — each in its own process group, so the engine processes vLLM spawns go too.
 
 Supervision (``supervision.*``, docs/faults.md): a dead actor, buffer or managed environment
-server is restarted after a back-off that doubles, at most ``max_restarts`` times per
-``window_s``; a dead learner rank stops the other ranks and the learner restarts from its newest
-checkpoint (``recover: auto``). Replacements find the others where their predecessors were (the
+server — or the coordinator — is restarted after a back-off that doubles, at most ``max_restarts``
+times per ``window_s``; a dead learner rank stops the other ranks and the learner restarts from its
+newest checkpoint (``recover: auto``). Replacements find the others where their predecessors were (the
 same ports): actors rejoin the weight hub at the current weights and resend their outboxes, a
-buffer replays its log, a learner resumes from its checkpoint. A death past the limits, or of
-the coordinator, stops the run with a non-zero exit. Every decision is logged and sent to the
+buffer replays its log, a learner resumes from its checkpoint, a coordinator reads back the state it
+left in the run directory and hears the rest from the others. A death past the limits stops the run
+with a non-zero exit. Every decision is logged and sent to the
 coordinator (``ProcessEvent``), which counts it under ``faults/`` and in ``faults.jsonl``.
 """
 
@@ -51,7 +52,7 @@ LEARNER_KILL_GRACE_S = 30.0  # the surviving ranks of a learner that lost one: S
 # vLLM's level in the children unless --verbose (or VLLM_LOGGING_LEVEL is set): its warnings stay in
 # their logs, its INFO lines (a configuration dump per engine, every shutdown step) do not.
 QUIET_VLLM_LEVEL = "WARNING"
-RESTARTABLE = ("actor", "buffer", "env")
+RESTARTABLE = ("actor", "buffer", "env", "coordinator")
 HEALTH_TIMEOUT_S = 0.5
 
 
@@ -119,13 +120,26 @@ class Child:
 
 
 def _pump(stream: IO[bytes], log_file: IO[bytes], name: str, on_line: Callable[[str, str], None]) -> None:
-    """Every line of a child's output into its log file, then to ``on_line`` (which decides what the console shows)."""
+    """Every line of a child's output into its log file, then to ``on_line`` (which decides what the console shows).
+
+    A log file that cannot be written (a full disk) does not stop the pump: the child's lines still reach
+    ``on_line``, and the pipe keeps draining (a child writing into a full pipe would block); once the file
+    can be written again it says how many lines it lost meanwhile."""
+    lost = 0
     for raw in iter(stream.readline, b""):
-        log_file.write(raw)
-        log_file.flush()
+        try:
+            if lost:
+                log_file.write(f"[launcher: {lost} lines of this log were lost: it could not be written]\n".encode())
+            log_file.write(raw)
+            lost = 0
+        except OSError:
+            lost += 1
         on_line(name, raw.decode(errors="replace").rstrip("\r\n"))
     stream.close()
-    log_file.close()
+    try:
+        log_file.close()
+    except OSError:
+        pass
 
 
 class Launcher:
@@ -153,7 +167,7 @@ class Launcher:
 
     def spawn(self, name: str, args: list[str], *, essential: bool, env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.log_dir / f"{name}.log", "ab")
+        log_file = open(self.log_dir / f"{name}.log", "ab", buffering=0)  # each line written whole, or lost whole
         quiet = {} if self.verbose or "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": QUIET_VLLM_LEVEL}
         proc = subprocess.Popen(
             args,
@@ -266,12 +280,8 @@ class Launcher:
             if rc == 0:
                 return None  # a rank that finished; the run ends when every essential process has
             return self._restart_learner(child, rc)
-        if child.role == "coordinator":
-            if rc == 0:
-                return None  # after the learner's final report (or a stop signal)
-            log.error("the coordinator exited with code %d; stopping the run (see %s)", rc,
-                      self.log_dir / "coordinator.log")
-            return 1
+        if child.role == "coordinator" and rc == 0:
+            return None  # after the learner's final report (or a stop signal)
         if rc == 0:
             # An actor that was told to stop (the run is ending); a buffer or server only stops on a signal.
             if child.role == "actor" or self.learner_finished():
@@ -287,8 +297,8 @@ class Launcher:
     def _restart(self, child: Child, rc: int) -> int | None:
         _signal_group(child.proc.pid, signal.SIGKILL)  # what it spawned (an engine's processes) goes with it
         self._report(child.name, EVENT_DIED, exit_code=rc)
-        if self.learner_finished():
-            return None  # the run is over anyway
+        if self.learner_finished() and child.role != "coordinator":
+            return None  # the run is over anyway (but for the coordinator, which ends it)
         delay = self.restarts.next_delay(child.name)
         if delay is None:
             log.error("%s exited with code %d; %s; stopping the run (see %s)", child.name, rc,
@@ -427,7 +437,10 @@ class CoordinatorEvents:
 
         from horizonrl.protocol.transport import make_socket, wire_security
 
+        from horizonrl.core.run_dirs import read_run_key
+
         self.config = config
+        self.key = read_run_key(config.output_dir)  # the coordinator takes supervision events only with it
         context = zmq.Context.instance()
         self.security = wire_security(context, config.network.host, config.network.curve_keys_dir)
         self.socket = make_socket(context, zmq.PUSH, security=self.security)
@@ -437,7 +450,7 @@ class CoordinatorEvents:
         import zmq
 
         message = ProcessEvent(run_id=self.config.run.run_id, name=name, role=name.split("-")[0], event=event,
-                               at=time.time(), **fields)
+                               at=time.time(), key=self.key, **fields)
         try:
             self.socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
@@ -564,18 +577,43 @@ def resolve_vocab_size(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": vocab})})
 
 
+def check_writable(output_dir: Path) -> None:
+    """A run directory that cannot be written fails the launch at once, saying so, rather than as a traceback
+    from the first process that writes there."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".writable-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write the run directory {output_dir} ({exc.strerror or exc}): make it writable, "
+                          "or choose another run.output_dir") from None
+
+
+def start_launch(output_dir: Path) -> None:
+    """What every launch does to its run directory before any process starts: the run's key (made once per run,
+    core/run_dirs.py), and no coordinator state of a launch before (this one starts from its checkpoint)."""
+    from horizonrl.core.coordinator_state import remove_snapshot
+    from horizonrl.core.run_dirs import ensure_run_key
+
+    ensure_run_key(output_dir)
+    remove_snapshot(output_dir)
+
+
 def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     """Resolve ports, resume, run id and vocabulary; write ``<output_dir>/config.yaml``, the file every
     process reads."""
     if config.network.curve_keys_dir is None and not is_loopback(config.network.host):
         raise ConfigError(f"network.host {config.network.host} is not loopback: CurveZMQ keys are required "
                           "(make them with `horizonrl keys DIR`, then network.curve_keys_dir=DIR)")
+    check_writable(config.output_dir)
     resuming = config.learner.resume is not None
     config = resolve_ports(config)
     config = resolve_resume_setting(config)
     config = resolve_run_identity(config, resuming)
     config = resolve_vocab_size(config)
     config = resolve_env_servers(config)
+    start_launch(config.output_dir)
     path = config.output_dir / "config.yaml"
     path.write_text(dump_config(config))
     return config, path
@@ -612,10 +650,12 @@ def prepare_cluster_run(config: TrainConfig, host: str, control_port: int, repor
     network = config.network.model_copy(update={"host": host, "control_port": control_port,
                                                 "report_port": report_port})
     config = config.model_copy(update={"network": network})
+    check_writable(config.output_dir)
     resuming = config.learner.resume is not None
     config = resolve_resume_setting(config)
     config = resolve_run_identity(config, resuming)
     config = resolve_vocab_size(config)
+    start_launch(config.output_dir)
     path = config.output_dir / "config.yaml"
     path.write_text(dump_config(config))
     return path

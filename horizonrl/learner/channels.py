@@ -11,7 +11,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -36,6 +38,21 @@ class BatchTimeoutError(TimeoutError):
     """The buffer sent no batch within ``learner.batch_timeout_s``."""
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """What a batch the learner accepts may hold: its tokens bound the step's time and memory."""
+
+    max_groups: int  # learner.groups_per_step
+    max_group_size: int  # rollout.n
+    max_trajectory_tokens: int  # rollout.max_context_tokens
+    max_tokens: int  # TrainConfig.step_token_budget
+
+    @classmethod
+    def for_run(cls, config) -> "BatchLimits":
+        return cls(config.learner.groups_per_step, config.rollout.n, config.rollout.max_context_tokens,
+                   config.step_token_budget)
+
+
 class BatchClient:
     """Rank 0's DEALER to the buffer's ROUTER: one outstanding BatchRequest at a time.
 
@@ -48,11 +65,16 @@ class BatchClient:
     """
 
     def __init__(self, context: zmq.Context, endpoint: str | None, run_id: str, vocab_size: int | None = None,
-                 security=None, registry: Callable[[], Mapping[str, str]] | None = None) -> None:
+                 security=None, registry: Callable[[], Mapping[str, str]] | None = None,
+                 limits: BatchLimits | None = None, key: str = "") -> None:
         """``endpoint``: the buffer's configured address; None: wherever it registered, as ``registry()``
-        (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves."""
+        (the coordinator's newest ``Control.endpoints``) says — followed when a restarted buffer moves.
+        ``limits``: a batch beyond them is a bad batch (None: only the message size limit). ``key``: the run's,
+        which the buffer asks of every request (protocol/messages.py)."""
         self.run_id = run_id
+        self.key = key
         self.vocab_size = vocab_size
+        self.limits = limits
         self.socket = make_socket(context, zmq.DEALER, max_message_bytes=MAX_BATCH_BYTES, security=security)
         self.buffer = FollowedEndpoint(self.socket, ENDPOINT_BATCHES, endpoint)
         self.registry = registry or (lambda: {})
@@ -78,7 +100,7 @@ class BatchClient:
             self.next_request_id += 1
             self.socket.send(encode(BatchRequest(run_id=self.run_id, request_id=request_id,
                                                  learner_version=learner_version, num_groups=num_groups,
-                                                 lineage=lineage, committed_step=committed_step)))
+                                                 lineage=lineage, committed_step=committed_step, key=self.key)))
             sent = time.monotonic()
             while not should_stop() and time.monotonic() - sent < resend_s:
                 now = time.monotonic()
@@ -121,11 +143,19 @@ class BatchClient:
             batch = decode_as(payload, Batch, MAX_BATCH_BYTES, self.run_id)
         except ProtocolError as exc:
             return f"malformed: {exc}", None
+        limits = self.limits
         for group in batch.groups:
             for trajectory in group:
-                problem = trajectory_problem(trajectory, self.vocab_size)
+                problem = trajectory_problem(
+                    trajectory, self.vocab_size, max_tokens=limits.max_trajectory_tokens if limits else None,
+                    max_group_size=limits.max_group_size if limits else None)
                 if problem is not None:
                     return f"trajectory {trajectory.trajectory_id}: {problem[0]} ({problem[1]})", batch.request_id
+        if limits is not None:
+            tokens = sum(t.num_tokens for group in batch.groups for t in group)
+            if len(batch.groups) > limits.max_groups or tokens > limits.max_tokens:
+                return (f"{len(batch.groups)} groups of {tokens} tokens; a step takes at most {limits.max_groups} "
+                        f"groups of {limits.max_tokens} tokens"), batch.request_id
         return None, batch.request_id
 
     def close(self) -> None:
@@ -151,17 +181,19 @@ def share_bytes(payload: bytes | None, rank: int) -> bytes | None:
 
 
 class ReportSender:
-    """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error."""
+    """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error. Reports
+    and registrations go with the run's key (``key``; protocol/messages.py): the coordinator takes them only so."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, security=None) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, security=None, key: str = "") -> None:
         self.endpoint = endpoint
+        self.key = key
         self.socket = make_socket(context, zmq.PUSH, security=security)
         self.socket.setsockopt(zmq.SNDTIMEO, int(REPORT_SEND_TIMEOUT_S * 1000))
         self.socket.connect(endpoint)
 
     def send(self, report: LearnerReport) -> None:
         try:
-            self.socket.send(encode(report))
+            self.socket.send(encode(msgspec.structs.replace(report, key=self.key)))
         except zmq.Again:
             raise TimeoutError(
                 f"could not send the report of step {report.step} to the coordinator at {self.endpoint} "
@@ -172,7 +204,7 @@ class ReportSender:
         """Register endpoints with the coordinator, in order with the reports (a weight hub is registered
         before the startup report that announces its epoch)."""
         try:
-            self.socket.send(registration(run_id, name, endpoints))
+            self.socket.send(registration(run_id, name, endpoints, self.key))
         except zmq.Again:
             raise TimeoutError(f"could not register {sorted(endpoints)} with the coordinator at {self.endpoint} "
                                f"within {REPORT_SEND_TIMEOUT_S:.0f} s") from None

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,11 +33,13 @@ import torch.distributed as dist
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
                                     run_training)
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
+from horizonrl.learner.step_watchdog import StepWatchdog
 from horizonrl.learner.model import (
     gather_full_state_dict,
     build_sharded_model,
@@ -143,9 +146,12 @@ class Resources:
     end_training_watch: Any = None
     weight_hub: Any = None
     weight_hub_abandoned: bool = False  # a send thread may still be blocked in it: do not touch it
+    step_watchdog: Any = None  # bounds a step's time, and a stop's wait for it (step_watchdog.py)
     events: EventLog = NullEventLog()  # rank 0 writes the run's events (core/run_events.py)
 
     def close(self) -> None:
+        if self.step_watchdog is not None:
+            self.step_watchdog.close()
         for thread in (self.heartbeat, self.end_training_watch):
             if thread is not None:
                 thread.stop()
@@ -209,6 +215,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     log.info("model %s loaded and sharded over %d ranks (%s) in %.1f s%s%s", config.model.path, ranks.world_size,
              backend, time.perf_counter() - start, " + reference" if tr.reference is not None else "",
              " + critic" if tr.critic is not None else "")
+    res.step_watchdog = StepWatchdog.for_run(config).start()
     step, lineage = _resume(config, tr, res)
     # This incarnation's weights are a new epoch, branching off the checkpoint's lineage at ``step``.
     epoch = _from_rank_zero(next_weight_epoch(config.output_dir) if is_main else 0, control_timeout_s, "weight epoch")
@@ -233,7 +240,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop) if is_main
                    else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype)),
         checkpointer=TrainStateCheckpointer(config, tr, res, ranks),
-        train=train_step_function(config, tr, ranks, device),
+        train=train_step_function(config, tr, ranks, device, res.step_watchdog, first_step=step + 1),
     )
     state = LoopState(step=step, epoch=epoch, lineage=lineage, saved_step=step, published=step, counters=counters)
     res.events.emit(RunEvent.LEARNER_STARTED, ranks=ranks.world_size, backend=backend, device=device.type,
@@ -252,13 +259,14 @@ def _open_report_channel(config: TrainConfig, res: Resources) -> None:
     res.events = EventLog(config.output_dir, "learner-0")
     res.context = zmq.Context()
     res.security = wire_security(res.context, net.host, net.curve_keys_dir)
-    res.reports = ReportSender(res.context, net.endpoint(net.report_port), res.security)
+    res.reports = ReportSender(res.context, net.endpoint(net.report_port), res.security,
+                               key=read_run_key(config.output_dir))
 
 
 def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: dict[str, float],
                              end_training: threading.Event) -> None:
     """Rank 0: heartbeats, the coordinator's Control (an early end; where a registered buffer is), the buffer."""
-    from horizonrl.learner.channels import BatchClient, ControlWatch, HeartbeatThread
+    from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
 
     net, run_id = config.network, config.run.run_id
     res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security)
@@ -271,7 +279,8 @@ def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: dict
     watch = res.end_training_watch
     res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
                               config.model.vocab_size, res.security,
-                              registry=(lambda: watch.endpoints) if watch is not None else None)
+                              registry=(lambda: watch.endpoints) if watch is not None else None,
+                              limits=BatchLimits.for_run(config), key=read_run_key(config.output_dir))
 
 
 def _resume(config: TrainConfig, tr: Trainables, res: Resources) -> tuple[int, list[tuple[int, int]]]:
@@ -300,20 +309,24 @@ def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: i
         ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
 
 
-def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, device: torch.device):
+def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, device: torch.device,
+                        watchdog: StepWatchdog | None = None, first_step: int = 1):
     """One optimizer step on a batch (every rank, its share of the samples): advantages, ppo_epochs x mini-batches
-    of updates, then the LR schedule."""
+    of updates, then the LR schedule; bounded in time by ``watchdog`` (step_watchdog.py)."""
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
     update_settings = UpdateSettings.from_config(config)
+    steps = [first_step - 1]  # the watchdog names the step it ends
 
     def train(batch: Batch) -> StepOutcome:
         samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
                                                  config.algorithm.adv_estimator)
-        metrics = train_on_batch(
-            tr.model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,
-            update=update_settings, device=device, advantage=adv_settings, reference=tr.reference,
-            critic=tr.critic, critic_optimizer=tr.critic_optimizer,
-        )
+        steps[0] += 1
+        with watchdog.step(steps[0]) if watchdog is not None else nullcontext():
+            metrics = train_on_batch(
+                tr.model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,
+                update=update_settings, device=device, advantage=adv_settings, reference=tr.reference,
+                critic=tr.critic, critic_optimizer=tr.critic_optimizer,
+            )
         metrics["optim/lr"] = tr.scheduler.get_last_lr()[0]
         tr.scheduler.step()
         if tr.critic_scheduler is not None:

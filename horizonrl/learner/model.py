@@ -268,17 +268,22 @@ def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for partial in [tmp, *out_dir.parent.glob("step_*.tmp")]:  # left by a save that failed or a learner killed in one
+        shutil.rmtree(partial, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model_config.save_pretrained(tmp)
-    tensors = {name: tensor.contiguous() for name, tensor in weights_to_send(model_config, state_dict)}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    copied = []
-    for name in TOKENIZER_FILES:
-        source = Path(source_dir) / name
-        if source.is_file():
-            shutil.copy2(source, tmp / name)
-            copied.append(name)
+    try:
+        model_config.save_pretrained(tmp)
+        tensors = {name: tensor.contiguous() for name, tensor in weights_to_send(model_config, state_dict)}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copied = []
+        for name in TOKENIZER_FILES:
+            source = Path(source_dir) / name
+            if source.is_file():
+                shutil.copy2(source, tmp / name)
+                copied.append(name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: no half-written checkpoint left to keep it full
+        raise
     if "tokenizer_config.json" not in copied:
         log.warning("no tokenizer files in %s; checkpoint %s has weights and config only", source_dir, out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)

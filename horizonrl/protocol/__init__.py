@@ -1,6 +1,6 @@
 """Messages, their msgpack codec and the socket conventions: the bottom layer."""
 
-from horizonrl.protocol.codec import ForeignRunError, ProtocolError, decode, decode_as, encode
+from horizonrl.protocol.codec import ForeignRunError, OversizedMessage, ProtocolError, decode, decode_as, encode
 from horizonrl.protocol.messages import (
     ACK_ACCEPTED,
     ACK_DUPLICATE,
@@ -64,6 +64,7 @@ __all__ = [
     "EVENT_RECOVERED",
     "EVENT_RESTARTED",
     "ForeignRunError",
+    "OversizedMessage",
     "TrajectoryAck",
     "FAILURE_ENGINE",
     "FAILURE_ENVIRONMENT",

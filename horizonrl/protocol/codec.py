@@ -1,8 +1,10 @@
 """msgpack encoding of the messages in ``messages.py`` (msgspec's codec, no pickle).
 
 ``decode`` raises :class:`ProtocolError` — and only that — for anything that is not a
-well-formed message of this schema version within the size limit, so a receiving
-process can count it, log it and carry on.
+well-formed message of this schema version within the size limits, whatever the bytes are
+(truncated, invalid UTF-8 in any string, nested past any depth), so a receiving process can
+count it, log it and carry on. Two limits apply: the receiver's (``max_bytes``: its socket's) and
+the message kind's (:data:`KIND_MAX_BYTES`), so a heartbeat cannot be as big as a batch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,27 @@ from typing import TypeVar
 
 import msgspec
 
-from horizonrl.protocol.messages import SCHEMA_VERSION, Message
+from horizonrl.protocol.messages import (
+    MAX_CONTROL_BYTES,
+    SCHEMA_VERSION,
+    Batch,
+    BatchRequest,
+    Control,
+    EpisodeSample,
+    Heartbeat,
+    HeldOutEval,
+    IpcBucketAck,
+    IpcBucketReady,
+    IpcWeights,
+    LearnerReport,
+    Message,
+    ProcessEvent,
+    Registration,
+    Trajectory,
+    TrajectoryAck,
+    WeightJoin,
+    WeightLayout,
+)
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
@@ -24,6 +46,37 @@ class ProtocolError(ValueError):
 
 class ForeignRunError(ProtocolError):
     """A well-formed message of another run (a stale process, or a second run on the same ports)."""
+
+
+class OversizedMessage(ProtocolError):
+    """A well-formed message bigger than its kind may be (KIND_MAX_BYTES)."""
+
+
+_KIB, _MIB = 1024, 1024 * 1024
+# The largest encoded message of each kind any receiver accepts. Generous for every legitimate sender
+# (an actor's heartbeat holds ~100 counters; an episode sample up to 2 x 30 turns of MAX_SAMPLE_TEXT
+# characters); what is far beyond them is an attack or a bug, and is counted as such.
+KIND_MAX_BYTES: dict[type, int] = {
+    Heartbeat: 256 * _KIB,
+    Registration: 64 * _KIB,
+    ProcessEvent: 4 * _KIB,
+    LearnerReport: 4 * _MIB,
+    EpisodeSample: 4 * _MIB,
+    HeldOutEval: 1 * _MIB,
+    Control: MAX_CONTROL_BYTES,
+    BatchRequest: 64 * _KIB,
+    WeightJoin: 4 * _KIB,
+    IpcBucketReady: 4 * _KIB,
+    IpcBucketAck: 4 * _KIB,
+    TrajectoryAck: 16 * _MIB,
+    WeightLayout: 256 * _MIB,
+    IpcWeights: 256 * _MIB,
+    Trajectory: DEFAULT_MAX_BYTES,
+    Batch: 1 << 30,
+}
+# What msgspec (or Python under it) raises for bytes that are not a message: besides its own errors,
+# UnicodeDecodeError (a ValueError) for invalid UTF-8 in a string, OverflowError, RecursionError.
+_UNDECODABLE = (msgspec.MsgspecError, ValueError, OverflowError, RecursionError)
 
 
 class _Header(msgspec.Struct):
@@ -49,8 +102,11 @@ def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES, run_id:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     try:
         message = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _UNDECODABLE as exc:
         raise ProtocolError(_explain(data, exc)) from None
+    limit = KIND_MAX_BYTES.get(type(message))
+    if limit is not None and len(data) > limit:
+        raise OversizedMessage(f"{type(message).__name__} of {len(data)} bytes exceeds its kind's limit of {limit} bytes")
     if message.v != SCHEMA_VERSION:
         raise ProtocolError(
             f"{type(message).__name__} has schema version {message.v}; this process speaks {SCHEMA_VERSION}"
@@ -72,8 +128,8 @@ def decode_as(data: bytes | memoryview, expected: type[M], max_bytes: int = DEFA
 def _explain(data: bytes | memoryview, exc: Exception) -> str:
     try:
         header = _header_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNDECODABLE:
         return f"malformed message ({len(data)} bytes): {exc}"
     if header.v != SCHEMA_VERSION:
         return f"message {header.type!r} has schema version {header.v}; this process speaks {SCHEMA_VERSION}"
-    return f"invalid {header.type!r} message: {exc}"
+    return f"invalid {header.type!r} message: {exc}"[:1000]

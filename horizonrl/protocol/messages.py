@@ -6,6 +6,12 @@ process rejects and counts messages of another run), and, where it concerns a po
 policy (weight) version. Arrays travel as raw little-endian bytes (see ``arrays.py``);
 nothing is pickled.
 
+The messages that change the run's state beyond counters — a learner's report or batch request, a
+supervision event, a registration, a held-out evaluation — also carry ``key``: the run's key (``<output_dir>/run_key``,
+made by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a
+message only with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end
+the run, re-wire its endpoints or forge its fault record.
+
 Weight versions and epochs: the weight version is the learner step that produced the weights
 (0: the starting model). A learner restarted from the checkpoint of step c starts a new *weight
 epoch* (a counter the learner persists in the run directory) at version c: versions c+1, c+2, ...
@@ -161,6 +167,7 @@ class Registration(msgspec.Struct, tag="registration", kw_only=True):
     name: str  # the registering process, e.g. "buffer", "learner-0"
     pid: int
     endpoints: dict[str, str]  # ENDPOINT_* -> "tcp://HOST:PORT" (or a plain value such as an epoch)
+    key: str = ""  # the run's key (see the module docstring)
 
 
 class WeightLayout(msgspec.Struct, tag="weight_layout", kw_only=True):
@@ -258,6 +265,7 @@ class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
     num_groups: int
     lineage: list[tuple[int, int]] = msgspec.field(default_factory=lambda: [(0, 0)])
     committed_step: int = 0
+    key: str = ""  # the run's key (see the module docstring): a request rolls batches back and commits them
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
@@ -282,6 +290,7 @@ class LearnerReport(msgspec.Struct, tag="learner_report", kw_only=True):
     checkpoint: str = ""
     startup: bool = False  # the learner (re)started at ``step``: announce its epoch, no step was made
     final: bool = False
+    key: str = ""  # the run's key (see the module docstring)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
@@ -314,6 +323,7 @@ class ProcessEvent(msgspec.Struct, tag="process_event", kw_only=True):
     restarts: int = 0  # restarts of this process within the supervision window, this one included
     delay_s: float = 0.0  # the back-off before this restart
     at: float = 0.0  # wall-clock time of the event (time.time())
+    key: str = ""  # the run's key (see the module docstring)
 
 
 class EpisodeSample(msgspec.Struct, tag="episode_sample", kw_only=True):
@@ -353,6 +363,7 @@ class HeldOutEval(msgspec.Struct, tag="held_out_eval", kw_only=True):
     weight_versions: tuple[int, int]
     results: dict[str, dict[str, float]]  # env -> success_rate, episodes_valid, infra_failures, mean_reward, ...
     wall_s: float
+    key: str = ""  # the run's key (see the module docstring)
 
 
 # What the buffer says about each trajectory it received (TrajectoryAck.statuses).

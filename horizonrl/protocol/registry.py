@@ -35,9 +35,9 @@ POLL_SLICE_S = 0.2
 LEARNER_GANG_ENV = "HORIZONRL_LEARNER_GANG"
 
 
-def registration(run_id: str, name: str, endpoints: Mapping[str, str]) -> bytes:
-    """The encoded Registration of this process's ``endpoints``."""
-    return encode(Registration(run_id=run_id, name=name, pid=os.getpid(), endpoints=dict(endpoints)))
+def registration(run_id: str, name: str, endpoints: Mapping[str, str], key: str = "") -> bytes:
+    """The encoded Registration of this process's ``endpoints``; ``key``: the run's (messages.py)."""
+    return encode(Registration(run_id=run_id, name=name, pid=os.getpid(), endpoints=dict(endpoints), key=key))
 
 
 class FollowedEndpoint:

@@ -2,8 +2,9 @@
 
 The codec guarantees types; a trajectory can still be well-typed and inconsistent — arrays of
 different lengths, an id outside the model's vocabulary, a NaN reward, a turn span outside the
-sequence or not matching the loss mask — and any of those would crash the learner or silently
-poison a step. The buffer runs :func:`trajectory_problem` on every trajectory at the door and
+sequence or not matching the loss mask, more tokens than the run's context holds, a group bigger
+than the run's — and any of those would crash the learner, hold it in one step for minutes, or
+silently poison a step. The buffer runs :func:`trajectory_problem` on every trajectory at the door and
 rejects (and counts) what fails; the learner runs it again on every batch it receives.
 
 The checks that need state — a group whose members disagree on task or size, weight versions
@@ -32,14 +33,22 @@ REJECT_NUMBERS = "non_finite_number"
 REJECT_TURNS = "turns"
 REJECT_SPANS = "turn_spans"
 REJECT_FIELDS = "fields"
+REJECT_TOO_LONG = "too_long"
 
 
-def trajectory_problem(t: Trajectory, vocab_size: int | None = None) -> tuple[str, str] | None:
-    """``None`` if ``t`` is consistent, else ``(reason, detail)`` (reason: one of the REJECT_* names)."""
+def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_tokens: int | None = None,
+                       max_group_size: int | None = None) -> tuple[str, str] | None:
+    """``None`` if ``t`` is consistent, else ``(reason, detail)`` (reason: one of the REJECT_* names).
+    ``max_tokens``: the run's context limit (rollout.max_context_tokens: no episode of the run is longer);
+    ``max_group_size``: its group size (rollout.n)."""
     if not t.trajectory_id or not t.group_id or max(len(t.trajectory_id), len(t.group_id)) > MAX_ID_CHARS:
         return REJECT_IDS, f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters"
-    if t.group_size < 1 or t.task_id < 0 or t.failure not in FAILURE_KINDS:
-        return REJECT_FIELDS, f"group_size {t.group_size}, task_id {t.task_id}, failure {t.failure!r}"
+    longest = max(len(t.token_ids) // TOKEN_DTYPE.itemsize, len(t.loss_mask), len(t.logprobs) // LOGPROB_DTYPE.itemsize)
+    if max_tokens is not None and longest > max_tokens:
+        return REJECT_TOO_LONG, f"{longest} tokens; the run's context holds {max_tokens}"
+    if (t.group_size < 1 or (max_group_size is not None and t.group_size > max_group_size) or t.task_id < 0
+            or t.failure not in FAILURE_KINDS):
+        return REJECT_FIELDS, f"group_size {t.group_size}, task_id {t.task_id}, failure {t.failure[:64]!r}"
     sizes = (len(t.token_ids), len(t.loss_mask), len(t.logprobs))
     if sizes[0] % TOKEN_DTYPE.itemsize or sizes[2] % LOGPROB_DTYPE.itemsize:
         return REJECT_ARRAYS, f"byte lengths {sizes} are not whole numbers of items"

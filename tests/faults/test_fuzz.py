@@ -1,13 +1,20 @@
-"""Over 10,000 malformed or inconsistent messages to every listening socket of a running training:
-no process dies, every message is counted, and the learner keeps stepping.
+"""Over 10,000 malformed, inconsistent or hostile messages to every listening socket: no process dies, and
+every message is counted once, by kind.
 
-The sockets: the buffer's trajectory intake and batch sockets (ZMQ ROUTER), the coordinator's report
-socket (ZMQ PULL), and the two torch TCPStores (the weight hub's and the learner's own process
-group's: raw TCP). The coordinator's control socket is a PUB: it reads nothing.
+The kinds (horizonrl/hostile.py): random bytes, truncated msgpack, the wrong shape, a lying length, another
+run's messages, a kind the socket does not take, invalid UTF-8 in every string of every kind, reports that
+are well-formed and wrong (unknown processes and environments, NaN, steps past the run, a final report or a
+supervision event without the run's key), trajectories that are inconsistent, longer than the run's
+context, or from weights past the run's last step, and bad batch requests.
+
+Two tests. The first drives the coordinator and the buffer in-process through their real sockets — fast,
+and exact: every message lands in the counter of what it is. The second sends the same kinds to a running
+training (whole processes: launcher, coordinator, buffer, learner, an actor with its engine) and checks
+that nothing dies, the learner keeps stepping, and the counts add up.
 
 Messages over a socket's size limit (ZMQ MAXMSGSIZE) are refused by the transport — the connection is
-dropped before the message is read — so they are sent separately and only survival is checked for
-them; everything else must show up in the receiving process's counters, exactly.
+dropped before the message is read — so they are sent separately and only survival is checked for them;
+a trajectory over the run's context but under that limit reaches the door, and is counted there.
 """
 
 from __future__ import annotations
@@ -16,81 +23,150 @@ import glob
 import random
 import re
 import socket
-import struct
 import time
+from collections import Counter
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
-from helpers import horizonrl_cmd, make_trajectory, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, start_process, stop_process, wait_until
 
-from horizonrl.core.config import load_config
-from horizonrl.protocol import BatchRequest, Control, EpisodeSample, Heartbeat, LearnerReport, encode
-from horizonrl.protocol.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, pack
-
-pytestmark = pytest.mark.slow
+from horizonrl.buffer.accounting import account
+from horizonrl.buffer.server import BufferServer
+from horizonrl.coordinator import Coordinator
+from horizonrl.core.config import TrainConfig, load_config
+from horizonrl.core.run_dirs import ensure_run_key
+from horizonrl.core.runtime import StopFlag
+from horizonrl.hostile import flipped, intake_storm, report_storm, request_storm
+from horizonrl.launcher import resolve_ports
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
-PER_SOCKET = 3400  # x 3 ZMQ sockets > 10,000
+RUN_ID = "fuzz"
 STEP = re.compile(r"^step (\d+)/\d+", re.M)
-RAW_TCP = 200  # connections with random bytes to each TCPStore
+RAW_TCP = 200  # connections with random bytes to each TCPStore (whole-run test)
 
 
-def junk(rng: random.Random, run_id: str, n: int) -> bytes:
-    """One of: random bytes, truncated msgpack, msgpack of the wrong shape, a huge declared length,
-    a well-formed message of another run, or one of the wrong type for the socket."""
-    valid = encode(make_trajectory(f"junk{n}", 0, run_id=run_id))
-    kind = n % 6
-    if kind == 0:
-        return rng.randbytes(rng.randint(0, 2000))
-    if kind == 1:
-        return valid[: rng.randint(0, len(valid) - 1)]
-    if kind == 2:
-        return msgspec.msgpack.encode(rng.choice([{"type": "trajectory", "v": 2, "run_id": 7},
-                                                   [1, 2, 3], {"type": rng.choice(["nope", "batch"]), "v": 2},
-                                                   "a string", None, 1.5]))
-    if kind == 3:  # msgpack bin32 that claims 2 GB and holds 10 bytes
-        return b"\xc6" + struct.pack(">I", 2**31) + rng.randbytes(10)
-    if kind == 4:
-        return encode(make_trajectory(f"junk{n}", 0, run_id="another-run"))
-    return encode(Control(run_id=run_id, learner_step=0, max_turns=1, weight_version=0))  # not for this socket
+class InProcessRun:
+    """A coordinator and a buffer of one config, in this process, with client sockets to their listening ones."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        ensure_run_key(tmp_path)
+        self.config = resolve_ports(TrainConfig.model_validate({
+            "run": {"output_dir": str(tmp_path), "run_id": RUN_ID}, "model": {"path": "unused", "vocab_size": 128},
+            "envs": [{"name": "signpost"}], "network": {"host": "127.0.0.1"},
+            "rollout": {"num_actors": 2, "n": 2, "max_context_tokens": 64, "max_tokens_per_turn": 8},
+            "learner": {"total_steps": 20, "groups_per_step": 1}, "buffer": {"capacity_groups": 1024}}))
+        self.coordinator = Coordinator(self.config, StopFlag())
+        self.buffer = BufferServer(self.config, StopFlag())
+        self.ctx = zmq.Context()
+        net = self.config.network
+        self.sockets = {name: self._connect(kind, port) for name, kind, port in (
+            ("report", zmq.PUSH, net.report_port), ("intake", zmq.DEALER, net.trajectory_port),
+            ("requests", zmq.DEALER, net.batch_port))}
+        # The buffer registered its endpoints with the coordinator as it started: that one is the run's own.
+        self.serve_until(lambda: self.coordinator.accepted["registration"] == 1)
+        self.coordinator.accepted.clear()
+        self.coordinator.messages_read = 0
+
+    def _connect(self, kind: int, port: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.network.endpoint(port))
+        return sock
+
+    def serve(self) -> None:
+        """What the two processes' loops do with what came in, once."""
+        self.coordinator._read_reports()
+        self.buffer._drain_trajectories()
+        while self.buffer.router.poll(0):
+            self.buffer._read_request()
+        self.buffer._flush()
+
+    def send(self, where: str, data: bytes) -> None:
+        while True:
+            try:
+                self.sockets[where].send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:  # the receiver's queue is full: let it read, as its process would meanwhile
+                self.serve()
+
+    def serve_until(self, done, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, "the receivers did not read every message"
+            self.serve()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
+        self.ctx.term()
+        self.coordinator.close()
+        self.buffer.close()
 
 
-def inconsistent_trajectory(rng: random.Random, run_id: str, n: int) -> bytes:
-    """Schema-valid, of this run, and wrong inside: arrays of different lengths, NaN, out-of-vocab ids."""
-    t = make_trajectory(f"bad{n}", 0, run_id=run_id, group_size=2)
-    kind = n % 4
-    if kind == 0:
-        t = msgspec.structs.replace(t, logprobs=t.logprobs[:-4])
-    elif kind == 1:
-        t = msgspec.structs.replace(t, reward=float("nan"))
-    elif kind == 2:
-        t = msgspec.structs.replace(t, token_ids=pack([0] * 11 + [10**6], TOKEN_DTYPE))
-    else:
-        t = msgspec.structs.replace(t, logprobs=pack([0] * 6 + [float("nan")] * 6, LOGPROB_DTYPE))
-    return encode(t)
+def outcomes_of_coordinator(c: Coordinator) -> Counter:
+    out = Counter({f"bad:{k}": v for k, v in c.bad_messages.items()})
+    out.update({f"rejected:{k}": v for k, v in c.rejected.items()})
+    out.update({f"accepted:{k}": v for k, v in c.accepted.items()})
+    return +out
 
 
-def bad_request(rng: random.Random, run_id: str, n: int) -> bytes:
-    """Never a valid request (one would take a batch from the real learner)."""
-    if n % 3 == 0:
-        return encode(BatchRequest(run_id="another-run", request_id=n, learner_version=0, num_groups=1))
-    if n % 3 == 1:
-        return encode(BatchRequest(run_id=run_id, request_id=n, learner_version=0, num_groups=0))
-    return junk(rng, run_id, n)
+def outcomes_of_buffer(b: BufferServer) -> Counter:
+    out = Counter({f"bad:{k}": v for k, v in b.bad_messages.items()})
+    out.update({f"rejected:{k}": v for k, v in b.groups.rejected.items()})
+    out["accepted"] = b.acks["accepted"]
+    return +out
 
 
-def bad_report(rng: random.Random, run_id: str, n: int) -> bytes:
-    if n % 4 == 0:
-        return encode(Heartbeat(run_id="another-run", role="actor", index=0, pid=1))
-    if n % 4 == 1:
-        return encode(LearnerReport(run_id="another-run", step=10**6, weight_version=10**6))
-    if n % 4 == 2:
-        return encode(EpisodeSample(run_id="another-run", env="x", task_id=0, actor_id=0, weight_version=0, max_turns=1,
-                                    reward=0, success=False, score=0, num_turns=0, stop_reason="done"))
-    return junk(rng, run_id, n)
+def test_ten_thousand_hostile_messages_in_process_each_counted_by_kind_and_nothing_dies(tmp_path):
+    rng = random.Random(43)
+    run = InProcessRun(tmp_path)
+    try:
+        storms = {"report": report_storm(rng, RUN_ID, run.coordinator.run_key, 4400, total_steps=20, num_actors=2,
+                                         real_run=False),
+                  "intake": intake_storm(rng, RUN_ID, 3600, context_tokens=64, real_run=False),
+                  "requests": request_storm(rng, RUN_ID, run.coordinator.run_key, 2100, total_steps=20)}
+        assert sum(map(len, storms.values())) >= 10_000
+        start = time.monotonic()
+        for i in range(max(map(len, storms.values()))):
+            for where, messages in storms.items():
+                if i < len(messages):
+                    run.send(where, messages[i][0])
+        run.serve_until(lambda: run.coordinator.messages_read == len(storms["report"])
+                        and run.buffer.messages_read["intake"] == len(storms["intake"])
+                        and run.buffer.messages_read["requests"] == len(storms["requests"]))
+        took = time.monotonic() - start
+        # Every message in the counter of what it is: by kind and reason, exactly.
+        assert outcomes_of_coordinator(run.coordinator) == Counter(outcome for _, outcome in storms["report"])
+        assert outcomes_of_buffer(run.buffer) == Counter(o for _, o in storms["intake"] + storms["requests"])
+        assert run.coordinator.learner_step == 0 and not run.coordinator.finished  # no forged report got in
+        assert run.coordinator.endpoints == run.buffer.endpoints  # nor a forged registration
+
+        # Randomly corrupted copies of everything above: whatever each becomes, it is counted once, and nothing dies.
+        # (not the requests: a corrupted one may become a valid request, which no counter counts)
+        corrupted = {where: [flipped(rng, data) for data, _ in storms[where][:400] if data]
+                     for where in ("report", "intake")}
+        for where, messages in corrupted.items():
+            for data in messages:
+                run.send(where, data)
+        run.serve_until(lambda: run.coordinator.messages_read == len(storms["report"]) + len(corrupted["report"])
+                        and run.buffer.messages_read["intake"] == len(storms["intake"]) + len(corrupted["intake"]))
+        assert sum(outcomes_of_coordinator(run.coordinator).values()) == run.coordinator.messages_read
+        counted = outcomes_of_buffer(run.buffer)
+        counted["duplicate"] = run.buffer.acks["duplicate"]
+        assert sum(counted.values()) + len(run.buffer._early) == (run.buffer.messages_read["intake"]
+                                                                  + run.buffer.messages_read["requests"])
+        rejected = dict(run.buffer.groups.rejected)
+        run.buffer._flush()
+    finally:
+        run.close()
+    # The buffer's log holds every refusal: the accounting lists them as the buffer counted them.
+    assert account(tmp_path)["rejected_at_the_door"] == rejected
+    total = sum(map(len, storms.values())) + sum(map(len, corrupted.values()))
+    print(f"fuzz in-process: {total} messages in {took:.1f} s (the first {sum(map(len, storms.values()))}); "
+          f"coordinator {dict(outcomes_of_coordinator(run.coordinator))}; buffer refusals {rejected}")
 
 
 def latest_scalars(run_dir: Path) -> dict[str, float]:
@@ -101,7 +177,8 @@ def latest_scalars(run_dir: Path) -> dict[str, float]:
     return {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
 
 
-def test_malformed_messages_to_every_socket_are_counted_and_training_goes_on(tiny_model, tmp_path):
+@pytest.mark.slow
+def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_goes_on(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
@@ -124,41 +201,40 @@ def test_malformed_messages_to_every_socket_are_counted_and_training_goes_on(tin
             sockets.append(s)
             return s
 
-        intake = connect(zmq.DEALER, net.trajectory_port)
-        requests = connect(zmq.DEALER, net.batch_port)
-        reports = connect(zmq.PUSH, net.report_port)
-        sent = {"intake_junk": 0, "intake_inconsistent": 0}
-        for n in range(PER_SOCKET):
-            if n % 2:
-                intake.send(inconsistent_trajectory(rng, run_id, n))
-                sent["intake_inconsistent"] += 1
-            else:
-                intake.send(junk(rng, run_id, n))
-                sent["intake_junk"] += 1
-            requests.send(bad_request(rng, run_id, n))
-            reports.send(bad_report(rng, run_id, n))
+        storms = {"report": report_storm(rng, run_id, (run_dir / "run_key").read_text().strip(), 3600,
+                                         total_steps=config.learner.total_steps, num_actors=1, real_run=True),
+                  "intake": intake_storm(rng, run_id, 3400, context_tokens=config.rollout.max_context_tokens,
+                                         real_run=True),
+                  "requests": request_storm(rng, run_id, (run_dir / "run_key").read_text().strip(), 3000,
+                                            total_steps=config.learner.total_steps)}
+        for where, sock in (("report", connect(zmq.PUSH, net.report_port)),
+                            ("intake", connect(zmq.DEALER, net.trajectory_port)),
+                            ("requests", connect(zmq.DEALER, net.batch_port))):
+            for data, _ in storms[where]:
+                sock.send(data)
         for port in (net.weight_port, net.dist_port):  # the torch TCPStores
             for _ in range(RAW_TCP):
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
                     raw.sendall(rng.randbytes(rng.randint(1, 512)))
         oversized = connect(zmq.DEALER, net.trajectory_port)
         oversized.send(b"\x00" * (65 * 1024 * 1024))  # over the intake's MAXMSGSIZE
-        total = 3 * PER_SOCKET + 2 * RAW_TCP
+        total = sum(map(len, storms.values())) + 2 * RAW_TCP
         assert total >= 10_000
-
-        expected_buffer = PER_SOCKET + PER_SOCKET  # intake junk + inconsistent, and the bad requests
         fuzzed_at_step = max(int(x) for x in STEP.findall(log.read_text(errors="replace")))
+        expected_buffer = len(storms["intake"]) + len(storms["requests"])
 
         def counted_and_stepping():
             now = latest_scalars(run_dir)
             counted = sum(now.get(t, 0.0) - before.get(t, 0.0) for t in now
                           if t.startswith(("buffer/bad_messages_", "buffer/rejected_")) and t != "buffer/rejected_total")
             steps = [int(x) for x in STEP.findall(log.read_text(errors="replace"))]
-            return now if counted >= expected_buffer and max(steps) >= fuzzed_at_step + 3 else None
+            reports = sum(now.get(t, 0.0) - before.get(t, 0.0) for t in ("coordinator/bad_messages",
+                                                                          "coordinator/rejected"))
+            return now if counted >= expected_buffer and reports >= len(storms["report"]) and \
+                max(steps) >= fuzzed_at_step + 3 else None
 
         # training goes on while everything is read and counted; then a clean stop
-        after = wait_until(counted_and_stepping, 400, "the buffer counting every message, and 3 more learner steps",
-                           interval=2.0)
+        after = wait_until(counted_and_stepping, 400, "every message counted, and 3 more learner steps", interval=2.0)
         assert proc.poll() is None, "a process of the run died: " + log.read_text(errors="replace")[-5000:]
     finally:
         for s in sockets:
@@ -169,18 +245,17 @@ def test_malformed_messages_to_every_socket_are_counted_and_training_goes_on(tin
     def delta(tag: str) -> float:
         return after.get(tag, 0.0) - before.get(tag, 0.0)
 
-    # the buffer: every intake message read, and each one classified
-    assert delta("buffer/messages_read_intake") >= PER_SOCKET  # the actor's real trajectories come on top
-    bad_intake = delta("buffer/bad_messages_intake_malformed") + delta("buffer/bad_messages_intake_other_run")
-    rejected = sum(delta(t) for t in after if t.startswith("buffer/rejected_") and t != "buffer/rejected_total")
-    assert bad_intake == sent["intake_junk"], (bad_intake, sent)
-    assert rejected == sent["intake_inconsistent"], (rejected, sent)
-    assert (delta("buffer/messages_read_intake") == bad_intake + rejected + delta("buffer/acks_accepted")
-            + delta("buffer/acks_duplicate") + delta("buffer/early_held"))
-    bad_requests = delta("buffer/bad_messages_request_malformed") + delta("buffer/bad_messages_request_other_run")
-    assert bad_requests == PER_SOCKET
-    # the coordinator: every bad report counted
-    assert delta("coordinator/bad_messages") == PER_SOCKET
-    print(f"fuzz: {total} messages; buffer counted {bad_intake:.0f} malformed and {rejected:.0f} rejected "
-          f"trajectories and {bad_requests:.0f} bad requests; the coordinator {delta('coordinator/bad_messages'):.0f} "
-          "bad reports; no process died, the learner kept stepping")
+    # the buffer: every intake message read, and each one classified by kind
+    expected = Counter(outcome for _, outcome in storms["intake"] + storms["requests"])
+    for outcome, count in expected.items():
+        verdict, name = outcome.split(":")
+        assert delta(f"buffer/{'bad_messages' if verdict == 'bad' else 'rejected'}_{name}") == count, outcome
+    assert (delta("buffer/messages_read_intake") == sum(delta(t) for t in after if t.startswith(
+        ("buffer/bad_messages_intake", "buffer/rejected_")) and t != "buffer/rejected_total")
+        + delta("buffer/acks_accepted") + delta("buffer/acks_duplicate") + delta("buffer/early_held"))
+    # the coordinator: every storm report counted by kind, and not one message of the run's own processes refused
+    for outcome, count in Counter(o for _, o in storms["report"]).items():
+        verdict, name = outcome.split(":")
+        assert delta(f"coordinator/{'bad_messages' if verdict == 'bad' else 'rejected'}_{name}") == count, outcome
+    print(f"fuzz: {total} messages; the buffer counted {expected_buffer:.0f} bad or refused, the coordinator "
+          f"{len(storms['report'])} by kind; no process died, the learner kept stepping")

@@ -12,6 +12,7 @@ import zmq
 from helpers import horizonrl_cmd, make_trajectory, run_events, start_process, stop_process, wait_until
 
 from horizonrl.core.config import load_config
+from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import RunEvent
 from horizonrl.launcher import prepare_run
 from horizonrl.protocol import (
@@ -95,9 +96,10 @@ def acks(dealer, count, timeout_s=30):
     return got
 
 
-def request(dealer, run_id, request_id, learner_version, num_groups, timeout_s=60):
-    dealer.send(encode(BatchRequest(run_id=run_id, request_id=request_id, learner_version=learner_version,
-                                    num_groups=num_groups)))
+def request(dealer, run, request_id, learner_version, num_groups, timeout_s=60):
+    """As the learner asks: with the run's key (the buffer takes no request without it)."""
+    dealer.send(encode(BatchRequest(run_id=run.run_id, request_id=request_id, learner_version=learner_version,
+                                    num_groups=num_groups, key=read_run_key(run.config.output_dir))))
     assert dealer.poll(timeout_s * 1000), f"no batch within {timeout_s} s"
     return decode_as(dealer.recv(), Batch)
 
@@ -131,7 +133,7 @@ def test_every_message_is_acknowledged_rejected_or_counted(tmp_path):
         oversized = run.socket(zmq.DEALER, net.trajectory_port)
         oversized.send(b"\x91" + b"\x00" * (65 * 1024 * 1024))  # over MAXMSGSIZE: dropped by the transport
         learner.send(b"not a request")  # malformed request on the batch socket
-        batch = request(learner, run.run_id, 7, 0, 1)
+        batch = request(learner, run, 7, 0, 1)
         assert batch.request_id == 7 and batch.groups == [good]  # the stored group survived the bad input
         stats = run.counters(lambda c: c.get("bad_messages", 0) >= 4 and c.get("served_groups", 0) >= 1)
         assert stats["bad_messages_intake_malformed"] == 2 and stats["bad_messages_intake_other_run"] == 1
@@ -163,7 +165,7 @@ def test_after_kill_9_the_buffer_holds_what_it_acknowledged(tmp_path):
     for t in [*groups["a"], *groups["b"], partial]:
         actor.send(encode(t))
     assert all(status == ACK_ACCEPTED for _, status, _ in acks(actor, 5))
-    served = request(learner, run.run_id, 1, 0, 1)  # batch 1 for step 1 ...
+    served = request(learner, run, 1, 0, 1)  # batch 1 for step 1 ...
     assert served.groups == [groups["a"]]
     os.kill(run.proc.pid, signal.SIGKILL)  # ... and the buffer dies before the learner trains on it
     run.proc.wait(10)
@@ -173,7 +175,7 @@ def test_after_kill_9_the_buffer_holds_what_it_acknowledged(tmp_path):
     try:
         # the learner, having no answer it could train, asks for step 1 again: batch 1 comes back
         learner2 = run.socket(zmq.DEALER, net.batch_port)
-        again = request(learner2, run.run_id, 2, 0, 2)
+        again = request(learner2, run, 2, 0, 2)
         assert again.groups == [groups["a"], groups["b"]]
         actor.send(encode(groups["a"][0]))  # an actor resending what the first incarnation accepted
         actor.send(encode(run.trajectory("c", 1, reward=0.0, group_size=2)))  # completes "c"

@@ -107,3 +107,25 @@ def test_a_stop_while_waiting_returns_none():
         buffer.join(5)
         client.close()
         ctx.term()
+
+
+def test_a_batch_beyond_the_steps_token_budget_or_with_a_trajectory_past_the_context_is_a_bad_batch():
+    """Lengths are bounded at the buffer's door; the learner checks again, so that no step can be handed more
+    than it was sized for (a 10^6-token group once held a learner in one step for 7 minutes)."""
+    from horizonrl.learner.channels import BatchLimits
+
+    ctx = zmq.Context()
+    try:
+        client = BatchClient(ctx, None, RUN_ID, vocab_size=100,
+                             limits=BatchLimits(max_groups=1, max_group_size=4, max_trajectory_tokens=12, max_tokens=24))
+
+        def problem(groups):
+            return client._check(encode(Batch(run_id=RUN_ID, request_id=1, groups=groups)))[0]
+
+        assert problem([GOOD]) is None  # 2 x 12 tokens: at the budget
+        assert "too_long" in problem([[make_trajectory("g", 0, tokens=13), make_trajectory("g", 1)]])
+        assert "groups of" in problem([GOOD, GOOD])  # two groups for a step of one
+        assert "fields" in problem([[make_trajectory("g", 0, group_size=5), make_trajectory("g", 1, group_size=5)]])
+        client.close()
+    finally:
+        ctx.term()

@@ -158,7 +158,7 @@ def test_turn_budget_after_resume_is_the_uninterrupted_one(tmp_path):
     from horizonrl.coordinator import Coordinator
     from horizonrl.core.config import TrainConfig
     from horizonrl.core.runtime import StopFlag
-    from horizonrl.launcher import resolve_ports
+    from horizonrl.launcher import resolve_ports, start_launch
 
     expected = [2, 2, 3, 3, 4, 4, 5, 5, 5]
     got = []
@@ -170,6 +170,7 @@ def test_turn_budget_after_resume_is_the_uninterrupted_one(tmp_path):
         data["algorithm"]["rounds_ctrl"]["steps_scaling_inter"] = 2
         data["network"] = {"host": "127.0.0.1"}
         config = resolve_ports(TrainConfig.model_validate(data))
+        start_launch(tmp_path)  # each a new launch (resume=...): not a restart of the coordinator before it
         coordinator = Coordinator.for_run(config, StopFlag())
         try:
             got.append(coordinator.control().max_turns)

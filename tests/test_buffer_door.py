@@ -1,0 +1,95 @@
+"""The buffer's door, in-process: a trajectory longer than the run's context, of a bigger group than the
+run's, or from weights nobody has announced or ever will is refused with its reason; every refusal is a
+record of the write-ahead log, so ``horizonrl accounting`` lists them as the buffer counted them, and a
+restarted buffer counts on from there."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from horizonrl.buffer.accounting import account
+from horizonrl.buffer.server import BufferServer
+from horizonrl.core.config import TrainConfig
+from horizonrl.core.runtime import StopFlag
+from horizonrl.hostile import trajectory
+from horizonrl.launcher import resolve_ports
+from horizonrl.protocol import ACK_ACCEPTED, ACK_REJECTED, encode
+
+RUN_ID = "door"
+CONTEXT = 64
+ACTOR = b"actor-0"
+
+
+@pytest.fixture
+def config(tmp_path) -> TrainConfig:
+    return resolve_ports(TrainConfig.model_validate({
+        "run": {"output_dir": str(tmp_path), "run_id": RUN_ID}, "model": {"path": "unused", "vocab_size": 128},
+        "envs": [{"name": "signpost"}], "network": {"host": "127.0.0.1"},
+        "rollout": {"n": 2, "max_context_tokens": CONTEXT, "max_tokens_per_turn": 8},
+        "learner": {"total_steps": 10, "groups_per_step": 1}, "buffer": {"capacity_groups": 4}}))
+
+
+@pytest.fixture
+def server(config):
+    s = BufferServer(config, StopFlag())
+    yield s
+    s.close()
+
+
+def offer(server: BufferServer, t) -> tuple[str, str]:
+    """Hand ``t`` to the door; its acknowledgement's (status, reason)."""
+    server._admit(ACTOR, t, encode(t))
+    [(tid, status, reason)] = [entry for entry in server._outbox[ACTOR] if entry[0] == t.trajectory_id]
+    return status, reason
+
+
+def test_a_trajectory_longer_than_the_context_or_of_a_bigger_group_is_refused(server):
+    assert offer(server, trajectory(RUN_ID, "fits-0", tokens=CONTEXT)) == (ACK_ACCEPTED, "")
+    assert offer(server, trajectory(RUN_ID, "long-0", tokens=CONTEXT + 1)) == (ACK_REJECTED, "too_long")
+    assert offer(server, trajectory(RUN_ID, "huge-0", tokens=10**6)) == (ACK_REJECTED, "too_long")  # 9 MB
+    assert offer(server, trajectory(RUN_ID, "big-0", group_size=3)) == (ACK_REJECTED, "fields")
+    assert dict(server.groups.rejected) == {"too_long": 2, "fields": 1}
+    assert server.stats()["rejected_too_long"] == 2
+
+
+def test_weights_from_the_future_are_refused_and_an_ended_epochs_are_judged_by_what_it_announced(server):
+    server._hear_weights(0, 5)  # epoch 0 announced up to version 5 ...
+    server._hear_weights(1, 3)  # ... then its learner died and the next one resumed from step 3
+    server.groups.set_lineage([(0, 0), (1, 3)])
+    assert offer(server, trajectory(RUN_ID, "past-run-0", version=11)) == (ACK_REJECTED, "future_version")
+    assert offer(server, trajectory(RUN_ID, "epoch0-future-0", version=9, epoch=0)) == (ACK_REJECTED, "future_version")
+    # announced in epoch 0, but not an ancestor of epoch 1: let in, and dropped as a discarded branch when batched
+    assert offer(server, trajectory(RUN_ID, "epoch0-branch-0", version=5, epoch=0)) == (ACK_ACCEPTED, "")
+    assert offer(server, trajectory(RUN_ID, "epoch1-0", version=3, epoch=1)) == (ACK_ACCEPTED, "")
+    # the newest epoch's next version may simply not be announced yet: it waits (buffer.future_hold_s)
+    t = trajectory(RUN_ID, "epoch1-next-0", version=4, epoch=1)
+    server._admit(ACTOR, t, encode(t))
+    assert "epoch1-next-0" in server._early_ids
+    assert dict(server.groups.rejected) == {"future_version": 2}
+
+
+def test_the_accounting_lists_the_rejections_at_the_door_as_the_buffer_counted_them(config):
+    server = BufferServer(config, StopFlag())
+    try:
+        offer(server, trajectory(RUN_ID, "ok-0", tokens=CONTEXT))
+        for n in range(3):
+            offer(server, trajectory(RUN_ID, f"long{n}-0", tokens=CONTEXT * 2))
+        bad = trajectory(RUN_ID, "nan-0")
+        offer(server, msgspec.structs.replace(bad, reward=float("nan")))
+        offer(server, trajectory(RUN_ID, "past-0", version=99))
+        counted = dict(server.groups.rejected)
+        server._flush()
+    finally:
+        server.close()
+    assert counted == {"too_long": 3, "non_finite_number": 1, "future_version": 1}
+    ledger = account(config.output_dir)
+    assert ledger["rejected_at_the_door"] == counted and ledger["accepted"] == 1 and ledger["lost"] == []
+    restarted = BufferServer(config, StopFlag())  # replays its log: counts on from the same numbers
+    try:
+        assert dict(restarted.groups.rejected) == counted
+        offer(restarted, trajectory(RUN_ID, "long9-0", tokens=CONTEXT + 5))
+        restarted._flush()
+    finally:
+        restarted.close()
+    assert account(config.output_dir)["rejected_at_the_door"] == {**counted, "too_long": 4}
