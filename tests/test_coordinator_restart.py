@@ -1,7 +1,7 @@
 """A restarted coordinator continues where the one before it was: what nobody re-sends comes back from
 ``<output_dir>/coordinator_state.json`` (core/coordinator_state.py), the learner's end from its event
 when its closing report went down with it, and a new launch starts clean. In-process, no run: the
-whole-run kill -9 of the coordinator is tests/faults/test_coordinator_restart.py."""
+whole-run kill -9 of the coordinator is in tests/faults/test_supervision.py."""
 
 from __future__ import annotations
 
