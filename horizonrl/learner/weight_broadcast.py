@@ -297,8 +297,8 @@ class WeightHub:
             if packed is not self.latest:
                 raise ValueError(f"version {packed.key} is not the newest packed one; pack it again")
             targets = [m for m in self.members.values() if m.has < packed.key]
-            outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes, iter(packed.buckets),
-                                   should_abandon)
+            outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes,
+                                   self._sendable(packed), should_abandon)
             if outcome is None:
                 self.abandoned = packed.key
                 return None
@@ -414,6 +414,21 @@ class WeightHub:
             raise error
         return True
 
+    def _sendable(self, packed: PackedWeights) -> Iterator[torch.Tensor]:
+        """``packed``'s buckets as the links take them: the admission copy itself on gloo; on a GPU each bucket
+        copied from host memory into one device buffer, reused bucket after bucket (NCCL moves device memory
+        only: handed a host tensor it raises, and no engine would ever be admitted). A bucket is sent in full
+        before the next one is asked for, so one buffer serves; extra device memory: the largest bucket, while
+        a version is sent from the admission copy (a join, :meth:`send`)."""
+        if self.device.type == "cpu":
+            yield from packed.buckets
+            return
+        staging = torch.empty(max((b.nbytes for b in packed.plan), default=1), dtype=torch.uint8, device=self.device)
+        for bucket, host in zip(packed.plan, packed.buckets):
+            target = staging[: bucket.nbytes]
+            target.copy_(host)  # synchronous from pageable or pinned memory: done before the collective reads it
+            yield target
+
     def _settle(self, targets: list[Member], key: tuple[int, int], failures: list[tuple[Member, Exception]]) -> int:
         failed = {id(member) for member, _ in failures}
         for member in targets:
@@ -468,6 +483,9 @@ class WeightHub:
                 action(member)
             except WeightSyncError as exc:
                 failures.append((member, exc))
+            except Exception as exc:  # noqa: BLE001 - any failure of one member's link drops that member alone
+                failures.append((member, WeightSyncError(f"weight hub: actor {member.actor} worker {member.worker}: "
+                                                         f"{type(exc).__name__}: {exc}")))
 
         if len(members) == 1 and should_abandon is None:
             run(members[0])
@@ -537,8 +555,8 @@ class WeightHub:
                 member.close()
                 return
             latest = self.latest
-            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes, iter(latest.buckets),
-                                   None)
+            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes,
+                                   self._sendable(latest), None)
             if outcome:
                 self.counters["failed_joins"] += 1
                 log.warning("weight hub: actor %d worker %d's first version failed: %s", join.actor, worker,
