@@ -139,17 +139,33 @@ class WeightReceiverExtension:
         return self._horizonrl_reply(self._horizonrl_load_staging)
 
     def horizonrl_output_counts(self) -> dict[str, int]:
-        """How many tokens each request this worker holds has generated so far, by vLLM's internal request id.
-        Called while the engine is paused with its requests kept: the tokens each had before a swap came from
-        the old weights. On the CPU vLLM schedules synchronously, so each count is exact after a step; with
-        asynchronous scheduling (GPUs) each sampled token is first a placeholder, counted the same (unchecked:
-        the GPU machines lent here have no vLLM); with speculative decoding, which the engine does not turn on,
-        the drafts would be counted before they are verified. A request vLLM preempted keeps its state
-        here, and its count. One not scheduled yet, or finished and dropped, is missing: the engine cuts it off
-        instead of keeping it."""
-        # No fallback: a vLLM without the runner's request states must fail the swap loudly, not cut every
-        # request off in silence.
-        return {request_id: len(state.output_token_ids) for request_id, state in self.model_runner.requests.items()}
+        """How many tokens each request this worker holds has generated so far, by vLLM's internal request id
+        (``on_weight_update=keep`` on a vLLM that does not label tokens by weight version: before 0.32). Called
+        while the engine is paused with its requests kept: the tokens each had before a swap came from the old
+        weights. Read from the V1 model runner's request states (``model_runner.requests``; the engine asks vLLM
+        for that runner there, and its first join checks it holds them). On the CPU vLLM schedules synchronously,
+        so each count is exact after a step; with asynchronous scheduling (GPUs) each sampled token is first a
+        placeholder, counted the same (unchecked: the GPU machines lent here have no vLLM); with speculative
+        decoding, which the engine does not turn on, the drafts would be counted before they are verified. A
+        request vLLM preempted keeps its state here, and its count. One not scheduled yet, or finished and
+        dropped, is missing: the engine cuts it off instead of keeping it."""
+        # No fallback: a runner without request states must fail the swap loudly, not cut every request off.
+        requests = getattr(self.model_runner, "requests", None)
+        if requests is None:
+            raise RuntimeError(f"{type(self.model_runner).__name__} keeps no request states "
+                               "(model_runner.requests): on_weight_update=keep cannot count its tokens")
+        return {request_id: len(state.output_token_ids) for request_id, state in requests.items()}
+
+    def horizonrl_model_runner(self) -> dict:
+        """Which model runner vLLM gave this worker: ``runner`` "v1" (``vllm.v1.worker.gpu_model_runner`` or a
+        subclass, the CPU's included), "v2" (``vllm.v1.worker.gpu.model_runner``) or "" (another); ``class`` its
+        name; ``holds_requests`` whether it keeps per-request token lists (what ``horizonrl_output_counts`` reads)."""
+        runner = self.model_runner
+        modules = {cls.__module__ for cls in type(runner).__mro__}
+        kind = "v2" if "vllm.v1.worker.gpu.model_runner" in modules else (
+            "v1" if "vllm.v1.worker.gpu_model_runner" in modules else "")
+        return {"runner": kind, "class": type(runner).__qualname__,
+                "holds_requests": isinstance(getattr(runner, "requests", None), dict)}
 
     def horizonrl_load_path(self) -> str:
         """How this worker loads a version: "in-place" (load_weights, then repack on vLLM-CPU; the module
