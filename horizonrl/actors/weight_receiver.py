@@ -12,7 +12,8 @@ Two ways to take a version, both bounded by the group's timeout at every collect
   engine does; see ``vllm_worker.py``);
 - :func:`receive_weights` — the whole version into one flat buffer, then the named views (the
   staged receive, :class:`StagedReceive`, runs it in a thread while the engine generates; the
-  extra memory is the whole model).
+  extra memory is the whole model, in host memory: on a GPU only one bucket passes through device
+  memory, outside vLLM's ``gpu_memory_utilization`` budget).
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ class WeightReceiver:
     process_group: dist.ProcessGroup
     store: dist.Store
     worker: int = 0  # the engine worker (tensor-parallel rank) this membership belongs to
+    # A staged version waits in host memory (a GPU's receive buffers hold one bucket), see StagedReceive.
+    stage_in_host: bool = False
     # One receive buffer reused by every version of the same size (no page faults per receive).
     _flat: torch.Tensor | None = None
+    _host_flat: torch.Tensor | None = None  # the staged versions' (pinned when CUDA is there), reused likewise
+    _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +68,18 @@ class WeightReceiver:
             self._flat = None
             self._flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._flat
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host_flat is None or self._host_flat.numel() != nbytes:
+            self._host_flat = None
+            self._host_flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._host_flat
+
+    def bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._bucket is None or self._bucket.numel() < nbytes:
+            self._bucket = None
+            self._bucket = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._bucket[:nbytes]
 
     def close(self) -> None:
         shutdown = getattr(self.process_group, "shutdown", None)
@@ -105,7 +122,7 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
             f"weight hub at {host}:{port} ({backend}): actor {actor} worker {worker} could not join within "
             f"{timeout_s:.0f} s (is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
-    return WeightReceiver(number, backend, timeout_s, group, store, worker)
+    return WeightReceiver(number, backend, timeout_s, group, store, worker, stage_in_host=backend == "nccl")
 
 
 def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin) -> tuple[dist.Store, dist.Store, int]:
@@ -207,18 +224,25 @@ def open_weight_stream(receiver: WeightReceiver) -> WeightStream:
     return WeightStream(receiver, layout, plan)
 
 
-def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
+def receive_weights(receiver: WeightReceiver,
+                    in_host: bool = False) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
     """Receive one whole version; returns its layout (version, epoch, ...) and ``[(name, tensor), ...]``.
 
     The tensors are views into the receiver's flat buffer, which the next receive overwrites:
-    load or copy them before receiving again, and do not resize them.
+    load or copy them before receiving again, and do not resize them. ``in_host`` (a receiver on a GPU): the
+    flat buffer is in host memory and each bucket comes through one device buffer of a bucket's size, so the
+    GPU holds one bucket whatever the model's size.
     """
     stream = open_weight_stream(receiver)
-    flat = receiver.flat_buffer(stream.layout.total_bytes)
+    total = stream.layout.total_bytes
+    flat = receiver.host_buffer(total) if in_host else receiver.flat_buffer(total)
     named, start = [], 0
     for bucket in stream.plan:
         data = flat[start: start + bucket.nbytes]
-        _broadcast(receiver, data, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        received = receiver.bucket_buffer(bucket.nbytes) if in_host else data
+        _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        if received is not data:
+            data.copy_(received)  # synchronous: the buffer is free for the next bucket when this returns
         named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
         start += bucket.nbytes
     stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
@@ -230,7 +254,10 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
 class StagedReceive:
     """:func:`receive_weights` in a thread of its own, so that the engine keeps generating meanwhile: the
     version lands in the receiver's flat buffer (reused by the next one) and is acknowledged to the learner
-    as soon as it is here. When it ends (every collective is bounded by the group's timeout, so it always
+    as soon as it is here. On a GPU that buffer is host memory (pinned) and each bucket passes through one
+    device buffer: a whole second copy of the model on every worker's GPU would sit outside vLLM's memory
+    budget (a 7B model in bf16, ~15 GB, does not fit beside an engine at utilization 0.9 on 80 GB) and run it
+    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every collective is bounded by the group's timeout, so it always
     does), the thread tells the actor at ``notify_address`` (a ZMQ PULL socket of the actor's, msgpack
     ``[stage_id, version, epoch, receive_s, 0.0, worker, error]``): the actor waits for that message rather
     than asking the engine, whose worker would spin between such questions on the cores the receive needs.
@@ -258,7 +285,7 @@ class StagedReceive:
             torch.cuda.set_device(device)
         start = time.perf_counter()
         try:
-            layout, named = receive_weights(receiver)
+            layout, named = receive_weights(receiver, in_host=receiver.stage_in_host)
             self.receive_s = time.perf_counter() - start
             self.named = named
             self.layout = layout  # last: a reader that sees the layout sees the tensors
