@@ -58,6 +58,7 @@ class WeightReceiver:
     _flat: torch.Tensor | None = None
     _host_flat: torch.Tensor | None = None  # the staged versions' (pinned when CUDA is there), reused likewise
     _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
+    formed: bool = False  # a collective has completed: NCCL's communicator exists (see _wait)
 
     @property
     def device(self) -> torch.device:
@@ -303,6 +304,7 @@ class StagedReceive:
 
 
 NOTIFY_TIMEOUT_MS = 5000
+FORMING_MARGIN_S = 5.0  # past the group's timeout, how long the first NCCL collective may take to give up itself
 
 
 def _notify(address: str, outcome: list) -> None:
@@ -343,9 +345,41 @@ def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) 
     which = "the next version" if version is None else f"version {version}"
     failure = (f"weight sync (join {receiver.number}, worker {receiver.worker}, receiver): {what} of {which} did not "
                f"complete within {receiver.timeout_s:.0f} s ({receiver.backend})")
+
+    def collective() -> bool:
+        return start_work().wait(timedelta(seconds=receiver.timeout_s))
+
     try:
-        completed = start_work().wait(timedelta(seconds=receiver.timeout_s))
+        completed = collective() if receiver.formed or receiver.backend != "nccl" else _first_collective(
+            receiver, collective, failure)
     except RuntimeError as exc:
         raise WeightSyncError(f"{failure}: {exc}") from exc
     if completed is False:
         raise WeightSyncError(failure)
+    receiver.formed = True
+
+
+def _first_collective(receiver: WeightReceiver, collective, failure: str) -> bool:
+    """NCCL forms a group's communicator inside its first collective, waiting for the learner there with no
+    time-out of its own: run that one in a thread given the group's timeout (and a margin). A learner that never
+    comes leaves the thread behind and this raises, so the worker's RPC (a join) returns and the actor can join
+    again."""
+    outcome: dict = {}
+    device = receiver.device
+
+    def run() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+        try:
+            outcome["completed"] = collective()
+        except Exception as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="horizonrl-weight-group-forming", daemon=True)
+    thread.start()
+    thread.join(receiver.timeout_s + FORMING_MARGIN_S)
+    if thread.is_alive():
+        raise WeightSyncError(f"{failure}: the NCCL communicator was not formed (is the learner's side frozen?)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["completed"]

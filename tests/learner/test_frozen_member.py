@@ -103,3 +103,30 @@ def test_a_joiner_whose_first_collective_never_returns_is_given_up_within_the_bo
     sent = in_thread(lambda: hub.send(hub.pack(1, [("w", torch.ones(64, 64))])))  # the hub is free again
     sent.join(10)
     assert not sent.is_alive()
+
+
+def test_an_engine_whose_learner_never_forms_the_nccl_group_gives_up_within_the_groups_timeout(monkeypatch):
+    """The engine's side of the same: its first collective on a new NCCL group (the join's header) forms the
+    communicator and would wait for a frozen learner with no time-out; it gives up after the group's timeout, so
+    the worker's join returns an error and the actor joins again."""
+    import horizonrl.actors.weight_receiver as weight_receiver
+    from horizonrl.actors.weight_receiver import WeightReceiver, open_weight_stream
+    from horizonrl.protocol.weights import WeightSyncError
+
+    class Hanging:
+        def broadcast(self, tensors, options):
+            THAW.wait(120)  # inside the call, before any wait(timeout): where NCCL forms its communicator
+
+    class NcclReceiver(WeightReceiver):
+        device = torch.device("cpu")  # NCCL's bookkeeping, without a GPU
+
+    monkeypatch.setattr(weight_receiver, "FORMING_MARGIN_S", 0.5, raising=False)
+    THAW.clear()
+    try:
+        receiver = NcclReceiver(1, "nccl", 1.0, Hanging(), store=None)
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="header of the next version did not complete"):
+            open_weight_stream(receiver)
+        assert time.monotonic() - start < 10
+    finally:
+        THAW.set()
