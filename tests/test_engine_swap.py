@@ -73,7 +73,7 @@ class FakeLLM:
         self.resumed.clear()
 
     async def update_weight_version(self, new_version: str) -> None:
-        assert not self.resumed.is_set(), "labels change only while the engine is paused"
+        assert not self.running or not self.resumed.is_set(), "labels change only while nothing generates"
         self.label = new_version
 
     async def resume_generation(self):
@@ -398,6 +398,23 @@ async def test_with_vllms_labels_kept_requests_are_tagged_without_the_model_runn
         assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1), (0, 2)]
     assert "horizonrl_output_counts" not in llm.rpcs and not llm.aborted and engine.continued_requests == 0
     assert engine.kept_requests == 8 and llm.label == "w0.2" and llm.resumed.is_set()
+
+
+@pytest.mark.parametrize("on_weight_update", ["resubmit", "recompute"])
+async def test_with_vllms_labels_cut_off_requests_are_tagged_too(on_weight_update):
+    """Every swap sets the new weights' label, not only keep's: the tags come from the labels whatever
+    on_weight_update says."""
+    llm = FakeLLM(labels=True)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update=on_weight_update, api=VLLM_0_33)
+    kwargs = dict(max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    requests = [asyncio.ensure_future(engine.generate([1, 2, 3], **kwargs)) for _ in range(2)]
+    while engine.clock.in_flight < 2 or any(len(state["ids"]) < 5 for state in llm.running.values()):
+        await asyncio.sleep(0.005)
+    await engine.load_staged()
+    for generation in await asyncio.gather(*requests):
+        check_tags(generation, 40)
+        assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1)]
+    assert engine.continued_requests == 2 and llm.label == "w0.1"
 
 
 @pytest.mark.parametrize(("runner", "holds_requests", "refused"), [("v1", True, False), ("v2", False, True)])

@@ -435,6 +435,7 @@ class RolloutEngine:
                 else:
                     await self._cut_off_requests(list(self._in_flight))
                     update = await change()
+                    await self._label_tokens(update)  # nothing runs in the engine: the gate is closed
                 if self.on_weight_update == "recompute":
                     # Cached prefixes hold keys/values computed with the old weights.
                     await self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -472,13 +473,18 @@ class RolloutEngine:
                                    "(is its core process alive?)") from None
             if self.token_versions == "vllm":
                 update = await change()
-                # Every token sampled from now on is labelled with the new weights, until the next swap.
-                await self._llm.update_weight_version(cache_salt((update.epoch, update.version)))
+                await self._label_tokens(update)  # while paused: every token sampled after it is the new weights'
                 self.kept_requests += len(self._in_flight)
                 return update, pause_wait
             return await self._change_counting_tokens(change), pause_wait
         finally:
             await asyncio.wait_for(self._llm.resume_generation(), SUBMIT_WAIT_S)
+
+    async def _label_tokens(self, update: WeightUpdate) -> None:
+        """Where vLLM labels tokens (``token_versions == "vllm"``): every token sampled from now on, until the next
+        swap, carries the new weights' label (:func:`cache_salt`'s form), under every ``on_weight_update``."""
+        if self.token_versions == "vllm":
+            await self._llm.update_weight_version(cache_salt((update.epoch, update.version)))
 
     async def _change_counting_tokens(self, change) -> WeightUpdate:
         """The worker's part of a kept swap where vLLM does not label tokens (see above)."""
