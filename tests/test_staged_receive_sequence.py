@@ -21,6 +21,8 @@ from helpers import wait_until
 from horizonrl.actors.vllm_worker import WeightReceiverExtension
 from horizonrl.learner.weight_broadcast import WeightHub
 
+pytestmark = pytest.mark.slow  # real gloo groups between the hub and the worker (14 s for both tests here)
+
 RUN_ID = "sequence"
 TIMEOUT_S = 60.0  # the hub's and the engine's weight_sync_timeout_s: what a stall would last
 
