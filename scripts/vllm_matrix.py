@@ -91,12 +91,29 @@ def markdown(columns: list[dict]) -> str:
             else:
                 cells.append("✓" if column["problems"][entry.key] is None else "✗")
         scope = "yes" if entry.needed else "optional"
-        label = f"`{entry.name}`" + (f" ({entry.runner} runner)" if entry.runner else "") + (
-            " (CPU)" if entry.platform else "")
-        lines.append(f"| {label} | {scope} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(entry)} | {scope} | " + " | ".join(cells) + " |")
     lines.append("| V2 model runner: `VLLM_USE_V2_MODEL_RUNNER` default | | "
                  + " | ".join(_runner_default(c) for c in columns) + " |")
-    return "\n".join(lines + [""] + _problem_notes(columns))
+    footnotes = [f"{mark} `{e.owner}`: {', '.join(e.parameters)}."
+                 for mark, e in zip(SUPERSCRIPTS, [e for e in ENGINE_API if _long(e)])]
+    return "\n".join(lines + [""] + footnotes + [""] + _problem_notes(columns))
+
+
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
+def _long(entry) -> bool:
+    return entry.kind == "call" and len(entry.parameters) > 4
+
+
+def _label(entry) -> str:
+    """The entry's name, a long parameter list shortened (it is spelled out under the table)."""
+    name = entry.name
+    if _long(entry):
+        mark = SUPERSCRIPTS[[e for e in ENGINE_API if _long(e)].index(entry)]
+        name = f"{entry.owner}({len(entry.parameters)} fields{mark})"
+    return f"`{name}`" + (f" ({entry.runner.upper()} runner)" if entry.runner else "") + (
+        " (vLLM-CPU)" if entry.platform else "")
 
 
 def _runner_default(column: dict) -> str:
