@@ -194,3 +194,22 @@ def test_start_asks_for_the_v1_model_runner_where_keep_counts_tokens(monkeypatch
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER is set.*V1 model runner"):
         started_engine_args(monkeypatch, 1, None)
+
+
+def test_the_matrix_script_reads_a_tree_on_disk(tmp_path):
+    """scripts/vllm_matrix.py on the installed vLLM (--source: no download): a column per release, each entry's
+    problem or None, the runners, and the V2 runner's default as the release decides it."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "matrix.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "vllm_matrix.py"), "--source",
+                           str(installed_source_tree().root), "--json", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (column,) = json.loads(out.read_text())
+    assert column["version"] == check_engine_api().version
+    assert set(column["problems"]) == {entry.key for entry in ENGINE_API}
+    assert all(problem is None for problem in column["problems"].values())
+    assert column["runners"] == ["v1", "v2"] and column["v2_runner_decided_by_config"]
