@@ -9,8 +9,10 @@ them. ``scripts/vllm_matrix.py`` reads every release of that range the same way;
 
 An entry is *needed* (no engine starts without it) or *optional* (``engine.py`` works either way and asks
 :class:`EngineApi.has` which way: the difference is handled in the one module that talks to vLLM). Entries of
-one model runner (``runner="v1"``/``"v2"``) are checked when that runner is in the tree; the worker uses whichever
-vLLM picked. Entries of vLLM-CPU (``platform="cpu"``) are optional: the worker falls back to vLLM's reload.
+one model runner (``runner="v1"``/``"v2"``) are read when that runner is in the tree, and refused at start only
+when no runner has them all: which runner the workers get is vLLM's choice when it starts, so the engine checks
+that runner's entries at its first join (``RolloutEngine._check_model_runner``). Entries of vLLM-CPU
+(``platform="cpu"``) are optional: the worker falls back to vLLM's reload.
 """
 
 from __future__ import annotations
