@@ -1,9 +1,9 @@
-"""The staged receive's state machine against a real weight hub (gloo, one process): the sequence a red-team run
-met, where a staged receive ended, the engine took its outcome by asking, and the next stage request found a
-receive still under way in the worker. The worker answered "a staged receive is already in progress", the actor
-joined the hub again, and that join waited for the old receive (blocked on the closed group until its timeout)
-while the hub's admission of the new join waited for the engine: both for weight_sync_timeout_s, the learner
-without a step for 5 minutes. Now a stage request adopts a receive under way (it brings the next version, the
+"""The staged receive's state machine against a real weight hub (gloo, one process), in the sequence where a staged
+receive ended, the engine took its outcome by asking, and the next stage request found a receive still under way
+in the worker. The worker used to answer "a staged receive is already in progress", the actor joined the hub
+again, and that join waited for the old receive (blocked on the closed group until its timeout) while the hub's
+admission of the new join waited for the engine: both for weight_sync_timeout_s, the learner without a step for as
+long. Now a stage request adopts a receive under way (it brings the next version, the
 one that stage asks for), and a join leaves an old receive behind after a moment. The worker here is the real
 extension over a transformers-sized stand-in of vLLM's model runner (the real engine: tests/integration/)."""
 
