@@ -83,7 +83,8 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
     # keep tells the versions apart on a vLLM before 0.32.
     kept = result["kept"]
     assert kept["token_versions"] == "vllm" and kept["continued_requests"] == 0
-    for phase, old, new in ((kept, 2, 3), (result["counted"], 3, 4)):
+    phases = [(kept, 2, 3)] + ([(result["counted"], 3, 4)] if tensor_parallel_size == 1 else [])
+    for phase, old, new in phases:
         assert phase["staged"] == [0, new] and phase["loaded"] == [0, new] and phase["running_at_swap"] >= 1
         assert phase["lengths"] == [400] * 8 and set(phase["finish_reasons"]) == {"length"}
         cut = [spans for spans in phase["spans"] if len(spans) == 2]
