@@ -676,7 +676,7 @@ def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
     import torch
     import zmq
 
-    from horizonrl.actors.weight_ipc import open_ipc_weight_stream
+    from horizonrl.actors.weight_ipc import MappedBuffer, open_ipc_weight_stream
     from horizonrl.protocol.transport import make_socket
 
     result = {}
@@ -686,8 +686,9 @@ def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
         torch.cuda.set_device(0)
         sock.connect(f"tcp://127.0.0.1:{port}")
         model: dict[str, torch.Tensor] = {}
+        mapped = MappedBuffer()  # one mapping per export of the sender's buffer (actors/weight_ipc.py says why)
         for _ in range(repeats):
-            stream = open_ipc_weight_stream(sock, run_id="gpu-check", timeout_s=120.0)
+            stream = open_ipc_weight_stream(sock, run_id="gpu-check", timeout_s=120.0, mapped=mapped)
             for name, tensor in stream:
                 if name not in model:
                     model[name] = torch.empty_like(tensor)
@@ -696,6 +697,7 @@ def _colocated_receiver(port: int, repeats: int, out_path: str) -> None:
         result["mismatched"] = [name for name, tensor in model.items()
                                 if not torch.equal(tensor, _tensor_for(name, tuple(tensor.shape), tensor.device))]
         result["tensors"] = len(model)
+        result["mappings_opened"] = mapped.opened  # 1: the sender exported its buffer once
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
     finally:
@@ -723,9 +725,12 @@ def check_colocated_handoff(ctx: Context) -> CheckResult:
                "version_s": [round(t, 4) for t in sender["version_s"]], "handoff_gb_s": round(sender["bytes"] / best / GB, 2),
                "one_copy_gb_s": round(sender["bytes"] / sender["copy_s"] / GB, 2),
                "handoff_over_one_copy": round(best / sender["copy_s"], 2), "tensors": receiver["tensors"],
-               "mismatched_tensors": len(receiver["mismatched"]), "dead_receiver": sender["dead_receiver"]}
+               "mismatched_tensors": len(receiver["mismatched"]), "dead_receiver": sender["dead_receiver"],
+               "mappings_opened": receiver["mappings_opened"]}
     dead = sender["dead_receiver"]
-    ok = not receiver["mismatched"] and dead["raised"] and dead["after_s"] <= dead["bound_s"] + 5
+    # one mapping for the three versions: the sender exported its buffer once (the CUDA-IPC reference count)
+    ok = (not receiver["mismatched"] and dead["raised"] and dead["after_s"] <= dead["bound_s"] + 5
+          and receiver["mappings_opened"] == 1)
     return CheckResult("colocated_handoff", "PASS" if ok else "FAIL", figures,
                        "learner/weight_ipc.py -> actors/weight_ipc.py, best of 3 versions; every tensor compared")
 

@@ -11,14 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from horizonrl.actors.engine import RolloutEngine, spans_of_request
+from horizonrl.actors.engine_api import ENGINE_API, EngineApi, EngineVersionError
 
 
 class FakeLLM:
-    """Generates one token per tick; a token's logprob says which weights sampled it: -(version + 1) / 100."""
+    """Generates one token per tick; a token's logprob says which weights sampled it: -(version + 1) / 100.
+    ``labels``: like vLLM 0.32 on, each token carries the weight label set when it was sampled
+    (``update_weight_version``), and the final output lists them as ``weight_versions`` spans."""
 
     errored = False
 
-    def __init__(self, tick_s: float = 0.002, add_delay_s: float = 0.0) -> None:
+    def __init__(self, tick_s: float = 0.002, add_delay_s: float = 0.0, labels: bool = False) -> None:
+        self.labels = labels
+        self.label = "default"
         self.version = 0
         self.tick_s, self.add_delay_s = tick_s, add_delay_s
         self.running: dict[str, dict] = {}
@@ -29,14 +34,13 @@ class FakeLLM:
         self.resumed.set()
         self.unscheduled: set[str] = set()  # requests the worker does not hold yet (not in its output counts)
         self.salts: list[str] = []  # each request's prefix-cache salt, in submission order
-        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause_scheduler)
 
     async def add_request(self, request_id, prompt, params):
         await asyncio.sleep(self.add_delay_s)  # vLLM's input processing before the request reaches the engine
         self.salts.append(prompt["cache_salt"])
         queue: asyncio.Queue = asyncio.Queue()
         queue.get_nowait = lambda q=queue: None if q.empty() else asyncio.Queue.get_nowait(q)
-        state = {"ids": [], "logprobs": [], "queue": queue, "max": params.max_tokens}
+        state = {"ids": [], "logprobs": [], "labels": [], "queue": queue, "max": params.max_tokens}
         state["task"] = asyncio.ensure_future(self._generate(request_id, state))
         self.running[request_id] = state
         return queue
@@ -47,12 +51,14 @@ class FakeLLM:
             await self.resumed.wait()
             state["ids"].append(1000 + self.version)
             state["logprobs"].append(-(self.version + 1) / 100)
+            state["labels"].append(self.label)
         self._finish(request_id, "length")
 
     def _finish(self, request_id: str, reason: str) -> None:
         state = self.running.pop(request_id)
         logprobs = [{tok: SimpleNamespace(logprob=lp)} for tok, lp in zip(state["ids"], state["logprobs"])]
-        completion = SimpleNamespace(token_ids=list(state["ids"]), logprobs=logprobs, finish_reason=reason)
+        completion = SimpleNamespace(token_ids=list(state["ids"]), logprobs=logprobs, finish_reason=reason,
+                                     weight_versions=label_spans(state["labels"]) if self.labels else None)
         state["queue"].put_nowait(SimpleNamespace(finished=True, outputs=[completion]))
 
     async def abort(self, request_ids):
@@ -62,9 +68,13 @@ class FakeLLM:
                 self.aborted.append(request_id)
                 self._finish(request_id, "abort")
 
-    async def _pause_scheduler(self, *, mode, clear_cache):
+    async def pause_generation(self, *, mode="abort", clear_cache=True):
         assert mode == "keep" and not clear_cache
         self.resumed.clear()
+
+    async def update_weight_version(self, new_version: str) -> None:
+        assert not self.running or not self.resumed.is_set(), "labels change only while nothing generates"
+        self.label = new_version
 
     async def resume_generation(self):
         self.resumed.set()
@@ -80,6 +90,17 @@ class FakeLLM:
 
     async def reset_prefix_cache(self, reset_running_requests=False):
         self.prefix_resets += 1
+
+
+def label_spans(labels: list[str]) -> list[SimpleNamespace]:
+    """vLLM's ``CompletionOutput.weight_versions``: runs of one label, ``[start, end)`` over the tokens."""
+    spans: list[SimpleNamespace] = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1].version == label:
+            spans[-1].end = i + 1
+        else:
+            spans.append(SimpleNamespace(version=label, start=i, end=i + 1))
+    return spans
 
 
 def check_tags(generation, max_tokens: int) -> None:
@@ -226,7 +247,7 @@ async def test_the_wait_for_the_engine_to_end_its_step_is_not_counted_as_stall()
     reports that wait apart (pause_wait_s) and counts as stall only the time from the pause to the resume."""
     llm, engine, requests = await four_requests_in_flight("keep")
     step_s, load_s = 1.0, 0.1
-    pause = llm._pause_scheduler
+    pause = llm.pause_generation
 
     async def pause_after_a_step(**kwargs):
         await asyncio.sleep(step_s)  # the step in progress ends first
@@ -239,7 +260,7 @@ async def test_the_wait_for_the_engine_to_end_its_step_is_not_counted_as_stall()
             await asyncio.sleep(load_s)
         return await rpc(method, timeout, args)
 
-    llm.engine_core = SimpleNamespace(pause_scheduler_async=pause_after_a_step)
+    llm.pause_generation = pause_after_a_step
     llm.collective_rpc = slow_load
     update = await engine.load_staged()
     await asyncio.gather(*requests)
@@ -288,10 +309,133 @@ async def test_an_engine_that_does_not_pause_fails_the_swap_in_bounded_time_and_
     async def resume():
         resumes.append(True)
 
-    llm.engine_core = SimpleNamespace(pause_scheduler_async=never_pauses)
+    llm.pause_generation = never_pauses
     llm.resume_generation = resume
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep")
     with pytest.raises(RuntimeError, match="did not pause within"):
         await engine.load_staged()
     assert resumes == [True] and engine.weights == (0, 0) and "horizonrl_load_staged" not in llm.rpcs
     assert engine._gate_open.is_set()  # requests can enter again
+
+
+# ------------------------------------------------------------------ what differs between vLLM releases
+
+
+def api_of(version: str, missing: set[str] = frozenset()) -> EngineApi:
+    """What check_engine_api finds in a release: every entry holds but ``missing`` (docs/gpu.md's matrix)."""
+    return EngineApi(version, {e.key: (f"{e.name}: not there" if e.key in missing else None) for e in ENGINE_API},
+                     frozenset({"v1", "v2"}))
+
+
+NO_LABELS = {"weight_version_label", "weight_version_span", "weight_version_spans"}
+VLLM_0_16 = api_of("0.16.0", {"shutdown_timeout", "v2_reload", *NO_LABELS})
+VLLM_0_31 = api_of("0.31.0", NO_LABELS)
+VLLM_0_33 = api_of("0.33.0")
+
+
+class FakeLLM016(FakeLLM):
+    """vLLM 0.16's AsyncLLM: pause_generation(mode="keep") calls a pause_scheduler_async() that takes no
+    arguments, and shutdown() takes no time-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause_scheduler)
+        self.shut_down = False
+
+    async def _pause_scheduler(self) -> None:
+        self.resumed.clear()
+
+    async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
+        assert mode == "keep" and not clear_cache
+        await self.engine_core.pause_scheduler_async()
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+async def test_vllm_0_16_keeps_requests_through_a_swap_and_shuts_down():
+    """0.16's pause_scheduler_async() takes no arguments and its shutdown() no time-out (both TypeErrors before:
+    the swap failed at the first join, and evaluate() lost its metrics to the shutdown in its finally)."""
+    llm = FakeLLM016()
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep", api=VLLM_0_16)
+    kwargs = dict(max_tokens=30, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    request = asyncio.ensure_future(engine.generate([1], **kwargs))
+    while not llm.running or len(next(iter(llm.running.values()))["ids"]) < 5:
+        await asyncio.sleep(0.005)
+    await engine.load_staged()
+    generation = await request
+    check_tags(generation, 30)
+    assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1)] and engine.kept_requests == 1
+    engine.shutdown()
+    assert llm.shut_down
+
+
+async def test_with_vllms_labels_kept_requests_are_tagged_without_the_model_runners_internals():
+    """From vLLM 0.32 on, every token carries the weight label set when it was sampled: the swap sets the new
+    weights' label while paused and never asks the worker for the model runner's request states (which Model
+    Runner V2, vLLM's default for dense models, does not have). Nothing is cut off: a request not scheduled yet
+    is kept like the others."""
+    llm = FakeLLM(labels=True)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep", api=VLLM_0_33)
+    rpc = llm.collective_rpc
+
+    async def no_request_states(method, timeout=None, args=()):
+        if method == "horizonrl_output_counts":
+            raise AttributeError("'GPUModelRunner' object has no attribute 'requests'")  # Model Runner V2
+        return await rpc(method, timeout, args)
+
+    llm.collective_rpc = no_request_states
+    kwargs = dict(max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    requests = [asyncio.ensure_future(engine.generate([1, 2, 3], **kwargs)) for _ in range(4)]
+    while engine.clock.in_flight < 4 or any(len(state["ids"]) < 5 for state in llm.running.values()):
+        await asyncio.sleep(0.005)
+    await engine.load_staged()
+    while any(len(state["ids"]) < 12 for state in llm.running.values()):
+        await asyncio.sleep(0.005)
+    await engine.load_staged()
+    for generation in await asyncio.gather(*requests):
+        check_tags(generation, 40)
+        assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1), (0, 2)]
+    assert "horizonrl_output_counts" not in llm.rpcs and not llm.aborted and engine.continued_requests == 0
+    assert engine.kept_requests == 8 and llm.label == "w0.2" and llm.resumed.is_set()
+
+
+@pytest.mark.parametrize("on_weight_update", ["resubmit", "recompute"])
+async def test_with_vllms_labels_cut_off_requests_are_tagged_too(on_weight_update):
+    """Every swap sets the new weights' label, not only keep's: the tags come from the labels whatever
+    on_weight_update says."""
+    llm = FakeLLM(labels=True)
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update=on_weight_update, api=VLLM_0_33)
+    kwargs = dict(max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    requests = [asyncio.ensure_future(engine.generate([1, 2, 3], **kwargs)) for _ in range(2)]
+    while engine.clock.in_flight < 2 or any(len(state["ids"]) < 5 for state in llm.running.values()):
+        await asyncio.sleep(0.005)
+    await engine.load_staged()
+    for generation in await asyncio.gather(*requests):
+        check_tags(generation, 40)
+        assert [(e, v) for _, e, v in generation.version_spans] == [(0, 0), (0, 1)]
+    assert engine.continued_requests == 2 and llm.label == "w0.1"
+
+
+@pytest.mark.parametrize(("runner", "holds_requests", "refused"), [("v1", True, False), ("v2", False, True)])
+async def test_a_model_runner_without_what_the_updates_need_is_refused_at_the_first_join(runner, holds_requests,
+                                                                                          refused):
+    """Before vLLM 0.32, keep counts tokens in the V1 runner's request states; a worker on Model Runner V2 (asked
+    for by hand) is refused at the first join, before any weights move, naming what is missing and the way out."""
+    llm = FakeLLM()
+    rpc = llm.collective_rpc
+
+    async def runner_facts(method, timeout=None, args=()):
+        if method == "horizonrl_model_runner":
+            return [{"runner": runner, "class": "GPUModelRunner", "holds_requests": holds_requests}]
+        return await rpc(method, timeout, args)
+
+    llm.collective_rpc = runner_facts
+    engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep", api=VLLM_0_31)
+    join = engine.join_weights("127.0.0.1", 1, actor=0, run_id="r", timeout_s=5)
+    if refused:
+        with pytest.raises(EngineVersionError, match="keeps no per-request token lists") as info:
+            await join
+        assert "VLLM_USE_V2_MODEL_RUNNER" in str(info.value) and "horizonrl_join_weight_hub" not in llm.rpcs
+    else:
+        assert (await join).version == 1 and llm.rpcs[-1] == "horizonrl_join_weight_hub"

