@@ -20,6 +20,8 @@ from env_server_proc import ServerProcess
 from horizonrl.envs.babyai import BOT_UNSUPPORTED_LEVELS
 from horizonrl.envs.registry import make_env
 
+pytestmark = pytest.mark.system  # Java 17 (the fleet serves SciWorld)
+
 
 def http(method: str, url: str, body: object = ...) -> tuple[int, object]:
     data = None if body is ... else json.dumps(body).encode()

@@ -12,6 +12,7 @@ from horizonrl.envs import sciworld
 from horizonrl.envs.base import EnvironmentFailure
 from horizonrl.envs.sciworld import POOL, SciWorldEnv, canonical_listing, task_table
 
+pytestmark = pytest.mark.system  # Java 17 (SciWorld's JVM)
 
 
 @pytest.fixture
@@ -95,6 +96,7 @@ async def test_jvm_is_pooled_across_instances():
 SCRIPT = """
 import asyncio, hashlib
 from horizonrl.envs.sciworld import SciWorldEnv, POOL
+
 async def main():
     env, h = SciWorldEnv(), hashlib.sha256()
     for i in (3761, 4195, 1321):

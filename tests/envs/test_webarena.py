@@ -19,7 +19,7 @@ from horizonrl.envs.webarena.browser import close_browser
 from env_server_proc import ServerProcess
 from webarena_helpers import run_expert
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.system]  # Chromium (WebArena's browser)
 
 NODE_LINE = re.compile(r"^\t*\[\d+\] \S+ '.*'")
 

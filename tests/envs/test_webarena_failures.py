@@ -22,6 +22,8 @@ from horizonrl.protocol.transport import free_port
 
 from webarena_helpers import run_expert
 
+pytestmark = pytest.mark.system  # Chromium (WebArena's browser)
+
 
 def run(scenario, timeout_s: float = 240.0):
     """Run ``scenario()`` in a fresh loop (fresh browser); close that browser; no browser left behind."""

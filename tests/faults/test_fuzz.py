@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import glob
 import random
-import re
 import socket
 import time
 from collections import Counter
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from helpers import horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import horizonrl_cmd, newest_step, start_process, stop_process, wait_for_step, wait_until
 
 from horizonrl.buffer.accounting import account
 from horizonrl.buffer.server import BufferServer
@@ -43,7 +42,6 @@ from horizonrl.launcher import resolve_ports
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
 RUN_ID = "fuzz"
-STEP = re.compile(r"^step (\d+)/\d+", re.M)
 RAW_TCP = 200  # connections with random bytes to each TCPStore (whole-run test)
 
 
@@ -188,7 +186,7 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_go
     ctx = zmq.Context()
     sockets = []
     try:
-        wait_until(lambda: "step 2/200" in log.read_text(errors="replace"), 400, "learner step 2")
+        wait_for_step(run_dir, 2, 400)
         config = load_config(run_dir / "config.yaml")
         net, run_id = config.network, config.run.run_id
         before = latest_scalars(run_dir)
@@ -220,18 +218,17 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_go
         oversized.send(b"\x00" * (65 * 1024 * 1024))  # over the intake's MAXMSGSIZE
         total = sum(map(len, storms.values())) + 2 * RAW_TCP
         assert total >= 10_000
-        fuzzed_at_step = max(int(x) for x in STEP.findall(log.read_text(errors="replace")))
+        fuzzed_at_step = newest_step(run_dir)
         expected_buffer = len(storms["intake"]) + len(storms["requests"])
 
         def counted_and_stepping():
             now = latest_scalars(run_dir)
             counted = sum(now.get(t, 0.0) - before.get(t, 0.0) for t in now
                           if t.startswith(("buffer/bad_messages_", "buffer/rejected_")) and t != "buffer/rejected_total")
-            steps = [int(x) for x in STEP.findall(log.read_text(errors="replace"))]
             reports = sum(now.get(t, 0.0) - before.get(t, 0.0) for t in ("coordinator/bad_messages",
                                                                           "coordinator/rejected"))
             return now if counted >= expected_buffer and reports >= len(storms["report"]) and \
-                max(steps) >= fuzzed_at_step + 3 else None
+                newest_step(run_dir) >= fuzzed_at_step + 3 else None
 
         # training goes on while everything is read and counted; then a clean stop
         after = wait_until(counted_and_stepping, 400, "every message counted, and 3 more learner steps", interval=2.0)

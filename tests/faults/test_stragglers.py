@@ -1,8 +1,8 @@
 """No group waits forever. A training run whose environment hangs on some steps (the step never answers)
-ends those episodes at ``rollout.episode_timeout_s`` as timeout failures, and the run goes on; so does a
-run whose engine stops answering mid-generation (its engine core frozen with SIGSTOP): the generations
-in flight end at ``rollout.turn_timeout_s``. Each run is stopped with Ctrl-C a few learner steps after
-the first timeout; the accounting finds nothing lost and nothing trained twice.
+ends those episodes at ``rollout.episode_timeout_s`` as timeout failures, and the run goes on; so does it
+when an engine stops answering mid-generation (its engine core frozen with SIGSTOP): the generations
+in flight end at ``rollout.turn_timeout_s``. Both happen in one run, stopped with Ctrl-C a few learner steps
+after the last timeout; the accounting finds nothing lost and nothing trained twice.
 
 The environment is real — ``horizonrl env serve signpost`` in its own process — behind a small HTTP
 proxy in this test that forwards everything, except that a step of an episode of a task id divisible
@@ -90,10 +90,11 @@ class HangingProxy(threading.Thread):
 UNTIL_STOPPED = "learner.total_steps=10000"
 
 
-def timeouts_of(run_dir: Path, actor: int | None = None) -> list[dict]:
-    """The episodes the actors ended as timeout failures (all actors', or one's)."""
-    return [e for e in run_events(run_dir, RunEvent.EPISODE_FAILED)
-            if e["failure"] == "timeout" and actor in (None, e["actor"])]
+def timeouts_of(run_dir: Path, what: str, actor: int | None = None, since: float = 0.0) -> list[dict]:
+    """The episodes the actors ended as timeout failures because ``what`` ("an environment call", "a generation")
+    took too long: all actors', or one's, written at or after ``since``."""
+    return [e for e in run_events(run_dir, RunEvent.EPISODE_FAILED, since=since)
+            if e["failure"] == "timeout" and e["message"].startswith(what) and actor in (None, e["actor"])]
 
 
 def timeout_failures(run_dir: Path) -> float:
@@ -118,7 +119,14 @@ def assert_stopped_cleanly(rc: int, log: Path, run_dir: Path) -> None:
     assert ledger["lost"] == [] and ledger["trained_twice"] == [] and ledger["in_two_fates"] == [], ledger
 
 
-def test_a_hung_environment_step_ends_the_episode_at_its_limit_and_the_run_goes_on(tiny_model, tmp_path):
+def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_limits_and_the_run_goes_on(
+        tiny_model, tmp_path):
+    """One run, two actors, two stragglers. The environment (a real ``horizonrl env serve signpost`` behind the
+    hanging proxy) holds some steps forever: those episodes end at ``rollout.episode_timeout_s``. Then the engine
+    core of the first actor playing is frozen until a generation in flight has run past ``rollout.turn_timeout_s``;
+    the other actor keeps the learner fed, and the run goes on after the thaw. Every timeout is counted, none is
+    trained on; Ctrl-C ends the run with nothing lost."""
+    turn_limit = 3.0
     server = ServerProcess(["signpost"], "--settings", json.dumps({"signpost": {"length": 2}}))
     proxy = HangingProxy(server.url)
     proxy.start()
@@ -127,43 +135,24 @@ def test_a_hung_environment_step_ends_the_episode_at_its_limit_and_the_run_goes_
     envs = json.dumps([{"name": "http", "settings": {"url": f"http://127.0.0.1:{proxy.port}", "env": "signpost"}}])
     proc = start_process(horizonrl_cmd(
         "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", f"envs={envs}",
-        "rollout.num_actors=1", "rollout.n=4", "learner.groups_per_step=2", UNTIL_STOPPED,
-        "rollout.episode_timeout_s=4", "buffer.skip_equal_reward_groups=false"), log)
-    try:
-        wait_until(lambda: timeouts_of(run_dir), 300, "an episode to time out on a hung step")
-        rc = go_on_then_stop(proc, run_dir, newest_step(run_dir))
-    finally:
-        stop_process(proc)
-        proxy.stop()
-        server.stop()
-    assert proxy.held > 0  # some steps did hang
-    assert_stopped_cleanly(rc, log, run_dir)
-
-
-def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on(tiny_model, tmp_path):
-    """The engine core of the first actor playing is frozen after step 2 until its generations in flight have
-    timed out (counted, not trained on); the other actor keeps the learner fed once it has started, and the
-    run goes on after the thaw."""
-    turn_limit = 3.0
-    run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    proc = start_process(horizonrl_cmd(
-        "train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}", "rollout.n=4",
-        "learner.groups_per_step=2", UNTIL_STOPPED, f"rollout.turn_timeout_s={turn_limit}",
-        "buffer.skip_equal_reward_groups=false",
+        "rollout.n=4", "learner.groups_per_step=2", UNTIL_STOPPED, "rollout.episode_timeout_s=8",
+        f"rollout.turn_timeout_s={turn_limit}", "buffer.skip_equal_reward_groups=false",
         # No backpressure pause (staleness drops bound the buffer): a paused actor has no generation in
         # flight for the freeze to catch. A weight broadcast the frozen engine cannot take gives up on
         # it after a minute rather than five.
         "buffer.capacity_groups=1000", "learner.weight_sync_timeout_s=60"), log)
     frozen = None
     try:
+        wait_until(lambda: timeouts_of(run_dir, "an environment call"), 300, "an episode to time out on a hung step")
+
         def playing() -> list[int]:
             return [e["actor"] for e in run_events(run_dir, RunEvent.ENGINE_READY)]
 
         # The victim's engine must be up and playing before the freeze, or the freeze only stalls its start-up
-        # (no generation in flight to time out); joining the weight hub is not enough ("started:" comes after
-        # the first version is loaded: the engine_ready event). It is whichever actor plays first: an engine that
-        # starts while the other actor and the learner hold both cores can take minutes, and freezing the one
-        # playing gives the other the cores it needs.
+        # (no generation in flight to time out); joining the weight hub is not enough (the engine_ready event
+        # comes once the first version is loaded). It is whichever actor plays first: an engine that starts while
+        # the other actor and the learner hold both cores can take minutes, and freezing the one playing gives
+        # the other the cores it needs.
         victim = wait_until(playing, 600, "an actor to start playing")[0]
         wait_for_step(run_dir, 2, 600)
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -172,9 +161,11 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         # Frozen until a generation has run past its limit. Should the actor have had none in flight
         # (between groups, or paused), thaw and freeze again.
         for attempt in range(5):
+            frozen_at = time.time()
             frozen.suspend()
             try:
-                wait_until(lambda: timeouts_of(run_dir, victim), 60, "a generation to time out on the frozen engine")
+                wait_until(lambda: timeouts_of(run_dir, "a generation", victim, since=frozen_at), 60,
+                           "a generation to time out on the frozen engine")
                 break
             except TimeoutError:
                 frozen.resume()
@@ -188,4 +179,7 @@ def test_a_generation_that_never_ends_ends_at_the_turn_limit_and_the_run_goes_on
         if frozen is not None and frozen.is_running():
             frozen.resume()
         stop_process(proc)
+        proxy.stop()
+        server.stop()
+    assert proxy.held > 0  # some steps did hang
     assert_stopped_cleanly(rc, log, run_dir)

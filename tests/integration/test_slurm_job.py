@@ -22,7 +22,7 @@ from helpers import horizonrl_cmd
 
 from horizonrl.protocol.transport import free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]  # Slurm and munge
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "signpost_test.yaml"

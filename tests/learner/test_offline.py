@@ -344,7 +344,8 @@ def test_dpo_starts_at_log_2_and_learns_the_preference(model_dir, expert_files, 
 # ---------------------------------------------------------------------------- (d) 2 ranks == 1 rank
 
 
-@pytest.mark.parametrize("paradigm", ["sft", pytest.param("dpo", marks=pytest.mark.slow)])  # ~10 s each when idle
+@pytest.mark.slow  # two gloo ranks: a process group (~10 s each when idle)
+@pytest.mark.parametrize("paradigm", ["sft", "dpo"])
 def test_two_gloo_ranks_give_the_losses_of_one_rank(model_dir, expert_files, tmp_path, paradigm):
     """13 items in batches of 5 (the last one 3): rank 1's share is smaller and pads with an empty micro-batch."""
     from horizonrl.learner.offline import run_offline

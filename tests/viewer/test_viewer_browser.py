@@ -22,7 +22,7 @@ import pytest
 from helpers import horizonrl_cmd, start_process, stop_process, wait_until
 from PIL import Image
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]  # Chromium
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/lib/chromium/chromium-headless-shell")
 TIMEOUT_MS = 30_000
