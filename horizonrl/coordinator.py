@@ -20,7 +20,7 @@ After the last step the run stays open (rollout paused) until that evaluation is
 evaluations in a row have not beaten the best held-out success by more than ``eval.plateau_min_delta``
 (``Control.end_training``: the learner saves and stops at its next step boundary).
 
-After each learner step it writes a status record to stdout (``core/console.py``): the launcher
+After each learner step it writes a status record to stdout (``protocol/status.py``): the launcher
 turns it into the console's status block or progress line.
 
 Every message read is counted once, by what became of it: handled (``coordinator/accepted_<kind>``),
@@ -76,7 +76,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.report_checks import (KEYED_KINDS, REJECT_UNAUTHENTICATED, RunShape,
                                               learner_report_order_problem, report_problem)
 from horizonrl.protocol.transport import make_socket, wire_security
-from horizonrl.core.console import BUFFER_CAPACITY, BUFFER_GROUPS, status_record_line
+from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS, status_record_line
 from horizonrl.core.coordinator_state import (CoordinatorSnapshot, IncarnationCounters, PlateauState, Recovering,
                                               load_snapshot, save_snapshot)
 from horizonrl.core.run_events import EventLog, RunEvent, iter_events
@@ -543,7 +543,7 @@ class Coordinator:
             self.publish()  # the last evaluation is in: stop now
 
     def _write_status(self, step: int, scalars: dict[str, float], *, startup: bool = False) -> None:
-        """The step's status record on stdout, for the console of the launcher (core/console.py)."""
+        """The step's status record on stdout, for the console of the launcher (protocol/status.py)."""
         status = {**scalars, BUFFER_GROUPS: self.health.gauge("buffer", "ready_groups"),
                   BUFFER_CAPACITY: float(self.config.buffer.capacity_groups)}
         sys.stdout.write(status_record_line(step, self.config.learner.total_steps, status, startup=startup) + "\n")

@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --cpu [--out ...]      the parts that need no CUDA, on the CPU
     python scripts/gpu_check.py --sizing               print docs/gpu.md's sizing table and exit
 
-Models: the tiny Qwen2 of ``horizonrl.tiny_model`` and a randomly initialised model in the shape of
+Models: the tiny Qwen2 of ``horizonrl.apps.tiny_model`` and a randomly initialised model in the shape of
 Qwen2.5-0.5B, or of ``--large-size`` (transformers' Qwen2Config, written to a temporary directory, loaded
 the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
 
@@ -149,7 +149,7 @@ def report_and_exit(result: dict, out_path: str) -> None:
 
 
 def tiny_model_dir(workdir: Path) -> Path:
-    from horizonrl.tiny_model import build_model
+    from horizonrl.apps.tiny_model import build_model
 
     path = workdir / "tiny"
     if not (path / "model.safetensors").is_file():

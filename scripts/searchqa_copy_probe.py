@@ -24,7 +24,7 @@ from horizonrl.core.chat import ChatTokenizer
 from horizonrl.core.config import load_config
 from horizonrl.envs.retrieval import format_information
 from horizonrl.envs.searchqa import INSTRUCTION, SearchQAEnv
-from horizonrl.tiny_model import episode_ids
+from horizonrl.apps.tiny_model import episode_ids
 
 SEARCH = "<think>I should look this up.</think>\n<search> {} </search>"
 ANSWER = "<think>I will guess.</think>\n<answer> {} </answer>"

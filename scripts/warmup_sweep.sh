@@ -31,7 +31,7 @@ pids=()
 for v in "${VARIANTS[@]}"; do
     IFS=: read -r name episodes_per_env steps layers hidden <<<"$v"
     (
-        "$PY" -m horizonrl.tiny_model "$OUT/$name" --envs textcraft --env-settings "$SETTINGS" \
+        "$PY" -m horizonrl.apps.tiny_model "$OUT/$name" --envs textcraft --env-settings "$SETTINGS" \
             --episodes-per-env $((episodes_per_env / SCALE)) --steps $((steps / SCALE > 0 ? steps / SCALE : 1)) \
             --max-turns 20 --layers "$layers" --hidden "$hidden" --device "$DEVICE" >"$OUT/$name.log" 2>&1
         tail -n 1 "$OUT/$name.log"

@@ -18,7 +18,7 @@ from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.runtime import StopFlag
-from horizonrl.hostile import flipped, invalid_utf8_messages, sample_messages, string_paths, wrong_reports
+from horizonrl.apps.hostile import flipped, invalid_utf8_messages, sample_messages, string_paths, wrong_reports
 from horizonrl.launcher import resolve_ports
 from horizonrl.protocol import (EVENT_DIED, EpisodeSample, Heartbeat, HeldOutEval, LearnerReport, OversizedMessage,
                                 ProcessEvent, ProtocolError, Registration, decode, encode)

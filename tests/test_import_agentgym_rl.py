@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from horizonrl.cli import main as cli_main
+from horizonrl.apps.cli import main as cli_main
 from horizonrl.core.config import ConfigError, dump_config, load_config
-from horizonrl.import_agentgym_rl import convert, find_overrides, parse_hydra_value, parse_script
+from horizonrl.apps.import_agentgym_rl import convert, find_overrides, parse_hydra_value, parse_script
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "agentgym_rl"
@@ -303,7 +303,7 @@ def test_the_short_config_and_the_full_one_agree(tmp_path):
 def test_the_converter_imports_only_the_bottom_layer():
     from test_dependencies import BOTTOM, violations
 
-    assert violations("import_agentgym_rl", BOTTOM) == []
+    assert violations("apps/import_agentgym_rl", BOTTOM) == []
 
 
 # ------------------------------------------------------- the must-show: AgentGym-RL's examples -> train --dry-run

@@ -15,12 +15,12 @@ from horizonrl.core.placement import (
     cpus_of,
     learner_device_index,
     local_device_type,
-    pin_to_cpus,
     plan_placement,
-    starting_on_cpus,
     visible_gpus,
     vllm_cpu_binding,
 )
+from horizonrl.actors.cpu_affinity import starting_on_cpus
+from horizonrl.apps.roles import pin_to_cpus
 
 BASE = ["model.path=/m", "envs=[{name: signpost}]"]
 
@@ -268,7 +268,7 @@ def spawned_envs(cfg, plan, tmp_path, monkeypatch) -> dict[str, dict[str, str] |
     """What ``Launcher.start_all`` would start, by child name -> the env it adds; nothing is started."""
     import io
 
-    from horizonrl.core.console import RunConsole
+    from horizonrl.launcher.console import RunConsole
     from horizonrl.launcher import Launcher
 
     launcher = Launcher(cfg, tmp_path / "config.yaml", plan=plan,
@@ -314,7 +314,7 @@ def test_launcher_resolves_the_plan_from_the_environment():
 def dry_run(tmp_path, capsys, monkeypatch, visible: str | None, *overrides: str) -> tuple[int, str, str]:
     import yaml
 
-    from horizonrl.cli import main
+    from horizonrl.apps.cli import main
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

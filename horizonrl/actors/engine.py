@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from horizonrl.actors.engine_api import EngineApi, EngineVersionError, check_engine_api
 from horizonrl.core.config import ConfigError, EngineConfig
+from horizonrl.core.programs import VLLM_WORKER_EXTENSION
 from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
 
-WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
 STAGED_ASK_AFTER_MS = 10_000  # a staging worker's word this late: ask it directly (stage_weights)
 # At shutdown vLLM sends its engine process SIGTERM and kills it (with its workers) after a grace period, 5 s by
@@ -179,7 +179,8 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from horizonrl.core.placement import local_device_type, starting_on_cpus, visible_gpus
+        from horizonrl.actors.cpu_affinity import starting_on_cpus
+        from horizonrl.core.placement import local_device_type, visible_gpus
         from horizonrl.core.precision import resolve_engine_dtype
 
         api = check_engine_api()  # before a minute of start-up, not in the first weight update
@@ -215,7 +216,7 @@ class RolloutEngine:
             **({"block_size": engine.block_size} if engine.block_size is not None else {}),
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=VLLM_WORKER_EXTENSION,
             tensor_parallel_size=tp,
             # One worker process per shard; with one shard vLLM's default (a single worker) stays.
             distributed_executor_backend="mp" if tp > 1 else None,

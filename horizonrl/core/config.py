@@ -33,7 +33,7 @@ class RunConfig(_Frozen):
 
 
 class TinyModelRecipe(_Frozen):
-    """How ``horizonrl demo`` builds the tiny model at ``model.path`` when it is missing (horizonrl/tiny_model.py):
+    """How ``horizonrl demo`` builds the tiny model at ``model.path`` when it is missing (horizonrl/apps/tiny_model.py):
     a format-only warm-up on random-policy episodes of the run's environments."""
 
     episodes_per_env: int = Field(1500, ge=1, description="random-policy episodes per environment")
@@ -46,7 +46,7 @@ class TinyModelRecipe(_Frozen):
 
 
 class FormatWarmup(_Frozen):
-    """A short SFT of a pretrained model on random-policy episodes of the run's environments (horizonrl/warmup_data.py):
+    """A short SFT of a pretrained model on random-policy episodes of the run's environments (horizonrl/apps/warmup_data.py):
     the reply format, not the skill (every reply in the data is a random valid action)."""
 
     episodes_per_env: int = Field(500, ge=1, description="random-policy episodes per environment")
@@ -60,7 +60,7 @@ class PretrainedRecipe(_Frozen):
     imported (``horizonrl make-model NAME``), then, if asked, format-warmed (the import stays beside it, as
     ``<path>.base``)."""
 
-    packaged: Literal["smollm2"] = Field(..., description="the packaged model (horizonrl/model_import.py)")
+    packaged: Literal["smollm2"] = Field(..., description="the packaged model (horizonrl/apps/model_import.py)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the imported checkpoint's dtype")
     format_warmup: FormatWarmup | None = Field(None, description="None: the instruct model as it is (the paper's "
                                                                  "prompted start)")

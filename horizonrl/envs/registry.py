@@ -1,33 +1,85 @@
 """Environments by name: ``make_env("babyai", {"levels": [...]})``.
 
-Each module registers a factory that takes the environment's settings as keyword
-arguments. Imports are lazy so that listing names never imports minigrid, Java, etc.
+Each name maps to a factory called with the environment's settings as keyword arguments. The
+factories import their module when called, so listing names never imports minigrid, Java, etc.;
+they are plain functions, so every environment the package has is reachable by an import the
+dependency test can see (no module named by a string).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import Any, Callable
 
 from horizonrl.envs.base import Environment
 
-# name -> "module:factory"; the factory is called with the settings as keyword arguments.
-_FACTORIES: dict[str, str] = {
-    "signpost": "horizonrl.envs.signpost:SignpostEnv",
-    "babyai": "horizonrl.envs.babyai:BabyAIEnv",
-    "textcraft": "horizonrl.envs.textcraft:TextCraftEnv",
-    "sciworld": "horizonrl.envs.sciworld:SciWorldEnv",
-    "searchqa": "horizonrl.envs.searchqa:SearchQAEnv",
-    "webarena": "horizonrl.envs.webarena:WebArenaEnv",
-    "http": "horizonrl.envs.client:HTTPEnv",
-    # The benchmark's workload (long-tailed turns, slow steps), for `horizonrl bench --workload heavy-tail`.
-    "heavy-tail": "horizonrl.bench.workload:heavy_tail_env",
+EnvFactory = Callable[..., Environment]
+
+
+def _signpost(**settings: Any) -> Environment:
+    from horizonrl.envs.signpost import SignpostEnv
+
+    return SignpostEnv(**settings)
+
+
+def _babyai(**settings: Any) -> Environment:
+    from horizonrl.envs.babyai import BabyAIEnv
+
+    return BabyAIEnv(**settings)
+
+
+def _textcraft(**settings: Any) -> Environment:
+    from horizonrl.envs.textcraft import TextCraftEnv
+
+    return TextCraftEnv(**settings)
+
+
+def _sciworld(**settings: Any) -> Environment:
+    from horizonrl.envs.sciworld import SciWorldEnv
+
+    return SciWorldEnv(**settings)
+
+
+def _searchqa(**settings: Any) -> Environment:
+    from horizonrl.envs.searchqa import SearchQAEnv
+
+    return SearchQAEnv(**settings)
+
+
+def _webarena(**settings: Any) -> Environment:
+    from horizonrl.envs.webarena import WebArenaEnv
+
+    return WebArenaEnv(**settings)
+
+
+def _http(**settings: Any) -> Environment:
+    from horizonrl.envs.client import HTTPEnv
+
+    return HTTPEnv(**settings)
+
+
+def _heavy_tail(**settings: Any) -> Environment:
+    from horizonrl.envs.heavy_tail import heavy_tail_env
+
+    return heavy_tail_env(**settings)
+
+
+_FACTORIES: dict[str, EnvFactory] = {
+    "signpost": _signpost,
+    "babyai": _babyai,
+    "textcraft": _textcraft,
+    "sciworld": _sciworld,
+    "searchqa": _searchqa,
+    "webarena": _webarena,
+    "http": _http,
+    # The benchmarks' workload (long-tailed turns, slow steps), for `horizonrl bench --workload heavy-tail`.
+    "heavy-tail": _heavy_tail,
 }
 
 
-def register(name: str, target: str) -> None:
-    """Register ``"module:factory"`` under ``name`` (used by plug-in environments)."""
-    _FACTORIES[name] = target
+def register(name: str, factory: EnvFactory) -> None:
+    """Make ``factory`` (called with the settings as keyword arguments) the environment named ``name``: how a
+    program adds an environment of its own before it starts the run's processes in this interpreter."""
+    _FACTORIES[name] = factory
 
 
 def env_names() -> list[str]:
@@ -37,6 +89,4 @@ def env_names() -> list[str]:
 def make_env(name: str, settings: dict[str, Any] | None = None) -> Environment:
     if name not in _FACTORIES:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(env_names())}")
-    module_name, _, attr = _FACTORIES[name].partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory(**(settings or {}))
+    return _FACTORIES[name](**(settings or {}))

@@ -3,7 +3,7 @@
 It only starts, watches, restarts and stops: each role is a separate program
 (``horizonrl coordinator|buffer|learner|actor --config run/config.yaml``) that can also
 be started by hand for debugging. The launcher resolves free ports, writes the
-resolved config next to the logs, owns the console (``core/console.py``: the run's status from
+resolved config next to the logs, owns the console (``launcher/console.py``: the run's status from
 the coordinator's records, and one line for each thing that goes wrong; everything every process
 writes goes to ``<output_dir>/logs/``, its own log to ``launcher.log``), and on Ctrl-C or SIGTERM
 stops all of them — each in its own process group, so the engine processes vLLM spawns go too.
@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from horizonrl.core.config import ConfigError, SupervisionConfig, TrainConfig, dump_config
-from horizonrl.core.console import RunConsole, parse_status_line, shown_line
+from horizonrl.launcher.console import RunConsole, shown_line
+from horizonrl.protocol.status import parse_status_line
 from horizonrl.core.placement import PlacementPlan, plan_placement, visible_gpus
+from horizonrl.core.programs import horizonrl_command, role_command
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, ProcessEvent, encode
@@ -198,8 +200,7 @@ class Launcher:
             self.console.line(text)
 
     def role_args(self, role: str, index: int | None = None, *extra: str) -> list[str]:
-        args = [sys.executable, "-m", "horizonrl", role, "--config", str(self.config_path), *extra]
-        return args + (["--index", str(index)] if index is not None else [])
+        return role_command(role, str(self.config_path), *extra, index=index)
 
     def start_all(self) -> None:
         cfg = self.config
@@ -551,8 +552,8 @@ def managed_env_servers(config: TrainConfig) -> list[tuple[str, list[str]]]:
         s = spec.settings
         if spec.name == "http" and s.get("managed"):
             host, _, port = s["url"].split("//", 1)[-1].rstrip("/").rpartition(":")
-            servers.append((f"env-{i}", [sys.executable, "-m", "horizonrl", "env", "serve", s["env"], "--host", host,
-                                         "--port", port, "--settings", json.dumps({s["env"]: s.get("env_settings", {})})]))
+            servers.append((f"env-{i}", horizonrl_command("env", "serve", s["env"], "--host", host, "--port", port,
+                                                           "--settings", json.dumps({s["env"]: s.get("env_settings", {})}))))
     return servers
 
 

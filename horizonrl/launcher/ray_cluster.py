@@ -41,7 +41,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -49,8 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizonrl.core.config import ConfigError, TrainConfig
-from horizonrl.core.console import RunConsole, parse_status_line, shown_line
+from horizonrl.launcher.console import RunConsole, shown_line
+from horizonrl.protocol.status import parse_status_line
 from horizonrl.core.placement import ClusterBundle, cluster_bundles
+from horizonrl.core.programs import horizonrl_command
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
 from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RESTARTED
@@ -109,7 +110,7 @@ class RoleHost:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             # No new session: the child must die with this actor (Ray ends the actor's process tree).
-            self.proc = subprocess.Popen([sys.executable, "-m", "horizonrl", *self.argv], stdout=out,
+            self.proc = subprocess.Popen(horizonrl_command(*self.argv), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         return self.proc.pid
 

@@ -64,6 +64,7 @@ from horizonrl.learner.train_step import lr_multiplier
 from horizonrl.core.config import ConfigError
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
 from horizonrl.core.precision import PrecisionPolicy, resolve_precision
+from horizonrl.core.programs import OFFLINE_RANK_MODULE, offline_rank_command
 from horizonrl.core.runtime import PhaseTimer, setup_logging
 
 log = logging.getLogger("horizonrl.offline")
@@ -471,8 +472,7 @@ def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:
         for rank in range(world):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-            args = [sys.executable, "-m", "horizonrl.learner.offline", paradigm, "--config",
-                    str(config.out / "config.yaml"), "--data", str(data_file)]
+            args = offline_rank_command(paradigm, str(config.out / "config.yaml"), str(data_file))
             procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         log.info("started %d %s ranks (pids %s)", world, paradigm, ", ".join(str(p.pid) for p in procs))
         while True:
@@ -497,7 +497,7 @@ def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:
 
 def rank_main(argv: list[str] | None = None) -> int:
     """One rank started by :func:`run_offline` (RANK, WORLD_SIZE, MASTER_PORT in the environment)."""
-    parser = argparse.ArgumentParser(prog="python -m horizonrl.learner.offline")
+    parser = argparse.ArgumentParser(prog=f"python -m {OFFLINE_RANK_MODULE}")
     parser.add_argument("paradigm", choices=["sft", "dpo"])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, help="the tokenised data the launching process wrote")

@@ -26,7 +26,7 @@ from horizonrl.buffer.records import Accepted, decode_record
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import load_config
 from horizonrl.core.coordinator_state import COORDINATOR_STATE_FILE
-from horizonrl.hostile import invalid_utf8_messages, wrong_reports
+from horizonrl.apps.hostile import invalid_utf8_messages, wrong_reports
 
 pytestmark = pytest.mark.slow
 

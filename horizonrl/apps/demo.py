@@ -20,11 +20,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from horizonrl.core.config import TinyModelRecipe, TrainConfig, load_config
-from horizonrl.core.console import output_to_file
+from horizonrl.launcher.console import output_to_file
 from horizonrl.core.run_dirs import latest_checkpoint
 from horizonrl.core.schedule import TurnBudgetSchedule
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 # The default recipe (model.tiny), which the integration tests use too: 1,500 random-policy episodes,
 # 200 warm-up steps.
 TINY_MODEL_RECIPE = TinyModelRecipe().model_dump()
@@ -70,7 +70,7 @@ def check_transformers_load(path: Path) -> int:
 def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: bool = False,
              verbose: bool = False) -> int:
     from horizonrl.launcher import launch
-    from horizonrl.tiny_model import ensure_tiny_model
+    from horizonrl.apps.tiny_model import ensure_tiny_model
 
     started = time.perf_counter()
     config = load_config(config_path or DEFAULT_CONFIG, overrides)
@@ -79,7 +79,7 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
         shutil.rmtree(config.output_dir)
     model_dir = Path(config.model.path)
     if config.model.pretrained is not None:
-        from horizonrl.warmup_data import ensure_pretrained
+        from horizonrl.apps.warmup_data import ensure_pretrained
 
         recipe = config.model.pretrained
         print(f"[demo] {recipe.packaged} in {model_dir}" + (

@@ -26,7 +26,7 @@ def warmup_records(config, episodes_per_env: int, seed: int = 0) -> list[dict]:
     """AgentGym records of ``episodes_per_env`` random-policy episodes of each of the config's environments."""
     from horizonrl.core.agentgym_records import conversation_record
     from horizonrl.core.schedule import TurnBudgetSchedule
-    from horizonrl.tiny_model import random_episodes
+    from horizonrl.apps.tiny_model import random_episodes
 
     max_turns = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl).final_max_turns
     records = []
@@ -46,7 +46,7 @@ def ensure_pretrained(config) -> Path:
     asks. Returns the path."""
     import json
 
-    from horizonrl.model_import import ensure_imported
+    from horizonrl.apps.model_import import ensure_imported
 
     recipe = config.model.pretrained
     out = Path(config.model.path)

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from horizonrl.chaos_faults import FillDisk, Fault, FreezeEngine, KillProcess, MessageStorm
+from horizonrl.apps.chaos_faults import FillDisk, Fault, FreezeEngine, KillProcess, MessageStorm
+from horizonrl.core.programs import horizonrl_command
 
 STOP_GRACE_S = 900.0  # the run's own clean stop is bounded by monitor.stop_timeout_s (600 s)
 FIRST_STEP_TIMEOUT_S = 900.0  # a run that reports no learner step in this long is stopped: something is wrong
@@ -40,7 +41,7 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault
     firing ``fault`` if given; its summary."""
     output_dir.mkdir(parents=True, exist_ok=False)
     log_path = output_dir / "chaos-train.log"
-    args = [sys.executable, "-m", "horizonrl", "train", str(config_path), *overrides, f"run.output_dir={output_dir}"]
+    args = horizonrl_command("train", str(config_path), *overrides, f"run.output_dir={output_dir}")
     rng = random.Random(seed)
     fired: list[dict[str, Any]] = []
     with open(log_path, "wb") as log_file:

@@ -28,7 +28,7 @@ which the real actor also stalls for. The stall share printed here is *derived*:
 ``receive_s / (receive_s + step_interval_s)`` for an assumed learner step interval; the
 measured share comes from the actors' ``weight_stall_s`` counter in the training part.
 
-Run alone: ``python -m horizonrl.bench.weight_sync [--quick] [--out DIR]``.
+Run alone: ``python -m horizonrl.apps.bench.weight_sync [--quick] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from horizonrl.bench.report import (
+from horizonrl.apps.bench.report import (
     alternate,
     make_result,
     paired_ratio,
@@ -90,7 +90,7 @@ TINY_VOCAB = 342  # the vocabulary of .cache/tiny-signpost, the tests' tiny mode
 def run(quick: bool, out_dir: Path | None = None, *, models: list[str] | None = None, repeats: int | None = None,
         receivers: int = 2, dtype: str = "float32", step_interval_s: float = 10.0, timeout_s: float = 120.0,
         sender_threads: int | None = None) -> dict:
-    """Measure every model in ``models``; returns the part's result (see :mod:`horizonrl.bench.report`).
+    """Measure every model in ``models``; returns the part's result (see :mod:`horizonrl.apps.bench.report`).
 
     ``sender_threads`` defaults to what the CPU learner gives itself (cores / (learner ranks +
     actors), at least 1). More torch threads than free cores make the many small copies of
@@ -320,7 +320,7 @@ def _build_weights(spec: ModelSpec, dtype) -> list:
     from horizonrl.learner.model import weights_to_send
 
     if spec.name == "tiny":
-        from horizonrl.tiny_model import build_model
+        from horizonrl.apps.tiny_model import build_model
 
         model = build_model(TINY_VOCAB)
     else:
@@ -422,7 +422,7 @@ def _end(procs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m horizonrl.bench.weight_sync", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny + ~25M model, 3 repeats (full: tiny + ~100M, 5)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and chart.png into OUT/weight_sync/")
     parser.add_argument("--models", default=None, help=f"comma-separated, of {','.join(MODELS)}")

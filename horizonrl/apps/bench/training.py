@@ -28,13 +28,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
+from horizonrl.apps.bench.report import alternate, make_result, paired_ratio, progress, summarize
+from horizonrl.core.programs import horizonrl_command
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
 RUN_TIMEOUT_S = 900.0
 MODES = {"synchronous": ["rollout.synchronous=true"], "async": []}
@@ -46,9 +46,9 @@ def groups_per_actor(cfg) -> int:
 
 
 def train_command(config: Path, model: str, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "horizonrl", "train", str(config), f"model.path={model}",
-            f"run.output_dir={run_dir}", f"learner.total_steps={steps}", "buffer.skip_equal_reward_groups=false",
-            "learner.save_every=0", *extra]
+    return horizonrl_command("train", str(config), f"model.path={model}", f"run.output_dir={run_dir}",
+                             f"learner.total_steps={steps}", "buffer.skip_equal_reward_groups=false",
+                             "learner.save_every=0", *extra)
 
 
 def run_training(command: list[str], log_path: Path, timeout_s: float = RUN_TIMEOUT_S,
@@ -128,7 +128,7 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = 
         extra_overrides: list[str] | None = None, repeats: int | None = None, steps: int | None = None,
         warmup: int | None = None, settings_note: str | None = None) -> dict:
     """Part 2. ``--quick``: 1 run per mode, 9 learner steps (clock from step 2); full: 3 runs, 30 (from step 4)."""
-    from horizonrl.bench.rollout import tiny_model
+    from horizonrl.apps.bench.rollout import tiny_model
     from horizonrl.core.config import load_config
 
     model = tiny_model(model)

@@ -1,7 +1,7 @@
 """What the person who started a run sees on the terminal: the run's status, and a line for anything wrong.
 
 The coordinator knows the scalars of each learner step; it writes one status record per step to its
-stdout (``STATUS_PREFIX`` + JSON). The launcher owns the terminal: it turns each record into
+stdout (``protocol/status.py``). The launcher owns the terminal: it turns each record into
 
 - on a terminal, one live block of a few lines redrawn in place (step / total with ETA, reward,
   success, turn budget, staleness, tokens/s, buffer depth, faults), refreshed every second;
@@ -16,7 +16,6 @@ line instead (and plain progress lines: a block redrawn under a flood of lines w
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -25,25 +24,15 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Mapping
 
-STATUS_PREFIX = "status "
+from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS, StepStatus
+
 REFRESH_S = 1.0  # the live block's clock (elapsed, ETA) moves this often between steps
 ETA_WINDOW_STEPS = 10  # the ETA extrapolates the pace of the last this many steps
 BAR_WIDTH = 24
 MIN_WIDTH = 40
-
-# The scalars a status record carries: what the block and the plain line show (the rest is in TensorBoard).
-STATUS_KEYS = (
-    "batch/reward_mean", "rollout/success_rate", "batch/success_mean", "batch/turns_mean", "schedule/max_turns",
-    "schedule/next_max_turns", "batch/staleness_mean", "rollout/tokens_per_s", "throughput/learner_tokens_per_s",
-    "time/step_s", "buffer/dropped_total",
-)
-STATUS_KEY_PREFIXES = ("faults/", "rollout/failures/")
-BUFFER_GROUPS = "status/buffer_groups"  # ready groups in the buffer when the step was reported
-BUFFER_CAPACITY = "status/buffer_capacity"
 
 # A record of horizonrl's logging format (core/runtime.py setup_logging): "12:00:00 actor-0[123] WARNING name: text".
 _OWN_RECORD = re.compile(r"^(\d\d:\d\d:\d\d) \S+\[\d+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+): (.*)$")
@@ -53,37 +42,6 @@ _VLLM_RECORD = re.compile(r"^(?:\([^)]*\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) 
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?$")
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
 _SHOWN_LEVELS = ("WARNING", "ERROR", "CRITICAL")
-
-
-# ---------------------------------------------------------------------------------------------- records
-
-
-def status_record_line(step: int, total: int, scalars: Mapping[str, float], *, startup: bool = False) -> str:
-    """The coordinator's line for the launcher: the step and the scalars the console shows."""
-    kept = {k: float(v) for k, v in scalars.items() if k in STATUS_KEYS or k.startswith(STATUS_KEY_PREFIXES)
-            or k in (BUFFER_GROUPS, BUFFER_CAPACITY)}
-    return STATUS_PREFIX + json.dumps({"step": step, "total": total, "startup": startup, "scalars": kept},
-                                      separators=(",", ":"))
-
-
-@dataclass(frozen=True)
-class StepStatus:
-    step: int
-    total: int
-    scalars: dict[str, float] = field(default_factory=dict)
-    startup: bool = False  # the learner (re)started at this step; no step was trained yet
-
-
-def parse_status_line(line: str) -> StepStatus | None:
-    """A status record, or None when ``line`` is not one (or is damaged: the console is no reason to stop)."""
-    if not line.startswith(STATUS_PREFIX):
-        return None
-    try:
-        data = json.loads(line[len(STATUS_PREFIX):])
-        return StepStatus(int(data["step"]), int(data["total"]),
-                          {str(k): float(v) for k, v in data.get("scalars", {}).items()}, bool(data.get("startup")))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- rendering

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from horizonrl.bench.report import alternate, paired_ratio, progress, summarize
+from horizonrl.apps.bench.report import alternate, paired_ratio, progress, summarize
 
 PART = "transport"
 MODES = {"log off": ["buffer.wal=false"], "log on (fsync batch)": ["buffer.wal_fsync=batch"],
@@ -26,7 +26,7 @@ BASELINE = "log off"
 def _trajectories(size: int, producer: int, count: int, run_id: str) -> list[bytes]:
     import msgspec
 
-    from horizonrl.bench.transport import _base_trajectory
+    from horizonrl.apps.bench.transport import _base_trajectory
     from horizonrl.protocol import encode
 
     base = _base_trajectory(size, "")
@@ -93,9 +93,9 @@ def _measure_once(mode: str, size: int, producers: int, per_producer: int, timeo
 
 def _start_buffer(config_path: Path, tmp: Path):
     import subprocess
-    import sys
+    from horizonrl.core.programs import role_command
 
-    return subprocess.Popen([sys.executable, "-m", "horizonrl", "buffer", "--config", str(config_path)],
+    return subprocess.Popen(role_command("buffer", str(config_path)),
                             stdout=open(tmp / "buffer.log", "wb"), stderr=subprocess.STDOUT)
 
 

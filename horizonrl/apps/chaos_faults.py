@@ -141,7 +141,7 @@ class MessageStorm:
 
         from horizonrl.core.config import load_config
         from horizonrl.core.run_dirs import read_run_key
-        from horizonrl.hostile import intake_storm, report_storm, request_storm
+        from horizonrl.apps.hostile import intake_storm, report_storm, request_storm
         from horizonrl.protocol.transport import wire_security
 
         config = load_config(self.run_dir / "config.yaml")

@@ -1,6 +1,6 @@
 """Steps/s and memory per concurrent WebArena episode, in-process and through the environment server.
 
-``python -m horizonrl.envs.webarena.bench [--concurrency 1,4,8] [--seconds 20] [--server]``
+``python -m horizonrl.apps.webarena_bench [--concurrency 1,4,8] [--seconds 20] [--server]``
 
 Each of ``c`` concurrent workers plays the scripted expert on the bundled tasks for ``--seconds``
 (resets included in the wall time; steps counted). Memory is the proportional set size (PSS:
@@ -105,12 +105,12 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     if args.server:
         import subprocess
-        import sys
 
+        from horizonrl.core.programs import horizonrl_command
         from horizonrl.envs.client import HTTPEnv
 
-        proc = subprocess.Popen([sys.executable, "-m", "horizonrl.envs.cli", "serve", "webarena", "--port", "0",
-                                 "--settings", json.dumps({"webarena": {"max_concurrent_episodes": max(levels)}})],
+        proc = subprocess.Popen(horizonrl_command("env", "serve", "webarena", "--port", "0", "--settings",
+                                                  json.dumps({"webarena": {"max_concurrent_episodes": max(levels)}})),
                                 stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
         try:
             url = None

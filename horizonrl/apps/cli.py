@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -132,40 +130,11 @@ def _add_role(sub, role: str, help_text: str, indexed: bool = False) -> None:
 
 
 def _cmd_role(args) -> int:
+    from horizonrl.apps.roles import run_role
     from horizonrl.core.config import load_config
-    from horizonrl.core.placement import pin_to_cpus
-    from horizonrl.core.runtime import setup_logging
 
     config = load_config(args.config, [f"learner.resume={args.resume}"] if getattr(args, "resume", None) else [])
-    if not config.network.resolved:
-        print("error: this config has unresolved ports (0); start the run with `horizonrl train`, or pass "
-              "the config.yaml it wrote to the run's output directory", file=sys.stderr)
-        return 2
-    name = {"actor": f"actor-{getattr(args, 'index', 0)}", "learner": f"learner-{os.environ.get('RANK', '0')}"}.get(
-        args.role, args.role)
-    setup_logging(name, config.run.log_level)
-    cpus = pin_to_cpus(config, args.role, getattr(args, "index", 0))
-    if cpus is not None:
-        logging.getLogger("horizonrl").info("%s runs on CPU cores %s (resources)", name, cpus)
-    if args.role == "coordinator":
-        from horizonrl.coordinator import main as role_main
-    elif args.role == "buffer":
-        from horizonrl.buffer.server import main as role_main
-    elif args.role == "learner":
-        from horizonrl.core.runtime import exit_skipping_finalization
-        from horizonrl.learner.main import main as learner_main
-
-        exit_skipping_finalization(learner_main(config))  # its gloo groups can abort finalization
-    else:
-        from horizonrl.actors.actor import main as actor_main
-        from horizonrl.core.runtime import exit_skipping_finalization
-        from horizonrl.envs import make_env
-
-        # The actor has shut its engine down and closed its sockets and outbox; finalization would only run the
-        # exit hooks of what vLLM imported (Ray's, when Ray is installed, imports more of Ray: tens of seconds on
-        # a loaded host, past the launcher's stop grace).
-        exit_skipping_finalization(actor_main(config, args.index, make_env))
-    return role_main(config)
+    return run_role(args.role, config, getattr(args, "index", 0))
 
 
 def _add_eval(sub) -> None:
@@ -255,13 +224,13 @@ def _add_demo(sub) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from horizonrl.demo import run_demo
+    from horizonrl.apps.demo import run_demo
 
     return run_demo(args.config, args.overrides, tensorboard=args.tensorboard, verbose=args.verbose)
 
 
 def _add_tiny(sub) -> None:
-    # Listed for --help; main() hands its arguments to horizonrl.tiny_model.main.
+    # Listed for --help; main() hands its arguments to horizonrl.apps.tiny_model.main.
     sub.add_parser("make-tiny-model", help="build a tiny Qwen2 model and tokenizer for CPU runs "
                                            "(see `horizonrl make-tiny-model --help`)")
     sub.add_parser("make-model", help="a packaged pretrained model (smollm2: SmolLM2-135M-Instruct) as a Hugging Face "
@@ -274,7 +243,7 @@ def _add_tiny(sub) -> None:
 def _add_env(sub) -> None:
     p = sub.add_parser("env", help="list, check and serve environments")
     env_sub = p.add_subparsers(dest="env_command", required=True)
-    from horizonrl.envs.cli import add_env_commands
+    from horizonrl.apps.env_cli import add_env_commands
 
     add_env_commands(env_sub)
 
@@ -377,7 +346,7 @@ def _cmd_accounting(args) -> int:
 
 
 def _cmd_chaos(args) -> int:
-    from horizonrl.chaos import main as chaos_main
+    from horizonrl.apps.chaos import main as chaos_main
 
     return chaos_main(args.config, args.overrides, every_s=args.every, duration_s=args.duration, seed=args.seed,
                       baseline=args.baseline, from_start=args.from_start, kill=args.kill,
@@ -413,7 +382,7 @@ def _add_import_agentgym_rl(sub) -> None:
 
 
 def _cmd_import_agentgym_rl(args) -> int:
-    from horizonrl.import_agentgym_rl import main as import_main
+    from horizonrl.apps.import_agentgym_rl import main as import_main
 
     return import_main(args.script, variables=args.var, data_root=args.data_root, train_items=args.train_items,
                        full=args.full, explain=args.explain)
@@ -435,7 +404,7 @@ def _add_view(sub) -> None:
 
 
 def _cmd_view(args) -> int:
-    from horizonrl.viewer.server import main as view_main
+    from horizonrl.apps.viewer.server import main as view_main
 
     return view_main(args.run_dir, host=args.host, port=args.port, env_settings=args.env_settings)
 
@@ -462,7 +431,7 @@ def _add_report(sub) -> None:
 
 
 def _cmd_report(args) -> int:
-    from horizonrl.report import main as report_main
+    from horizonrl.apps.report import main as report_main
 
     return report_main(args.run_dirs, args.out, smooth=args.smooth, labels=args.label)
 
@@ -481,13 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_view(sub)
     _add_report(sub)
     _add_import_agentgym_rl(sub)
-    from horizonrl.bench.cli import add_bench_command
+    from horizonrl.apps.bench.cli import add_bench_command
 
     add_bench_command(sub)
     try:
         _add_env(sub)
     except ImportError:
-        pass  # environment commands arrive with horizonrl.envs.cli
+        pass  # environment commands arrive with apps/env_cli.py
     _add_role(sub, "coordinator", "run the coordinator process")
     _add_role(sub, "buffer", "run the buffer process")
     _add_role(sub, "learner", "run one learner rank (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment)")
@@ -499,15 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny-model"]:
         # Its own parser (argparse.REMAINDER would swallow neither --help nor flags reliably).
-        from horizonrl.tiny_model import main as tiny_main
+        from horizonrl.apps.tiny_model import main as tiny_main
 
         return tiny_main(argv[1:]) or 0
     if argv[:1] == ["make-warmup-data"]:
-        from horizonrl.warmup_data import main as warmup_main
+        from horizonrl.apps.warmup_data import main as warmup_main
 
         return warmup_main(argv[1:])
     if argv[:1] in (["make-model"], ["import-gguf"]):
-        from horizonrl.model_import import import_gguf_main, make_model_main
+        from horizonrl.apps.model_import import import_gguf_main, make_model_main
 
         return (make_model_main if argv[0] == "make-model" else import_gguf_main)(argv[1:])
     args = build_parser().parse_args(argv)

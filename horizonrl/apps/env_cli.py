@@ -1,4 +1,4 @@
-"""``horizonrl env list | splits NAME OUT_DIR | check NAME | serve NAME...`` (also ``python -m horizonrl.envs.cli``).
+"""``horizonrl env list | splits NAME OUT_DIR | check NAME | serve NAME...`` (also ``python -m horizonrl.apps.env_cli``).
 
 ``check`` plays a scripted expert — the BabyAI bot, TextCraft's crafting plan, SciWorld's gold
 actions, SearchQA's oracle queries — on test tasks and prints one JSON line: success rate, mean

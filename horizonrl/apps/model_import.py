@@ -163,7 +163,7 @@ def ensure_imported(out_dir: str | os.PathLike, *, packaged: str = "", gguf_file
     """``out_dir`` holding the import of a packaged model (``packaged``) or of ``gguf_file``; imported only
     when it does not already hold that import. Built beside and renamed into place, under the same lock
     as the tiny models, so concurrent callers (test workers, a demo) import once."""
-    from horizonrl.tiny_model import build_lock
+    from horizonrl.apps.tiny_model import build_lock
 
     if bool(packaged) == bool(gguf_file):
         raise ModelImportError("give exactly one of a packaged model name and a GGUF file")

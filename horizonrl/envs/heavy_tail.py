@@ -1,4 +1,4 @@
-"""Benchmark workloads: a heavy-tailed agent environment and replayable multi-turn prompts.
+"""A heavy-tailed agent environment, the benchmarks' workload (``envs: [{name: heavy-tail}]``).
 
 :class:`HeavyTailEnv` stands in for the environments agents really meet: most episodes are
 short, a few run long (the turn count is log-normal), and each step waits a log-normally
@@ -79,19 +79,3 @@ def heavy_tail_env(num_tasks: int = 10_000, **settings: float) -> HeavyTailEnv:
     :class:`HeavyTailSettings`' fields), so that a training run's actors play the same workload:
     ``horizonrl bench --parts training --workload heavy-tail``."""
     return HeavyTailEnv(HeavyTailSettings(**settings), num_tasks=num_tasks)
-
-
-async def replay_prompts(chat, env_name: str, settings: dict, episodes: int, max_turns: int,
-                         seed: int = 0) -> list[list[int]]:
-    """Every turn's prompt (the context before each reply) of ``episodes`` random-policy episodes.
-
-    Realistic multi-turn prompts for the bare engine, built without an engine: the same
-    template and the same append-only layout the actor produces.
-    """
-    from horizonrl.tiny_model import episode_ids, random_episodes_async
-
-    prompts = []
-    for ep in await random_episodes_async(env_name, settings, episodes, seed=seed, max_turns=max_turns):
-        ids, mask = episode_ids(chat, ep.messages)
-        prompts += [ids[:i] for i in range(1, len(ids)) if mask[i] == 1 and mask[i - 1] == 0]
-    return prompts

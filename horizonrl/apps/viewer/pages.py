@@ -13,8 +13,8 @@ from collections import Counter
 from typing import Any, Iterable
 from urllib.parse import quote, urlencode
 
-from horizonrl.viewer.index import FAILURE_ANY, FAILURE_NONE, EpisodeFilter, EpisodeIndex, Entry
-from horizonrl.viewer.replay import Replay
+from horizonrl.apps.viewer.index import FAILURE_ANY, FAILURE_NONE, EpisodeFilter, EpisodeIndex, Entry
+from horizonrl.apps.viewer.replay import Replay
 
 PAGE_SIZE = 100
 

@@ -29,7 +29,7 @@ import yaml
 from horizonrl.envs import make_env
 from horizonrl.protocol import MAX_SAMPLE_TEXT
 
-log = logging.getLogger("horizonrl.viewer")
+log = logging.getLogger("horizonrl.apps.viewer")
 
 REPLAYED_ENVS = frozenset({"babyai", "textcraft"})
 MAX_FRAME_PIXELS = 640  # the longer side of a BabyAI frame; tiles shrink for big levels

@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
-from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
-from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings, replay_prompts
+from horizonrl.apps.bench.report import alternate, make_result, paired_ratio, progress, summarize
+from horizonrl.apps.bench.workload import replay_prompts
+from horizonrl.envs.heavy_tail import HeavyTailEnv, HeavyTailSettings
 
 if TYPE_CHECKING:
     from horizonrl.core.config import EngineConfig
 
-log = logging.getLogger("horizonrl.bench.rollout")
+log = logging.getLogger("horizonrl.apps.bench.rollout")
 
 # The tiny model the integration tests build (reused from .cache when its spec matches).
 TINY_MODEL_DIR = Path(".cache") / "tiny-signpost"
@@ -147,7 +148,7 @@ async def measure(loop, engine, chat, workload: Workload, task_ids: list[int],
 def tiny_model(model: str | None) -> str:
     if model:
         return model
-    from horizonrl.tiny_model import SIGNPOST_TEST_RECIPE, ensure_tiny_model
+    from horizonrl.apps.tiny_model import SIGNPOST_TEST_RECIPE, ensure_tiny_model
 
     progress("bench", f"tiny model in {TINY_MODEL_DIR} (built once, then reused)")
     return str(ensure_tiny_model(TINY_MODEL_DIR, **SIGNPOST_TEST_RECIPE))
@@ -305,7 +306,7 @@ def bare_engine_tokens_per_s(model: str, spec: BareSpec) -> list[float]:
 def main() -> int:
     import argparse
 
-    from horizonrl.bench.report import print_table, write_results
+    from horizonrl.apps.bench.report import print_table, write_results
 
     p = argparse.ArgumentParser(description="Part 1: rollout, async actor loop vs turn-lockstep")
     p.add_argument("--quick", action="store_true")

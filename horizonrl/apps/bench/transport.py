@@ -27,7 +27,7 @@ logprob); the bytes each transport actually moves per message are in ``wire_KB``
 Each repeat runs the three transports back to back (order alternating); ratios per repeat:
 zmq+msgpack ÷ each baseline, per (size, producers).
 
-Run alone: ``python -m horizonrl.bench.transport [--quick] [--out DIR]``.
+Run alone: ``python -m horizonrl.apps.bench.transport [--quick] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from horizonrl.bench.report import (
+from horizonrl.apps.bench.report import (
     alternate,
     make_result,
     paired_ratio,
@@ -91,7 +91,7 @@ def as_plain_dict(trajectory, arrays: str) -> dict[str, Any]:
 def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SIZES,
         producers: tuple[int, ...] = PRODUCERS, repeats: int | None = None, counts: dict[int, int] | None = None,
         transports: tuple[str, ...] = TRANSPORTS, timeout_s: float = 60.0, intake: bool = True) -> dict:
-    """Measure every (size, producers, transport); returns the part's result (see :mod:`horizonrl.bench.report`).
+    """Measure every (size, producers, transport); returns the part's result (see :mod:`horizonrl.apps.bench.report`).
 
     ``counts`` maps a size to messages per run (each of P producers sends count // P; runs of
     pickled lists and the warm-up run send a quarter of that). ``timeout_s`` bounds every wait for a message, a producer
@@ -130,7 +130,7 @@ def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SI
                 ratios[f"{_kt(size)} × {num_producers}p: zmq / {baseline.removeprefix('mpq ')} traj/s"] = paired_ratio(
                     [m["traj_per_s"] for m in group[ZMQ]], [m["traj_per_s"] for m in group[baseline]])
     if intake:
-        from horizonrl.bench import buffer_intake
+        from horizonrl.apps.bench import buffer_intake
 
         intake_rows, intake_ratios, intake_settings = buffer_intake.measure(quick, repeats, timeout_s=max(timeout_s, 120))
         rows += intake_rows
@@ -453,7 +453,7 @@ def _base_trajectory(num_tokens: int, trajectory_id: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m horizonrl.bench.transport", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages, 3 repeats (full: 5 repeats)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and chart.png into OUT/transport/")
     parser.add_argument("--sizes", default=None,

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 PARTS = ("transport", "weight_sync", "rollout", "training", "engine")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # The training part's workload: its config (the engine part always replays Signpost prompts).
 TRAINING_WORKLOADS = {"signpost": REPO / "configs" / "signpost_test.yaml",
                       "heavy-tail": REPO / "configs" / "bench_heavy_tail.yaml"}
@@ -58,7 +58,7 @@ def add_bench_command(sub) -> None:
 
 
 def run_bench(args) -> int:
-    from horizonrl.bench.report import print_table, progress, write_results
+    from horizonrl.apps.bench.report import print_table, progress, write_results
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -72,7 +72,7 @@ def run_bench(args) -> int:
     args.parts_selected = parts
     args.core_partition = None
     if args.partition:
-        from horizonrl.bench.partition import CorePartition
+        from horizonrl.apps.bench.partition import CorePartition
 
         try:
             args.core_partition = CorePartition.of_this_host(args.partition)
@@ -99,30 +99,30 @@ def run_bench(args) -> int:
 
 def _run_part(part: str, args, done: list[dict]) -> dict:
     if part == "transport":
-        from horizonrl.bench import transport
+        from horizonrl.apps.bench import transport
 
         return transport.run(args.quick, args.out)
     if part == "weight_sync":
-        from horizonrl.bench import weight_sync
+        from horizonrl.apps.bench import weight_sync
 
         return weight_sync.run(args.quick, args.out)
     if part == "rollout":
-        from horizonrl.bench import rollout
+        from horizonrl.apps.bench import rollout
 
         bare = None
         if "engine" in args.parts_selected and args.core_partition is None:  # part 3's bare engines share part 1's start-up
-            from horizonrl.bench.engine_bound import bare_spec
+            from horizonrl.apps.bench.engine_bound import bare_spec
 
             bare = bare_spec(args.quick, rollout.tiny_model(args.model))
         return rollout.run(args.quick, args.out, model=args.model, bare=bare)
     if part == "training":
-        from horizonrl.bench import training
+        from horizonrl.apps.bench import training
 
         partition = args.core_partition
         return training.run(args.quick, args.out, model=args.model, config=TRAINING_WORKLOADS[args.workload],
                             extra_overrides=(partition.overrides() if partition else []) + args.overrides,
                             settings_note=partition.describe() if partition else None)
-    from horizonrl.bench import engine_bound
+    from horizonrl.apps.bench import engine_bound
 
     training_result = next((r for r in done if r["part"] == "training"), None)
     rollout_result = next((r for r in done if r["part"] == "rollout"), None)

@@ -27,14 +27,14 @@ import os
 import shutil
 from pathlib import Path
 
-from horizonrl.bench.partition import CorePartition
-from horizonrl.bench.report import alternate, make_result, paired_ratio, progress, summarize
-from horizonrl.bench.rollout import BareSpec
+from horizonrl.apps.bench.partition import CorePartition
+from horizonrl.apps.bench.report import alternate, make_result, paired_ratio, progress, summarize
+from horizonrl.apps.bench.rollout import BareSpec
 
 
 def bare_spec(quick: bool, model: str, overrides: list[str] | None = None) -> BareSpec:
     """The bare engines that match the training part's run: engines, requests in flight, turn budget."""
-    from horizonrl.bench import training
+    from horizonrl.apps.bench import training
     from horizonrl.core.config import load_config
     from horizonrl.core.schedule import TurnBudgetSchedule
 
@@ -50,7 +50,7 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, training_result
         overrides: list[str] | None = None) -> dict:
     """Part 3. Reuses part 2's async runs and part 1's bare-engine measurement when they ran (not with a
     partition: then it measures both itself, on the partition's cores)."""
-    from horizonrl.bench.rollout import bare_engine_tokens_per_s, tiny_model
+    from horizonrl.apps.bench.rollout import bare_engine_tokens_per_s, tiny_model
 
     model = tiny_model(model)
     if partition is not None:
@@ -75,7 +75,7 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, training_result
 
 
 def _single_mode_training(quick: bool, out_dir: Path, model: str) -> dict:
-    from horizonrl.bench import training
+    from horizonrl.apps.bench import training
     from horizonrl.core.config import load_config
 
     steps, warmup = (9, 2) if quick else (30, 4)
@@ -95,11 +95,12 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     """Paired repeats on a partitioned host: an async training run (one actor per actor core) and the bare
     engines (one per actor core, the same requests in flight) — tokens/s, and the training run's shares of
     actor wall time stalled by weight updates and of engine time idle."""
-    from horizonrl.bench import training
-    from horizonrl.bench.rollout import _measure_bare, load_chat, start_engine
-    from horizonrl.bench.workload import replay_prompts
+    from horizonrl.apps.bench import training
+    from horizonrl.apps.bench.rollout import _measure_bare, load_chat, start_engine
+    from horizonrl.apps.bench.workload import replay_prompts
     from horizonrl.core.config import load_config
-    from horizonrl.core.placement import starting_on_cpus, vllm_cpu_binding
+    from horizonrl.actors.cpu_affinity import starting_on_cpus
+    from horizonrl.core.placement import vllm_cpu_binding
 
     steps, warmup, repeats = (12, 3, 3) if quick else (30, 4, 3)
     overrides = [f"model.path={model}", *partition.overrides()]

@@ -25,11 +25,11 @@ from typing import Any, Callable
 from aiohttp import web
 
 from horizonrl.core.episode_records import PART_GLOB
-from horizonrl.viewer import assets, pages
-from horizonrl.viewer.index import EpisodeFilter, EpisodeIndex, Entry
-from horizonrl.viewer.replay import Replayer, parse_env_settings
+from horizonrl.apps.viewer import assets, pages
+from horizonrl.apps.viewer.index import EpisodeFilter, EpisodeIndex, Entry
+from horizonrl.apps.viewer.replay import Replayer, parse_env_settings
 
-log = logging.getLogger("horizonrl.viewer")
+log = logging.getLogger("horizonrl.apps.viewer")
 
 DEFAULT_PORT = 8787
 SHUTDOWN_TIMEOUT_S = 5.0  # open connections (a polling page) get this long to finish at exit
