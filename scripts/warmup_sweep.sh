@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Which warm-up makes the tiny model copy TextCraft's renamed recipe lines (issue 16, docs/learning.md)?
+# Which warm-up makes the tiny model copy TextCraft's renamed recipe lines (docs/learning.md)?
 # Builds several tiny models for configs/textcraft_renamed.yaml's environment (random-policy episodes of up to
 # 20 turns), side by side, then plays each one's 200 held-out episodes (scripts/play_with_transformers.py: the
 # run's evaluation without vLLM).

@@ -379,7 +379,7 @@ def test_an_engine_may_have_cores_apart_from_its_actor():
 
 def test_processes_and_threads_started_on_other_cores():
     """A process started inside starting_on_cpus runs on its cores; this thread, and a thread started
-    meanwhile, are back on their own afterwards. (With one core allowed it cannot tell them apart: CI has 2.)"""
+    meanwhile, are back on their own afterwards. (With one core allowed it cannot tell them apart: it needs 2.)"""
     import os
     import subprocess
     import sys

@@ -396,9 +396,9 @@ class RolloutEngine:
                 raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
                                       f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
             if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
-                # Their message is late. Once one was lost (a 2-core run, 2026-11-28): the worker had the version
-                # and the learner its acknowledgement, the actor waited out the timeout and the learner's next
-                # version waited for it, 5 minutes of a 15-minute run. Ask the workers whether they are done.
+                # Their message is late. A lost one would cost the weight-sync timeout: the worker has the version
+                # and the learner its acknowledgement, while the actor waits it out and the learner's next version
+                # waits for the actor (minutes of a run). Ask the workers whether they are done.
                 asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
                 ended = {int(outcome[5]): outcome[1:] for outcome in asked if outcome is not None}
                 if len(ended) == len(started):
