@@ -191,8 +191,7 @@ class Actor:
         self.evaluating = False  # a held-out evaluation is running: start no new groups
         probe = {s.name: make_env(s.name, s.settings) for s in config.envs}
         self.category = {name: env.task_category for name, env in probe.items()}
-        state_dir = config.output_dir / "actors"
-        self.tasks = TaskSequence(state_dir / f"actor_{index}.json", config.run.seed, index, config.envs,
+        self.tasks = TaskSequence(config.run_dir.task_sequence(index), config.run.seed, index, config.envs,
                                   {name: env.task_ids("train") for name, env in probe.items()})
         self.control: Control | None = None
         self._new_control = asyncio.Event()
@@ -210,7 +209,7 @@ class Actor:
         # The buffer at its configured port, or wherever it registered (followed when it restarts elsewhere).
         self.buffer_endpoint = FollowedEndpoint(self.intake, ENDPOINT_TRAJECTORIES,
                                                 net.endpoint(net.trajectory_port) if net.trajectory_port else None)
-        self.delivery = TrajectoryDelivery(self.intake, state_dir / f"outbox_{index}", self.run_id,
+        self.delivery = TrajectoryDelivery(self.intake, config.run_dir.outbox(index), self.run_id,
                                            ack_timeout_s=r.ack_timeout_s, max_unacked=r.max_unacked)
         self.sub = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
         self.sub.connect(net.endpoint(net.control_port))

@@ -29,6 +29,7 @@ from typing import Any
 
 from horizonrl.apps.chaos_faults import FillDisk, Fault, FreezeEngine, KillProcess, MessageStorm
 from horizonrl.core.programs import horizonrl_command
+from horizonrl.core.run_dirs import RunDir
 
 STOP_GRACE_S = 900.0  # the run's own clean stop is bounded by monitor.stop_timeout_s (600 s)
 FIRST_STEP_TIMEOUT_S = 900.0  # a run that reports no learner step in this long is stopped: something is wrong
@@ -40,7 +41,7 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault
     """One run for at most ``duration_s`` after its first learner step (after its launch with ``from_start``),
     firing ``fault`` if given; its summary."""
     output_dir.mkdir(parents=True, exist_ok=False)
-    log_path = output_dir / "chaos-train.log"
+    log_path = RunDir(output_dir).chaos_log
     args = horizonrl_command("train", str(config_path), *overrides, f"run.output_dir={output_dir}")
     rng = random.Random(seed)
     fired: list[dict[str, Any]] = []
@@ -116,7 +117,7 @@ def summarize(output_dir: Path, fired: list[dict], elapsed_s: float, rc: int, fi
     from horizonrl.buffer.accounting import account
 
     steps = learner_steps(output_dir)
-    faults_path = output_dir / "faults.jsonl"
+    faults_path = RunDir(output_dir).faults
     faults = [json.loads(line) for line in faults_path.read_text().splitlines()] if faults_path.exists() else []
     recovery = [f["recovery_s"] for f in faults if f["event"] == "recovered"]
     ledger = account(output_dir)
@@ -215,7 +216,7 @@ def main(config_path: Path, overrides: list[str], *, every_s: float, duration_s:
     summary = run_once(config_path, overrides, output_dir, fault=fault, every_s=every_s, duration_s=duration_s,
                        seed=seed, from_start=from_start)
     print_report(summary, base)
-    (output_dir / "chaos_summary.json").write_text(json.dumps({"chaos": summary, "baseline": base}, indent=1) + "\n")
+    RunDir(output_dir).chaos_summary.write_text(json.dumps({"chaos": summary, "baseline": base}, indent=1) + "\n")
     clean = summary["accounting"]["lost"] == 0 and summary["accounting"]["trained_twice"] == 0
     # A storm or a full disk must not cost a process; a kill or a freeze is answered by restarts, within the limits.
     survived = summary["deaths_seen"] == 0 or isinstance(fault, (KillProcess, FreezeEngine))

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from horizonrl.core.run_dirs import RunDir
+
 ROLES = {"actor": ("actor",), "buffer": ("buffer",), "learner": ("learner",), "env-server": ("env", "serve"),
          "coordinator": ("coordinator",)}
 ENGINE_NAME = "VLLM::EngineCor"  # the kernel keeps 15 characters of vLLM's "VLLM::EngineCore"
@@ -144,7 +146,7 @@ class MessageStorm:
         from horizonrl.apps.hostile import intake_storm, report_storm, request_storm
         from horizonrl.protocol.transport import wire_security
 
-        config = load_config(self.run_dir / "config.yaml")
+        config = load_config(RunDir(self.run_dir).config)
         net, run_id, total = config.network, config.run.run_id, config.learner.total_steps
         key = read_run_key(self.run_dir)
         storms = {
@@ -182,7 +184,7 @@ class MessageStorm:
         from horizonrl.core.coordinator_state import load_snapshot
         from horizonrl.core.config import load_config
 
-        snapshot = load_snapshot(self.run_dir, load_config(self.run_dir / "config.yaml").run.run_id)
+        snapshot = load_snapshot(self.run_dir, load_config(RunDir(self.run_dir).config).run.run_id)
         if snapshot is None:
             return {}
         buffer = next((i.counters for i in snapshot.incarnations if i.role == "buffer" and i.current), {})

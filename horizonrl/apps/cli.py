@@ -111,7 +111,7 @@ def _cmd_slurm(args) -> int:
         return 0
     script = sbatch_script(config)
     # Slurm opens the job's output file (#SBATCH --output=<output_dir>/logs/...) before the script runs.
-    (config.output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config.run_dir.logs.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(script)
     return 0
 

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from horizonrl.core.run_dirs import RunDir
+
 MISSING = "—"
 HELD_OUT_TAG = "eval/success_rate"  # the periodic held-out evaluation (eval.every), all environments
 HELD_OUT_ENV_PREFIX = "eval/"  # eval/<env>/success_rate, one per environment
@@ -93,11 +95,11 @@ def event_files(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such directory")
-    for where in (run_dir / "tensorboard", run_dir):
+    for where in (RunDir(run_dir).tensorboard, run_dir):
         files = [f for f in where.glob("events.*") if f.is_file()] if where.is_dir() else []
         if files:
             return sorted(files, key=_written_at)
-    raise ReportError(f"{run_dir}: no TensorBoard events (looked for {run_dir / 'tensorboard' / 'events.*'} and "
+    raise ReportError(f"{run_dir}: no TensorBoard events (looked for {RunDir(run_dir).tensorboard / 'events.*'} and "
                       f"{run_dir / 'events.*'}); is it the output_dir of a `horizonrl train` run?")
 
 
@@ -142,7 +144,7 @@ def _uses_kl_loss(run_dir: Path) -> bool:
     """``learner.use_kl_loss`` of the run's resolved config (``config.yaml``); True when unknown."""
     import yaml
 
-    for path in (run_dir / "config.yaml", run_dir.parent / "config.yaml"):
+    for path in (RunDir(run_dir).config, RunDir(run_dir.parent).config):
         if path.is_file():
             try:
                 config = yaml.safe_load(path.read_text()) or {}
@@ -310,7 +312,7 @@ def report(run_dirs: list[Path], out_dir: Path | None = None, *, smooth: int = 1
     if smooth < 1:
         raise ReportError(f"--smooth must be >= 1, got {smooth}")
     runs = read_runs([Path(d) for d in run_dirs], labels)
-    out_dir = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "report"
+    out_dir = Path(out_dir) if out_dir is not None else RunDir(run_dirs[0]).report
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [summary(run, smooth) for run in runs]
     table = markdown_table(rows, smooth)

@@ -107,7 +107,7 @@ class BufferServer:
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
-        self.wal = (WriteAheadLog(config.output_dir / "buffer_wal", fsync=cfg.wal_fsync,
+        self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
         settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups)
@@ -131,7 +131,7 @@ class BufferServer:
         self._last_compaction = 0.0
         self._compacted_size = 0
         # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
-        self.recorder = EpisodeRecordWriter(config.output_dir / "episodes",
+        self.recorder = EpisodeRecordWriter(config.run_dir.episode_records,
                                             max_bytes=config.monitor.record_max_mb * 1e6)
 
         self.ctx = zmq.Context()

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from horizonrl.core.run_dirs import RunDir
 from horizonrl.protocol.transport import advertise_host, tcp_endpoint
 
 
@@ -552,6 +553,11 @@ class TrainConfig(_Frozen):
     @property
     def output_dir(self) -> Path:
         return Path(self.run.output_dir)
+
+    @property
+    def run_dir(self) -> RunDir:
+        """Every path of the run directory, by name (core/run_dirs.py)."""
+        return RunDir(self.run.output_dir)
 
     @property
     def step_token_budget(self) -> int:

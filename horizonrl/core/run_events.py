@@ -24,7 +24,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator
 
-EVENTS_FILE = "events.jsonl"
+from horizonrl.core.run_dirs import RunDir
+
 
 log = logging.getLogger("horizonrl.events")
 
@@ -66,7 +67,7 @@ class EventLog:
     """The writer one process keeps for its run's event file."""
 
     def __init__(self, output_dir: str | Path, role: str) -> None:
-        self.path = Path(output_dir) / EVENTS_FILE
+        self.path = RunDir(output_dir).events
         self.role = role
         self._lock = threading.Lock()
         self._failed = False
@@ -107,7 +108,7 @@ def read_events(output_dir: str | Path, *kinds: RunEvent | str) -> list[dict[str
 def iter_events(output_dir: str | Path, *kinds: RunEvent | str, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """As :func:`read_events`; ``tail_bytes``: only the events in the file's last that many bytes (a reader
     that polls a long run's file for something recent)."""
-    path = Path(output_dir) / EVENTS_FILE
+    path = RunDir(output_dir).events
     try:
         with open(path, "rb") as events:
             size = events.seek(0, os.SEEK_END)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
-from horizonrl.core.run_dirs import read_run_key
+from horizonrl.core.run_dirs import RunDir, read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
@@ -522,7 +522,7 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
 
 def next_weight_epoch(output_dir: Path) -> int:
     """This learner incarnation's weight epoch: one more than the last one started in this run directory."""
-    path = Path(output_dir) / "learner_epoch"
+    path = RunDir(output_dir).learner_epoch
     epoch = int(path.read_text()) + 1 if path.is_file() else 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

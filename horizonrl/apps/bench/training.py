@@ -33,6 +33,7 @@ from pathlib import Path
 
 from horizonrl.apps.bench.report import alternate, make_result, paired_ratio, progress, summarize
 from horizonrl.core.programs import horizonrl_command
+from horizonrl.core.run_dirs import RunDir
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "signpost_test.yaml"
@@ -84,7 +85,7 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every TensorBoard scalar of a run: tag -> {step: value}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    files = sorted(glob.glob(str(run_dir / "tensorboard" / "events.*")))
+    files = sorted(glob.glob(str(RunDir(run_dir).tensorboard / "events.*")))
     if not files:
         raise RuntimeError(f"no TensorBoard events in {run_dir}")
     out: dict[str, dict[int, float]] = {}

@@ -28,6 +28,7 @@ import yaml
 
 from horizonrl.envs import make_env
 from horizonrl.protocol import MAX_SAMPLE_TEXT
+from horizonrl.core.run_dirs import RunDir
 
 log = logging.getLogger("horizonrl.apps.viewer")
 
@@ -52,7 +53,7 @@ def run_env_settings(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
     Read as plain YAML rather than validated: a viewer should open an old run whose config a newer
     schema would reject, and it needs only the environments."""
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     if not path.is_file():
         return {}
     try:

@@ -28,6 +28,7 @@ from horizonrl.core.episode_records import PART_GLOB
 from horizonrl.apps.viewer import assets, pages
 from horizonrl.apps.viewer.index import EpisodeFilter, EpisodeIndex, Entry
 from horizonrl.apps.viewer.replay import Replayer, parse_env_settings
+from horizonrl.core.run_dirs import RunDir
 
 log = logging.getLogger("horizonrl.apps.viewer")
 
@@ -45,14 +46,14 @@ class NoEpisodesError(Exception):
 
 def find_episodes_dir(run_dir: Path) -> Path:
     """``RUN_DIR/episodes``, or RUN_DIR itself when it holds record files (``horizonrl eval --record DIR``)."""
-    if (run_dir / "episodes").is_dir():
-        return run_dir / "episodes"
+    if RunDir(run_dir).episode_records.is_dir():
+        return RunDir(run_dir).episode_records
     if run_dir.is_dir() and any(run_dir.glob(PART_GLOB)):
         return run_dir
     if not run_dir.exists():
         raise NoEpisodesError(f"{run_dir} does not exist")
     raise NoEpisodesError(
-        f"{run_dir} has no episodes directory ({run_dir / 'episodes'}) and no {PART_GLOB} files. A training run "
+        f"{run_dir} has no episodes directory ({RunDir(run_dir).episode_records}) and no {PART_GLOB} files. A training run "
         "writes it when monitor.record_fraction > 0 (the default records 10% of groups); `horizonrl eval ... "
         "--record DIR` records evaluation episodes.")
 
@@ -63,7 +64,7 @@ class Viewer:
     def __init__(self, episodes_dir: Path, env_settings: dict[str, dict[str, Any]] | None = None) -> None:
         self.episodes_dir = episodes_dir
         # config.yaml sits beside episodes/ in a run directory
-        run_dir = episodes_dir.parent if episodes_dir.name == "episodes" else episodes_dir
+        run_dir = episodes_dir.parent if RunDir(episodes_dir.parent).episode_records == episodes_dir else episodes_dir
         self.run_label = str(run_dir)
         self.index = EpisodeIndex(episodes_dir)
         self.replayer = Replayer(run_dir, env_settings)
