@@ -18,6 +18,7 @@ from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.run_events import EventLog, RunEvent, read_events
 from horizonrl.core.runtime import StopFlag
 from horizonrl.launcher import Child, Launcher, resolve_ports, start_launch
+from horizonrl.protocol.counters import ActorCounters
 from horizonrl.protocol import (EVENT_DIED, EVENT_RESTARTED, Control, Heartbeat, HeldOutEval, LearnerReport,
                                 ProcessEvent, Registration, decode_as, encode)
 
@@ -58,7 +59,7 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
         first.save_state()  # as it does every STATE_SAVE_PERIOD_S (every change of its state is saved at once)
         before = (first.learner_step, first.weight_version, first.weight_epoch, first.max_turns, dict(first.endpoints),
                   dict(first.faults), first.eval_step, set(first.evaluated_steps), first.plateau.best,
-                  first.health.total("actor", "episodes"), first.messages_read, dict(first.accepted))
+                  first.health.total(ActorCounters).episodes, first.messages_read, dict(first.accepted))
         assert before[0] == 4 and before[3] == 4  # past the schedule's first interval
     finally:
         first.close()  # as if killed: nothing more is written after the state of its last change
@@ -66,11 +67,11 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
     try:
         after = (second.learner_step, second.weight_version, second.weight_epoch, second.max_turns,
                  dict(second.endpoints), dict(second.faults), second.eval_step, set(second.evaluated_steps),
-                 second.plateau.best, second.health.total("actor", "episodes"), second.messages_read,
+                 second.plateau.best, second.health.total(ActorCounters).episodes, second.messages_read,
                  dict(second.accepted))
         assert after == before
         assert second.restarts == 1 and second.bad_messages["ProtocolError"] == 1
-        assert "actor-1" in second._recovering  # its recovery is still timed from its death
+        assert "actor-1" in second.ledger.recovering  # its recovery is still timed from its death
         control = second.control()
         assert (control.learner_step, control.weight_epoch, control.endpoints["weights"]) == (4, 1,
                                                                                                "tcp://127.0.0.1:4000")
@@ -84,7 +85,7 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
         second.take(encode(ProcessEvent(run_id=RUN_ID, name="coordinator", role="coordinator", event=EVENT_RESTARTED,
                                         restarts=1, delay_s=1.0, at=time.time(), key=key)))
         assert second.faults["coordinator_died"] == 1 and second.faults["coordinator_recovered"] == 1
-        assert second.recovery_s["coordinator"] >= 3
+        assert second.ledger.recovery_s["coordinator"] >= 3
         lines = [json.loads(line) for line in (config.output_dir / "faults.jsonl").read_text().splitlines()]
         assert [line["event"] for line in lines if line["name"] == "coordinator"] == ["died", "restarted", "recovered"]
         # The subscribers see the same Control as before the restart.

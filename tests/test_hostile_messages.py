@@ -83,7 +83,7 @@ def test_wrong_reports_are_rejected_counted_by_kind_and_reason_and_change_nothin
     assert coordinator.learner_step == 0 and not coordinator.finished and not coordinator.done
     assert not coordinator.health.last_seen and not coordinator.faults and not coordinator.endpoints
     assert not (tmp_path / "episodes.jsonl").exists() and not (tmp_path / "faults.jsonl").exists()
-    scalars = coordinator.message_scalars()
+    scalars = coordinator.intake.scalars(coordinator.restarts)
     assert scalars["coordinator/rejected"] == len(cases)
     assert scalars["coordinator/rejected_learner_report_unauthenticated"] == 2
 

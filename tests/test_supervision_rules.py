@@ -14,6 +14,7 @@ from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
 from horizonrl.launcher import RestartPolicy, resolve_ports
 from horizonrl.protocol import EVENT_DIED, EVENT_RESTARTED, Heartbeat, LearnerReport, ProcessEvent
+from horizonrl.protocol.counters import ActorCounters, ActorGauges
 
 
 def test_restarts_back_off_double_and_stop_at_the_limit_within_the_window():
@@ -55,8 +56,8 @@ def test_counters_add_up_over_incarnations_but_levels_are_the_current_ones(coord
     assert coordinator.rollout_paused  # the buffer holds capacity_groups
     coordinator.on_heartbeat(beat("actor", 11, episodes=2.0, episodes_in_progress=1.0))  # a restarted actor
     coordinator.on_heartbeat(beat("buffer", 21, ready_groups=0.0))  # a restarted buffer, empty
-    assert coordinator.health.total("actor", "episodes") == 7  # cumulative: both incarnations
-    assert coordinator.health.gauge("actor", "episodes_in_progress") == 1  # a level: the current one
+    assert coordinator.health.total(ActorCounters).episodes == 7  # cumulative: both incarnations
+    assert coordinator.health.gauges(ActorGauges).episodes_in_progress == 1  # a level: the current one
     assert not coordinator.rollout_paused  # the dead buffer's last depth is not the buffer's state
     assert coordinator.faults["episodes_lost"] == 3  # what the dead actor was playing
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import zmq.asyncio
 from horizonrl.core.outbox import acked_path, framed, read_outbox, segment_path
 from horizonrl.core.runtime import RateLimitedLog
 from horizonrl.protocol import ACK_REJECTED, ProtocolError, Trajectory, TrajectoryAck, decode_as, encode
+from horizonrl.protocol.counters import DeliveryCounters
 
 log = logging.getLogger("horizonrl.actors.delivery")
 
@@ -53,7 +53,7 @@ class TrajectoryDelivery:
         self.ack_timeout_s = ack_timeout_s
         self.max_unacked = max_unacked
         self.unacked: dict[str, _Unacked] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = DeliveryCounters()
         self._segment_ids: dict[int, set[str]] = {}  # outbox segment -> its unacknowledged ids
         self._segment = 0
         self._segment_entries = 0
@@ -82,7 +82,7 @@ class TrajectoryDelivery:
         if self.unacked:
             log.info("outbox: %d unacknowledged trajectories from before the restart; sending them again",
                      len(self.unacked))
-            self.counters["outbox_recovered"] += len(self.unacked)
+            self.counters.outbox_recovered += len(self.unacked)
         self._forget_acknowledged_segments()
         self._update_room()
 
@@ -123,8 +123,8 @@ class TrajectoryDelivery:
         self.unacked[trajectory.trajectory_id] = _Unacked(data, segment)
         self._update_room()
         await self._try_send(trajectory.trajectory_id)
-        self.counters["sent"] += 1
-        self.counters["send_wait_s"] += time.monotonic() - start
+        self.counters.sent += 1
+        self.counters.send_wait_s += time.monotonic() - start
 
     async def _try_send(self, trajectory_id: str) -> None:
         entry = self.unacked[trajectory_id]
@@ -151,7 +151,7 @@ class TrajectoryDelivery:
         try:
             ack = decode_as(data, TrajectoryAck, MAX_ACK_BYTES, self.run_id)
         except ProtocolError as exc:
-            self.counters["bad_acks"] += 1
+            self.counters.bad_acks += 1
             log.warning("ignoring a malformed acknowledgement: %s", exc)
             return
         marks: dict[int, list[str]] = {}
@@ -161,7 +161,7 @@ class TrajectoryDelivery:
                 continue  # acknowledged before (an ack of a resend)
             self._segment_ids.get(entry.segment, set()).discard(trajectory_id)
             marks.setdefault(entry.segment, []).append(trajectory_id)
-            self.counters[f"acked_{status}"] += 1
+            self.counters.count_ack(status)
             if status == ACK_REJECTED:
                 self._reject_log.warning("the buffer rejected trajectory %s: %s", trajectory_id, reason)
         for segment, ids in marks.items():
@@ -178,7 +178,7 @@ class TrajectoryDelivery:
             was_sent = self.unacked[trajectory_id].sent_at is not None
             await self._try_send(trajectory_id)
             if was_sent:
-                self.counters["resent"] += 1
+                self.counters.resent += 1
         if overdue:
             # Under backpressure a late acknowledgement is the design at work, not a fault: INFO, off the console.
             self._resend_log.log(logging.INFO if self.backpressure else logging.WARNING,

@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +51,7 @@ from horizonrl.learner.train_step import AdvantageSettings, LossSettings, Update
 from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import (ENDPOINT_COLOCATED_ENGINE, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch,
                                 LearnerReport, learner_rendezvous_name)
+from horizonrl.protocol.counters import LearnerCounters
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
 from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
@@ -203,7 +203,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # Every wait on the learner's own ranks is bounded by this: a rank may wait for rank 0 through a
     # whole batch wait and a weight update.
     control_timeout_s = lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S
-    counters: dict[str, float] = defaultdict(float)
+    counters = LearnerCounters()
     # The coordinator's request to end early (eval.stop_after_plateau): like a stop signal at the step
     # boundaries, but nothing is cut short — the last weights still reach every engine for the final evaluation.
     end_training = threading.Event()
@@ -266,7 +266,7 @@ def _open_report_channel(config: TrainConfig, res: Resources) -> None:
                                key=read_run_key(config.output_dir))
 
 
-def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: dict[str, float],
+def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: LearnerCounters,
                              end_training: threading.Event) -> None:
     """Rank 0: heartbeats, the coordinator's Control (an early end; where a registered buffer is), the buffer."""
     from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
