@@ -852,7 +852,7 @@ def _colocated_engine(model_dir: str, port: int, out_path: str) -> None:
         replies.append(worker.horizonrl_receive_weights())
         with torch.no_grad():
             torch.save(model(_prompt(model.config.vocab_size, "cuda")).logits.float().cpu(), f"{out_path}.v1.pt")
-        result["replies"] = replies  # (version, epoch, receive_s, load_s, worker, error)
+        result["replies"] = replies  # WorkerReply wire forms (protocol/worker_replies.py)
         worker._horizonrl_receiver.close()
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
@@ -877,14 +877,17 @@ def check_colocated_training(ctx: Context) -> CheckResult:
                                                                                        outputs)}
     differences = [float((logits["engine"][v] - logits["learner"][v]).abs().max()) for v in (0, 1)]
     moved = float((logits["learner"][1] - logits["learner"][0]).abs().max())
-    errors = [reply[5] for reply in engine["replies"] if reply[5]]
+    from horizonrl.protocol.worker_replies import WorkerReply
+
+    replies = [WorkerReply.from_wire(reply) for reply in engine["replies"]]
+    errors = [reply.error for reply in replies if reply.error]
     figures = {"model": model_dir.name, "link": learner["link"], "engine_replies": engine["replies"],
                "loaded_tensors": engine["loaded_tensors"], "max_abs_logit_diff_v0_v1": differences,
                "logits_moved_by_the_step": moved, "version1_publish": learner["version1"],
                "learner_peak_gb": learner["peak_gb"], "learner_cap_gb": learner["cap_gb"],
                "silent_engine": learner["silent_engine"]}
     silent = learner["silent_engine"]
-    ok = (not errors and learner["link"] == "IpcSender" and [r[0] for r in engine["replies"]] == [0, 1]
+    ok = (not errors and learner["link"] == "IpcSender" and [r.version for r in replies] == [0, 1]
           and max(differences) <= 1e-3 * max(1.0, moved) and moved > 0
           and silent["dropped"] == 1 and silent["members_left"] == 0 and silent["after_s"] <= silent["bound_s"] + 5)
     return CheckResult("colocated_training", "PASS" if ok else "FAIL", figures,

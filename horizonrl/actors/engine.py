@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from horizonrl.actors.engine_api import EngineApi, EngineVersionError, check_engine_api
 from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.programs import VLLM_WORKER_EXTENSION
+from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
 from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
@@ -74,24 +75,25 @@ class WeightUpdateMismatch(RuntimeError):
 
 
 def agreed_update(results: list) -> WeightUpdate:
-    """One :class:`WeightUpdate` from every worker's ``(version, epoch, receive_s, load_s, rank, error)``
-    (``vllm_worker.py``): every worker must have succeeded and loaded the same (epoch, version) — a
-    tensor-parallel engine whose shards come from two versions computes garbage — and the engine
-    waited for the slowest (the max of the times)."""
+    """One :class:`WeightUpdate` from every worker's reply (``WorkerReply``, as ``collective_rpc`` hands it back):
+    every worker must have succeeded and loaded the same (epoch, version) — a tensor-parallel engine whose
+    shards come from two versions computes garbage — and the engine waited for the slowest (the max of the
+    times)."""
     from horizonrl.protocol.weights import WeightSyncError
 
     if not results:
         raise WeightUpdateMismatch("the weight update RPC returned no worker results")
-    errors = {int(r[4]): r[5] for r in results if len(r) > 5 and r[5]}
+    replies = [r if isinstance(r, WorkerReply) else WorkerReply.from_wire(r) for r in results]
+    errors = {r.worker: r.error for r in replies if r.error}
     if errors:
-        raise WeightSyncError(f"weight update failed in {len(errors)} of the engine's {len(results)} workers: "
+        raise WeightSyncError(f"weight update failed in {len(errors)} of the engine's {len(replies)} workers: "
                               + "; ".join(f"worker {rank}: {error}" for rank, error in sorted(errors.items())))
-    keys = {(int(r[1]), int(r[0])) for r in results}
+    keys = {(r.epoch, r.version) for r in replies}
     if len(keys) != 1:
-        by_worker = {int(r[4]) if len(r) > 4 else i: (int(r[1]), int(r[0])) for i, r in enumerate(results)}
+        by_worker = {r.worker: (r.epoch, r.version) for r in replies}
         raise WeightUpdateMismatch(f"the engine's workers loaded different weights (epoch, version): {by_worker}")
     (epoch, version), = keys
-    return WeightUpdate(version, epoch, max(float(r[2]) for r in results), max(float(r[3]) for r in results), 0.0)
+    return WeightUpdate(version, epoch, max(r.receive_s for r in replies), max(r.load_s for r in replies), 0.0)
 
 
 class RolloutEngine:
@@ -372,7 +374,6 @@ class RolloutEngine:
         and tells this engine so over a socket of its own (``weight_receiver.StagedReceive``); a word more than
         10 s late, and the workers are asked directly. Raises ``WeightSyncError`` when a worker's receive fails or
         does not end within ``timeout_s`` (+ 30 s)."""
-        import msgspec
         import zmq
         import zmq.asyncio
 
@@ -388,7 +389,7 @@ class RolloutEngine:
         started = await self._llm.collective_rpc("horizonrl_stage_weights", timeout=60,
                                                  args=(self._stage_id, self._staged_address))
         agreed_update(started)  # every worker started its thread
-        outcomes: dict[int, list] = {}
+        outcomes: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
         while len(outcomes) < len(started):
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -400,16 +401,16 @@ class RolloutEngine:
                 # and the learner its acknowledgement, while the actor waits it out and the learner's next version
                 # waits for the actor (minutes of a run). Ask the workers whether they are done.
                 asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
-                ended = {int(outcome[5]): outcome[1:] for outcome in asked if outcome is not None}
+                ended = {o.worker: o.reply for o in (StageOutcome.from_wire(a) for a in asked if a is not None)}
                 if len(ended) == len(started):
                     log.warning("staged receive %d ended %.0f s ago or more with no word from its workers; "
                                 "took their outcome from them", self._stage_id, STAGED_ASK_AFTER_MS / 1000)
                     self.lost_stage_messages += 1
                     outcomes = ended
                 continue
-            message = msgspec.msgpack.decode(await self._staged.recv())
-            if message[0] == self._stage_id:  # an older stage's late word is not this one's
-                outcomes[int(message[5])] = message[1:]
+            outcome = StageOutcome.decode(await self._staged.recv())
+            if outcome.stage_id == self._stage_id:  # an older stage's late word is not this one's
+                outcomes[outcome.worker] = outcome.reply
         update = agreed_update(list(outcomes.values()))
         return StagedWeights(update.version, update.epoch, update.receive_s)
 
