@@ -17,7 +17,7 @@ from horizonrl.core.coordinator_state import load_snapshot, state_path
 from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.run_events import EventLog, RunEvent, read_events
 from horizonrl.core.runtime import StopFlag
-from horizonrl.launcher import Child, Launcher, resolve_ports, start_launch
+from horizonrl.launcher import resolve_ports, start_launch
 from horizonrl.protocol.counters import ActorCounters
 from horizonrl.protocol import (EVENT_DIED, EVENT_RESTARTED, Control, Heartbeat, HeldOutEval, LearnerReport,
                                 ProcessEvent, Registration, decode_as, encode)
@@ -150,28 +150,3 @@ def test_a_new_launch_starts_from_its_checkpoint_not_from_the_last_coordinator(c
         assert fresh.restarts == 0 and fresh.learner_step == 0 and not fresh.endpoints
     finally:
         fresh.close()
-
-
-class ExitedProcess:
-    def __init__(self, pid: int, code: int) -> None:
-        self.pid, self.code = pid, code
-
-    def poll(self) -> int:
-        return self.code
-
-
-def test_the_launcher_restarts_a_dead_coordinator_and_lets_a_finished_one_go(config, tmp_path):
-    launcher = Launcher(config, tmp_path / "config.yaml", plan=_cpu_plan(config))
-    reported = []
-    launcher._report = lambda name, event, **fields: reported.append((name, event))
-    killed = Child("coordinator", ExitedProcess(2**22 + 1, -9), ["coordinator"], None, essential=True)
-    assert launcher._on_exit(killed, -9) is None  # not the end of the run
-    assert reported == [("coordinator", "died")] and [what for _, what, _ in launcher._due] == ["coordinator"]
-    finished = Child("coordinator", ExitedProcess(2**22 + 2, 0), ["coordinator"], None, essential=True)
-    assert launcher._on_exit(finished, 0) is None and len(launcher._due) == 1
-
-
-def _cpu_plan(config):
-    from horizonrl.launcher import resolve_placement
-
-    return resolve_placement(config, environ={"CUDA_VISIBLE_DEVICES": ""}, count_devices=lambda: 0)

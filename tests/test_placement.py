@@ -265,7 +265,8 @@ def test_table_lists_every_process_and_the_backends():
 
 
 def spawned_envs(cfg, plan, tmp_path, monkeypatch) -> dict[str, dict[str, str] | None]:
-    """What ``Launcher.start_all`` would start, by child name -> the env it adds; nothing is started."""
+    """What ``Launcher.start_all`` would start, by child name -> the env it adds (None: nothing); nothing is
+    started."""
     import io
 
     from horizonrl.launcher.console import RunConsole
@@ -274,7 +275,7 @@ def spawned_envs(cfg, plan, tmp_path, monkeypatch) -> dict[str, dict[str, str] |
     launcher = Launcher(cfg, tmp_path / "config.yaml", plan=plan,
                         console=RunConsole(io.StringIO(), title="t", total=1, live=False))
     started: dict[str, dict[str, str] | None] = {}
-    monkeypatch.setattr(launcher, "spawn", lambda name, args, *, essential, env=None: started.setdefault(name, env))
+    monkeypatch.setattr(launcher.processes, "start", lambda spec: started.setdefault(spec.name, spec.env or None))
     launcher.start_all()
     return started
 
@@ -321,7 +322,7 @@ def dry_run(tmp_path, capsys, monkeypatch, visible: str | None, *overrides: str)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     # This machine has no GPU: the launcher is told the ids it sees exist.
-    monkeypatch.setattr("horizonrl.launcher.cuda_device_count", lambda: len([g for g in (visible or "").split(",") if g]))
+    monkeypatch.setattr("horizonrl.launcher.resolve.cuda_device_count", lambda: len([g for g in (visible or "").split(",") if g]))
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "/m"}, "envs": [{"name": "signpost"}]}))
     rc = main(["train", str(path), *overrides, "--dry-run"])

@@ -2,7 +2,8 @@
 
 No Slurm needed: what each step asks for (one ``srun --exact`` per process, ``--gres=none`` for the CPU
 processes so that they take no GPU of the job, the engines' and learner's GPUs), the learner under
-torchrun with gang restarts from the newest checkpoint, the coordinator on the first node, and the
+torchrun with gang restarts from the newest checkpoint, restarts under the run's supervision policy (its limit
+within a window and doubling back-off, as the other launchers apply it), the coordinator on the first node, and the
 ``--prepare`` step that the job runs to fix the coordinator's address in the resolved config.
 """
 
@@ -51,7 +52,9 @@ def test_a_gpu_job_has_one_exact_step_per_process_with_its_gpus(tmp_path):
     assert "--gres=none" in buffer and buffer.startswith("supervise buffer 5 srun")
     learner = next(s for s in found if "horizonrl learner" in s)
     assert "--gres=gpu:2" in learner and "-m torch.distributed.run" in learner
-    assert "--nproc-per-node=2" in learner and "--max-restarts=3" in learner and "--resume auto" in learner
+    # a gang: the whole step restarts under the run's policy (supervision.max_learner_restarts), not torchrun
+    assert learner.startswith("supervise learner 3 srun") and "--max-restarts=0" in learner
+    assert "--nproc-per-node=2" in learner and "--resume auto" in learner
     actors = [s for s in found if "horizonrl actor" in s]
     assert [re.search(r"--index (\d+)", s).group(1) for s in actors] == ["0", "1", "2"]
     assert all("--gres=gpu:2" in s and "supervise actor-" in s for s in actors)

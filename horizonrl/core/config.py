@@ -464,7 +464,8 @@ class SlurmLauncherConfig(_Frozen):
                               "processes that start on other nodes")
     torchrun_port: int = Field(29402, ge=1, le=65535, description="the learner's torchrun rendezvous port")
     max_restarts: int | None = Field(None, ge=0, description="restarts of an actor or buffer step, and of the "
-                                     "learner under torchrun (default: supervision.max_restarts)")
+                                     "learner's step (a gang), within supervision.window_s (default: "
+                                     "supervision.max_restarts and supervision.max_learner_restarts)")
     setup: list[str] = Field([], description="shell lines run before the steps, e.g. `source .venv/bin/activate` or "
                              "`module load cuda`")
     python: str = Field("python", description="the interpreter on the nodes")
@@ -477,8 +478,9 @@ class LauncherConfig(_Frozen):
 
     type: Literal["local", "ray", "slurm"] = Field(
         "local", description="local: subprocesses of `horizonrl train` on this machine, supervised by it; ray: Ray "
-                             "actors in one placement group (Ray restarts actors and the buffer, the launcher the "
-                             "learner as a gang); slurm: `horizonrl slurm CONFIG > job.sbatch`, then sbatch it")
+                             "actors in one placement group, supervised the same way (supervision.*); slurm: "
+                             "`horizonrl slurm CONFIG > job.sbatch`, then sbatch it (its script applies "
+                             "supervision.* in bash)")
     ray: RayLauncherConfig = RayLauncherConfig()
     slurm: SlurmLauncherConfig = SlurmLauncherConfig()
 

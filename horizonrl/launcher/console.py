@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Mapping
 
-from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS, StepStatus
+from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS, StepStatus, parse_status_line
 
 REFRESH_S = 1.0  # the live block's clock (elapsed, ETA) moves this often between steps
 ETA_WINDOW_STEPS = 10  # the ETA extrapolates the pace of the last this many steps
@@ -293,3 +293,15 @@ def output_to_file(path: Path) -> Iterator[None]:
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
+
+
+def route_line(console: RunConsole, name: str, line: str, *, verbose: bool) -> None:
+    """One line process ``name`` wrote: the coordinator's status records feed the console's status; of the rest
+    the console shows what says something is wrong (all of it with ``verbose``)."""
+    status = parse_status_line(line) if name == "coordinator" else None
+    if status is not None:
+        console.status(status)
+        return
+    text = shown_line(name, line, verbose=verbose)
+    if text is not None:
+        console.line(text)
