@@ -1,6 +1,7 @@
 """Does a SearchQA model copy names from its context? Teacher-forced probabilities at the two places it must.
 
-    python scripts/searchqa_copy_probe.py MODEL_DIR [--config configs/searchqa_1hop.yaml] [--split test] [--questions 100]
+    python scripts/searchqa_copy_probe.py MODEL_DIR [--config configs/searchqa_1hop.yaml] [--split test] \\
+        [--questions 100]
 
 For the first N 1-hop questions of the split, the model reads the question, a search for the person's full name
 and the page it returns, and this prints the mean probability, under the model, of

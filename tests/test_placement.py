@@ -434,7 +434,7 @@ def test_pinning_restricts_this_process_and_binds_the_engine(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")       # leaked "1" broke a later tensor-parallel engine)
     try:
         assert pin_to_cpus(config(), "actor", 0) is None and os.sched_getaffinity(0) == before
-        assert pin_to_cpus(config(f"rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]
+        assert pin_to_cpus(config("rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]
         assert os.sched_getaffinity(0) == {core}
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
         with pytest.raises(ConfigError, match="may not use"):

@@ -84,8 +84,8 @@ EVAL_SEND_TIMEOUT_S = 30.0
 EVAL_METRICS = ("success_rate", "episodes_valid", "infra_failures", "mean_reward", "mean_score", "mean_turns")
 
 
-def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
-                  actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
+def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str,
+                  task_id: int, actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
     return Trajectory(
         run_id=run_id,
         trajectory_id=trajectory_id,
@@ -376,8 +376,9 @@ class Actor:
                 return host, port
             except (OSError, asyncio.TimeoutError):
                 if time.monotonic() > deadline:
+                    timeout_s = self.config.learner.weight_sync_timeout_s
                     raise TimeoutError(f"no weight hub answered at {host}:{port} (the newest registered) within "
-                                       f"learner.weight_sync_timeout_s={self.config.learner.weight_sync_timeout_s:.0f} s")
+                                       f"learner.weight_sync_timeout_s={timeout_s:.0f} s")
                 await asyncio.sleep(HUB_PROBE_S)
                 if not self._control_reader_running:  # else _read_control keeps self.control current
                     await self._read_queued_control()
@@ -583,7 +584,8 @@ class Actor:
             self.counters.eval_episodes += sum(r["episodes"] for r in results)
             self.counters.eval_s += wall_s
             log.info("held-out evaluation of step %d: %s (%.1f s, weights v%d-v%d)", step,
-                     ", ".join(f"{r['env']} {r['success_rate']:.2f}" for r in results), wall_s, *message.weight_versions)
+                     ", ".join(f"{r['env']} {r['success_rate']:.2f}" for r in results), wall_s,
+                     *message.weight_versions)
             try:
                 await asyncio.wait_for(self.reports.send(encode(message)), EVAL_SEND_TIMEOUT_S)
             except asyncio.TimeoutError:

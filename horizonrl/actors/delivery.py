@@ -155,7 +155,8 @@ class TrajectoryDelivery:
             log.warning("ignoring a malformed acknowledgement: %s", exc)
             return
         marks: dict[int, list[str]] = {}
-        for trajectory_id, status, reason in zip(ack.trajectory_ids, ack.statuses, ack.reasons or [""] * len(ack.statuses)):
+        reasons = ack.reasons or [""] * len(ack.statuses)
+        for trajectory_id, status, reason in zip(ack.trajectory_ids, ack.statuses, reasons):
             entry = self.unacked.pop(trajectory_id, None)
             if entry is None:
                 continue  # acknowledged before (an ack of a resend)

@@ -544,8 +544,8 @@ def labels_tokens(api: EngineApi) -> bool:
 
 def v1_model_runner_needed(api: EngineApi, on_weight_update: str) -> bool:
     """Whether only vLLM's V1 model runner has what the weight updates need: V2's lacks ``reload_weights`` before
-    0.22 (docs/gpu.md's matrix; V2 is opt-in there), and on a vLLM that does not label tokens by weights (before 0.32) ``keep`` counts
-    each request's tokens in the runner's request states, which only V1 keeps."""
+    0.22 (docs/gpu.md's matrix; V2 is opt-in there), and on a vLLM that does not label tokens by weights (before
+    0.32) ``keep`` counts each request's tokens in the runner's request states, which only V1 keeps."""
     return bool(api.runner_problems("v2")) or (on_weight_update == "keep" and not labels_tokens(api))
 
 

@@ -259,10 +259,11 @@ class StagedReceive:
     as soon as it is here. On a GPU that buffer is host memory (pinned) and each bucket passes through one
     device buffer: a whole second copy of the model on every worker's GPU would sit outside vLLM's memory
     budget (a 7B model in bf16, ~15 GB, does not fit beside an engine at utilization 0.9 on 80 GB) and run it
-    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every collective is bounded by the group's timeout, so it always
-    does), the thread tells the actor at ``notify_address`` (a ZMQ PULL socket of the actor's, a msgpack
-    ``StageOutcome``, protocol/worker_replies.py): the actor waits for that message rather
-    than asking the engine, whose worker would spin between such questions on the cores the receive needs.
+    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every
+    collective is bounded by the group's timeout, so it always does), the thread tells the actor at
+    ``notify_address`` (a ZMQ PULL socket of the actor's, a msgpack ``StageOutcome``,
+    protocol/worker_replies.py): the actor waits for that message rather than asking the engine, whose
+    worker would spin between such questions on the cores the receive needs.
     ``layout`` is set once it all arrived, ``error`` if it failed."""
 
     stage_id: int
@@ -318,7 +319,8 @@ class StagedReceive:
     def outcome(self) -> StageOutcome:
         """How it ended, for the stage that owns it now (version -1 unless it all arrived)."""
         if self.error is not None:
-            return StageOutcome(self.stage_id, -1, -1, 0.0, 0.0, self.worker, f"{type(self.error).__name__}: {self.error}")
+            error = f"{type(self.error).__name__}: {self.error}"
+            return StageOutcome(self.stage_id, -1, -1, 0.0, 0.0, self.worker, error)
         if self.layout is None:
             return StageOutcome(self.stage_id, -1, -1, 0.0, 0.0, self.worker)
         return StageOutcome(self.stage_id, self.layout.version, self.layout.epoch, self.receive_s, 0.0, self.worker)
@@ -343,8 +345,8 @@ def _notify(address: str, outcome: StageOutcome) -> None:
         try:
             sock.send(msgspec.msgpack.encode(outcome))
         except zmq.Again:  # the actor asks for it when it is late (Engine.stage_weights)
-            log.warning("staged receive %d: could not tell the actor at %s within %.0f s that it ended", outcome.stage_id,
-                        address, NOTIFY_TIMEOUT_MS / 1000)
+            log.warning("staged receive %d: could not tell the actor at %s within %.0f s that it ended",
+                        outcome.stage_id, address, NOTIFY_TIMEOUT_MS / 1000)
         sock.close()
     finally:
         context.term()

@@ -65,7 +65,8 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault
             if fault is not None:
                 fault.end()  # an engine frozen or a disk full would hold the clean stop
             if not finished:
-                print(f"[chaos] {duration_s:.0f} s are up: stopping the run (Ctrl-C: it saves a checkpoint)", flush=True)
+                print(f"[chaos] {duration_s:.0f} s are up: stopping the run (Ctrl-C: it saves a checkpoint)",
+                      flush=True)
                 os.kill(proc.pid, signal.SIGINT)
             rc = proc.wait(timeout=STOP_GRACE_S)
         finally:
@@ -157,7 +158,8 @@ def print_report(summary: dict[str, Any], baseline: dict[str, Any] | None) -> No
     print(f"  learner steps: {summary['learner_steps_reported']} reported, {summary['learner_steps_checkpointed']} in "
           f"the newest checkpoint ({summary['steps_per_minute']} per minute)")
     print(f"  trajectories: {a['accepted']} accepted, {a['trained_once']} trained once, dropped {a['dropped']}, "
-          f"left out by the learner {a['learner_skipped']}, {a['held']} held, {a['not_yet_delivered']} still in outboxes")
+          f"left out by the learner {a['learner_skipped']}, {a['held']} held, {a['not_yet_delivered']} still in "
+          "outboxes")
     print(f"  refused at the buffer's door, by reason: {a['rejected_at_the_door']}")
     print(f"  lost {a['lost']}, trained twice {a['trained_twice']}, in two fates {a['in_two_fates']}")
     if "storm" in summary:

@@ -237,7 +237,8 @@ def _add_tiny(sub) -> None:
                                       "checkpoint (see `horizonrl make-model --help`)")
     sub.add_parser("make-warmup-data", help="random-policy episodes of a config's environments as SFT data for a "
                                             "format warm-up (see `horizonrl make-warmup-data --help`)")
-    sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf --help`)")
+    sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf "
+                                       "--help`)")
 
 
 def _add_env(sub) -> None:
@@ -254,7 +255,8 @@ def _add_offline(sub) -> None:
         p = sub.add_parser(name, help=what, description=f"{what}, on FSDP; writes a Hugging Face checkpoint to "
                            "<output_dir>/final that `horizonrl train ... model.path=` starts from (docs/offline.md)")
         p.add_argument("config", type=Path)
-        p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML), e.g. lr=1e-5 num_ranks=2")
+        p.add_argument("overrides", nargs="*",
+                       help="dotted.key=value (values parsed as YAML), e.g. lr=1e-5 num_ranks=2")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         p.set_defaults(func=_cmd_offline, paradigm=name)
     p = sub.add_parser("make-expert-data", help="write Signpost expert trajectories (sft) or pairs (dpo) in "

@@ -1,4 +1,4 @@
-"""``horizonrl env list | splits NAME OUT_DIR | check NAME | serve NAME...`` (also ``python -m horizonrl.apps.env_cli``).
+"""``horizonrl env list | splits NAME OUT_DIR | check NAME | serve NAME...`` (also ``python -m`` this module).
 
 ``check`` plays a scripted expert — the BabyAI bot, TextCraft's crafting plan, SciWorld's gold
 actions, SearchQA's oracle queries — on test tasks and prints one JSON line: success rate, mean
@@ -69,7 +69,8 @@ def _cmd_splits(args: argparse.Namespace) -> int:
     from horizonrl.envs.ids import write_split_files
     from horizonrl.envs.registry import make_env
 
-    for split, path in write_split_files(make_env(args.name, json.loads(args.settings)), args.out_dir, args.name).items():
+    env = make_env(args.name, json.loads(args.settings))
+    for split, path in write_split_files(env, args.out_dir, args.name).items():
         print(f"{split}: {path}")
     return 0
 

@@ -200,7 +200,8 @@ def read_import_spec(out_dir: str | os.PathLike) -> dict[str, Any] | None:
 def _matches(out: Path, source: str, dtype: str, gguf_path: Path) -> bool:
     spec = read_import_spec(out)
     return (spec is not None and spec.get("import_version") == IMPORT_VERSION and spec.get("source") == source
-            and spec.get("dtype") == dtype and gguf_path.is_file() and spec.get("gguf_bytes") == gguf_path.stat().st_size)
+            and spec.get("dtype") == dtype and gguf_path.is_file()
+            and spec.get("gguf_bytes") == gguf_path.stat().st_size)
 
 
 def _sha256(path: Path) -> str:

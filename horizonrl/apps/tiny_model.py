@@ -58,7 +58,8 @@ CHATML_TEMPLATE = (
 # Qwen2's pre-tokenization regex (transformers' Qwen2Tokenizer): single digits, words with
 # at most one leading non-letter, newlines kept apart from the words after them.
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 DEFAULT_VOCAB_SIZE = 1024

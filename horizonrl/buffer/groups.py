@@ -124,7 +124,8 @@ class GroupBuffer:
             return REJECT_GROUP_MISMATCH, f"group {traj.group_id} is already complete"
         if group is not None and (group.env, group.task_id, group.size) != (traj.env, traj.task_id, traj.group_size):
             return REJECT_GROUP_MISMATCH, (f"group {traj.group_id} is ({group.env}, task {group.task_id}, size "
-                                           f"{group.size}); this member says ({traj.env}, {traj.task_id}, {traj.group_size})")
+                                           f"{group.size}); this member says ({traj.env}, {traj.task_id}, "
+                                           f"{traj.group_size})")
         return None
 
     def accept(self, traj: Trajectory) -> None:

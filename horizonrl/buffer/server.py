@@ -111,8 +111,8 @@ class BufferServer:
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
         settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups)
-        if (self.recovered_records == 0 or (self.groups.capacity_groups, self.groups.max_staleness,
-                                             self.groups.skip_equal_reward_groups) != tuple(msgspec.structs.astuple(settings))):
+        replayed = (self.groups.capacity_groups, self.groups.max_staleness, self.groups.skip_equal_reward_groups)
+        if self.recovered_records == 0 or replayed != tuple(msgspec.structs.astuple(settings)):
             self._log(settings)
         self.bad_messages: Counter[str] = Counter()
         self.messages_read: Counter[str] = Counter()  # per socket: every message is read once and counted
@@ -124,7 +124,8 @@ class BufferServer:
         self._outbox: defaultdict[bytes, list[tuple[str, str, str]]] = defaultdict(list)  # acks, once durable
         self._reply: tuple[bytes, bytes] | None = None  # a batch, once durable
         # (log ticket, acks, batch reply): what may leave the process once the log is durable up to the ticket
-        self._undurable: deque[tuple[int, dict[bytes, list[tuple[str, str, str]]], tuple[bytes, bytes] | None]] = deque()
+        self._undurable: deque[tuple[int, dict[bytes, list[tuple[str, str, str]]], tuple[bytes, bytes] | None]] = (
+            deque())
         self._pending: tuple[bytes, BatchRequest] | None = None
         self._pending_since = 0.0
         self._equal_seen_at_request = 0

@@ -349,7 +349,8 @@ class Coordinator:
             held.final_deadline = time.monotonic() + saved.final_eval_deadline - time.time()
         plateau, kept = held.plateau, saved.plateau
         plateau.best = float("-inf") if kept.best is None else kept.best
-        plateau.best_step, plateau.without_progress, plateau.reached = kept.best_step, kept.without_progress, kept.reached
+        plateau.best_step, plateau.without_progress = kept.best_step, kept.without_progress
+        plateau.reached = kept.reached
         self.registry.endpoints = dict(saved.endpoints)
         self.ledger.faults.update(saved.faults)
         self.ledger.recovery_s = dict(saved.recovery_s)

@@ -47,8 +47,9 @@ class TinyModelRecipe(_Frozen):
 
 
 class FormatWarmup(_Frozen):
-    """A short SFT of a pretrained model on random-policy episodes of the run's environments (horizonrl/apps/warmup_data.py):
-    the reply format, not the skill (every reply in the data is a random valid action)."""
+    """A short SFT of a pretrained model on random-policy episodes of the run's environments
+    (horizonrl/apps/warmup_data.py): the reply format, not the skill (every reply in the data is a random valid
+    action)."""
 
     episodes_per_env: int = Field(500, ge=1, description="random-policy episodes per environment")
     steps: int = Field(40, ge=1, description="SFT optimizer steps on them")
@@ -276,8 +277,8 @@ class BufferConfig(_Frozen):
     wal_segment_mb: float = Field(64.0, gt=0, description="start a new log segment past this size")
     wal_compact_mb: float = Field(512.0, gt=0, description="compact (drop the payloads of trained and dropped "
                                   "trajectories) when the log grows past this")
-    future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard of "
-                                 "yet waits this long for it, then is rejected as from the future")
+    future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard "
+                                 "of yet waits this long for it, then is rejected as from the future")
 
 
 class NetworkConfig(_Frozen):
@@ -353,7 +354,8 @@ class SupervisionConfig(_Frozen):
 
     restart: bool = Field(True, description="restart a dead actor, buffer, coordinator or managed environment "
                           "server (off: any death stops the run)")
-    max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops the run")
+    max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops "
+                              "the run")
     window_s: float = Field(600.0, gt=0)
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each restart in the "
                              "window")
@@ -504,7 +506,8 @@ class EvalConfig(_Frozen):
                                 "learner's last step for that step's evaluation")
     stop_after_plateau: int = Field(0, ge=0, description="end training early when held-out success (eval.every) "
                                     "has not beaten its best by more than eval.plateau_min_delta for this many "
-                                    "evaluations in a row: the learner saves and stops at its next step boundary (0: off)")
+                                    "evaluations in a row: the learner saves and stops at its next step boundary "
+                                    "(0: off)")
     plateau_min_delta: float = Field(0.02, ge=0, description="the rise in held-out success that counts as "
                                      "progress for eval.stop_after_plateau")
 
@@ -538,7 +541,8 @@ class TrainConfig(_Frozen):
                              f"the learner would wait forever for a batch; set buffer.capacity_groups to about "
                              f"{2 * self.learner.groups_per_step} (two steps' worth)")
         if self.buffer.max_staleness < self.rollout.weight_sync_every - 1:
-            raise ValueError(f"buffer.max_staleness ({self.buffer.max_staleness}) is below rollout.weight_sync_every - 1 "
+            raise ValueError(f"buffer.max_staleness ({self.buffer.max_staleness}) is below "
+                             "rollout.weight_sync_every - 1 "
                              f"({self.rollout.weight_sync_every - 1}): between two weight updates the learner moves "
                              f"that many steps past the engines' weights, so every group would be dropped as stale; "
                              f"set buffer.max_staleness to at least {self.rollout.weight_sync_every}")

@@ -166,9 +166,9 @@ def choose_backends(device_type: DeviceType, learner_backend: str) -> tuple[Back
     if learner_backend not in ("auto", implied):
         if device_type == "cuda":
             raise ConfigError(
-                "learner.backend=gloo with GPUs: gloo cannot run the learner's FSDP collectives or the weight broadcast "
-                "on CUDA tensors, and engines on GPUs receive over NCCL. Use learner.backend=auto (NCCL on GPUs), or "
-                "train on the CPU with resources.device=cpu")
+                "learner.backend=gloo with GPUs: gloo cannot run the learner's FSDP collectives or the weight "
+                "broadcast on CUDA tensors, and engines on GPUs receive over NCCL. Use learner.backend=auto (NCCL on "
+                "GPUs), or train on the CPU with resources.device=cpu")
         raise ConfigError(
             f"learner.backend={learner_backend} without a GPU: NCCL needs GPUs. Use learner.backend=auto (gloo on the "
             "CPU), or run where GPUs are visible")

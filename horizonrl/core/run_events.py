@@ -59,7 +59,8 @@ class RunEvent(str, Enum):
     ENDPOINTS_REGISTERED = "endpoints_registered"  # name, endpoints: what a process serves, where
     TRAINING_ENDED_EARLY = "training_ended_early"  # step, reason
     HELD_OUT_EVALUATED = "held_out_evaluated"  # step, success_rate
-    COORDINATOR_RESTORED = "coordinator_restored"  # restarts, step, weight_epoch: a restarted coordinator read its state
+    # restarts, step, weight_epoch: a restarted coordinator read its state
+    COORDINATOR_RESTORED = "coordinator_restored"
     LEARNER_DONE_FROM_DISK = "learner_done_from_disk"  # step: a restarted coordinator found the learner's end here
 
 
@@ -105,7 +106,8 @@ def read_events(output_dir: str | Path, *kinds: RunEvent | str) -> list[dict[str
     return list(iter_events(output_dir, *kinds))
 
 
-def iter_events(output_dir: str | Path, *kinds: RunEvent | str, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+def iter_events(output_dir: str | Path, *kinds: RunEvent | str,
+                tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """As :func:`read_events`; ``tail_bytes``: only the events in the file's last that many bytes (a reader
     that polls a long run's file for something recent)."""
     path = RunDir(output_dir).events

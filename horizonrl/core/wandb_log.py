@@ -25,7 +25,8 @@ class WandbLog:
         try:
             import wandb
         except ImportError as error:
-            raise RuntimeError("monitor.wandb is set but the wandb package is not installed: pip install wandb") from error
+            raise RuntimeError("monitor.wandb is set but the wandb package is not installed: pip install wandb") \
+                from error
         os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break the console's status block
         self._wandb = wandb
         self.run = wandb.init(project=settings.get("project", "horizonrl"), entity=settings.get("entity"),

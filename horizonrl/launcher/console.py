@@ -37,7 +37,8 @@ MIN_WIDTH = 40
 # A record of horizonrl's logging format (core/runtime.py setup_logging): "12:00:00 actor-0[123] WARNING name: text".
 _OWN_RECORD = re.compile(r"^(\d\d:\d\d:\d\d) \S+\[\d+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+): (.*)$")
 # vLLM's own format, with or without its process prefix: "(EngineCore pid=7) WARNING 11-25 03:36:29 [f.py:1] text".
-_VLLM_RECORD = re.compile(r"^(?:\([^)]*\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] (.*)$")
+_VLLM_RECORD = re.compile(r"^(?:\([^)]*\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                          r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] (.*)$")
 # The last line of a Python traceback: "ValueError: ...", "torch.distributed.DistBackendError: ...".
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?$")
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
@@ -110,7 +111,8 @@ def progress_line(status: StepStatus, *, eta_s: float | None = None) -> str:
     return (
         f"step {status.step}/{status.total} | reward {_value(s, 'batch/reward_mean')} | success {_success(s)}"
         f" | turns {_value(s, 'batch/turns_mean', '{:.1f}')} | max_turns {_value(s, 'schedule/max_turns', '{:.0f}')}"
-        f" | staleness {_value(s, 'batch/staleness_mean')} | rollout {_value(s, 'rollout/tokens_per_s', '{:.0f}')} tok/s"
+        f" | staleness {_value(s, 'batch/staleness_mean')}"
+        f" | rollout {_value(s, 'rollout/tokens_per_s', '{:.0f}')} tok/s"
         f" | learner {_value(s, 'throughput/learner_tokens_per_s', '{:.0f}')} tok/s | step {_value(s, 'time/step_s')} s"
         f" | buffer {_buffer(s)} | dropped {_value(s, 'buffer/dropped_total', '{:.0f}')}"
         f" | died {_fault_count(s):.0f} | eta {format_duration(eta_s)}"

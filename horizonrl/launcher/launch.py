@@ -31,8 +31,8 @@ def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = Fa
                         config.run_dir.tensorboard)
         return launch_ray(config, verbose=verbose)
     if config.launcher.type == "slurm":
-        raise ConfigError("launcher.type=slurm runs as a batch job: write it with `horizonrl slurm CONFIG > job.sbatch` "
-                          "and submit it with `sbatch job.sbatch` (docs/cluster.md)")
+        raise ConfigError("launcher.type=slurm runs as a batch job: write it with `horizonrl slurm CONFIG > "
+                          "job.sbatch` and submit it with `sbatch job.sbatch` (docs/cluster.md)")
     if config.network.host == AUTO_HOST:
         raise ConfigError("network.host=auto is for the cluster launchers (the coordinator's node address); a local "
                           "run binds loopback (the default) or the address you give")

@@ -92,8 +92,9 @@ def managed_env_servers(config: TrainConfig) -> list[tuple[str, list[str]]]:
         s = spec.settings
         if spec.name == "http" and s.get("managed"):
             host, _, port = s["url"].split("//", 1)[-1].rstrip("/").rpartition(":")
+            settings = json.dumps({s["env"]: s.get("env_settings", {})})
             servers.append((f"env-{i}", horizonrl_command("env", "serve", s["env"], "--host", host, "--port", port,
-                                                           "--settings", json.dumps({s["env"]: s.get("env_settings", {})}))))
+                                                           "--settings", settings)))
     return servers
 
 

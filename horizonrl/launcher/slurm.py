@@ -64,8 +64,8 @@ def slurm_layout(config: TrainConfig) -> SlurmLayout:
         ranks_per_node = min(ranks, s.gpus_per_node)
         learner_nodes = math.ceil(ranks / ranks_per_node)
         if ranks % ranks_per_node:
-            raise ConfigError(f"learner.num_ranks={ranks} does not fill whole nodes of {s.gpus_per_node} GPUs: torchrun "
-                              "runs the same number of ranks on every node; use a multiple of "
+            raise ConfigError(f"learner.num_ranks={ranks} does not fill whole nodes of {s.gpus_per_node} GPUs: "
+                              "torchrun runs the same number of ranks on every node; use a multiple of "
                               "launcher.slurm.gpus_per_node (or fewer ranks than one node's GPUs)")
         engine_gpus = config.rollout.engine.tensor_parallel_size
         if engine_gpus > s.gpus_per_node:

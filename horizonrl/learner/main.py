@@ -429,7 +429,8 @@ class HubPublisher:
 
     def __init__(self, model, res: Resources, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
                  stop: threading.Event) -> None:
-        self.model, self.res, self.epoch, self.bucket_mb, self.dtype, self.stop = model, res, epoch, bucket_mb, dtype, stop
+        self.model, self.res, self.epoch = model, res, epoch
+        self.bucket_mb, self.dtype, self.stop = bucket_mb, dtype, stop
 
     @property
     def usable(self) -> bool:
@@ -456,7 +457,8 @@ class HubPublisher:
 
     def metrics(self) -> dict[str, float]:
         hub = self.res.weight_hub
-        return {**{f"weights/{k}": float(v) for k, v in hub.counters.items()}, "weights/members": float(len(hub.members))}
+        return {**{f"weights/{k}": float(v) for k, v in hub.counters.items()},
+                "weights/members": float(len(hub.members))}
 
 
 class GatherOnly:

@@ -46,8 +46,8 @@ def _measure_once(mode: str, size: int, producers: int, per_producer: int, timeo
 
     with tempfile.TemporaryDirectory(prefix="horizonrl-intake-") as tmp:
         config, path = prepare_run(load_config(None, [
-            "model.path=/unused", "envs=[{name: signpost}]", f"run.output_dir={tmp}/run", "buffer.capacity_groups=1000000",
-            "buffer.max_staleness=1000", *MODES[mode]]))
+            "model.path=/unused", "envs=[{name: signpost}]", f"run.output_dir={tmp}/run",
+            "buffer.capacity_groups=1000000", "buffer.max_staleness=1000", *MODES[mode]]))
         payloads = [_trajectories(size, p, per_producer, config.run.run_id) for p in range(producers)]
         buffer = _start_buffer(path, Path(tmp))
         ctx = zmq.Context()

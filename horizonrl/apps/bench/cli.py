@@ -110,7 +110,8 @@ def _run_part(part: str, args, done: list[dict]) -> dict:
         from horizonrl.apps.bench import rollout
 
         bare = None
-        if "engine" in args.parts_selected and args.core_partition is None:  # part 3's bare engines share part 1's start-up
+        # part 3's bare engines share part 1's start-up
+        if "engine" in args.parts_selected and args.core_partition is None:
             from horizonrl.apps.bench.engine_bound import bare_spec
 
             bare = bare_spec(args.quick, rollout.tiny_model(args.model))

@@ -174,4 +174,5 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
               summarize([m["weight_stall_share"] + m["weight_pause_wait_share"] for m in trained])}
     settings = {"model": model, "partition": partition.describe(), "learner_steps": steps, "clock_from_step": warmup,
                 "overrides": train_extra, **spec.__dict__, "repeats": repeats}
-    return make_result("engine", rows, ratios, settings, chart={"metric": "tokens_per_s", "ylabel": "generated tokens/s"})
+    return make_result("engine", rows, ratios, settings,
+                       chart={"metric": "tokens_per_s", "ylabel": "generated tokens/s"})

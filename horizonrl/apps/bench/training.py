@@ -169,4 +169,5 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, config: Path = 
                 "n": cfg.rollout.n, "max_staleness": cfg.buffer.max_staleness}
     if settings_note:
         settings["partition"] = settings_note
-    return make_result("training", rows, ratios, settings, chart={"metric": "steps_per_min", "ylabel": "learner steps/min"})
+    return make_result("training", rows, ratios, settings,
+                       chart={"metric": "steps_per_min", "ylabel": "learner steps/min"})

@@ -132,7 +132,8 @@ def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SI
     if intake:
         from horizonrl.apps.bench import buffer_intake
 
-        intake_rows, intake_ratios, intake_settings = buffer_intake.measure(quick, repeats, timeout_s=max(timeout_s, 120))
+        intake_rows, intake_ratios, intake_settings = buffer_intake.measure(quick, repeats,
+                                                                            timeout_s=max(timeout_s, 120))
         rows += intake_rows
         ratios.update(intake_ratios)
         settings.update(intake_settings)
@@ -442,7 +443,8 @@ def _base_trajectory(num_tokens: int, trajectory_id: str):
             spans.append((start, end))
         logprobs = np.where(mask == 1, -rng.exponential(0.5, num_tokens), 0.0).astype(LOGPROB_DTYPE)
         _BASE_CACHE[num_tokens] = Trajectory(
-            run_id=BENCH_RUN_ID, trajectory_id="", group_id=f"bench-{num_tokens}", group_size=8, env="signpost", task_id=7, actor_id=0,
+            run_id=BENCH_RUN_ID, trajectory_id="", group_id=f"bench-{num_tokens}", group_size=8, env="signpost",
+            task_id=7, actor_id=0,
             token_ids=rng.integers(0, VOCAB, num_tokens, dtype=TOKEN_DTYPE).tobytes(), loss_mask=mask.tobytes(),
             logprobs=logprobs.tobytes(), prompt_length=prompt, turn_spans=spans,
             turn_versions=[i // 4 for i in range(len(spans))], turn_epochs=[0] * len(spans),
@@ -453,7 +455,8 @@ def _base_trajectory(num_tokens: int, trajectory_id: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages, 3 repeats (full: 5 repeats)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and chart.png into OUT/transport/")
     parser.add_argument("--sizes", default=None,

@@ -422,7 +422,8 @@ def _end(procs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {getattr(__spec__, 'name', __name__)}",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny + ~25M model, 3 repeats (full: tiny + ~100M, 5)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and chart.png into OUT/weight_sync/")
     parser.add_argument("--models", default=None, help=f"comma-separated, of {','.join(MODELS)}")

@@ -53,9 +53,9 @@ def find_episodes_dir(run_dir: Path) -> Path:
     if not run_dir.exists():
         raise NoEpisodesError(f"{run_dir} does not exist")
     raise NoEpisodesError(
-        f"{run_dir} has no episodes directory ({RunDir(run_dir).episode_records}) and no {PART_GLOB} files. A training run "
-        "writes it when monitor.record_fraction > 0 (the default records 10% of groups); `horizonrl eval ... "
-        "--record DIR` records evaluation episodes.")
+        f"{run_dir} has no episodes directory ({RunDir(run_dir).episode_records}) and no {PART_GLOB} files. A "
+        "training run writes it when monitor.record_fraction > 0 (the default records 10% of groups); `horizonrl "
+        "eval ... --record DIR` records evaluation episodes.")
 
 
 class Viewer:
