@@ -12,7 +12,7 @@ import msgspec
 
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import RateLimitedLog
-from horizonrl.core.wandb_log import WandbLog, episode_row
+from horizonrl.coordinator.wandb_log import WandbLog, episode_row
 from horizonrl.protocol import EpisodeSample
 from horizonrl.protocol.status import status_record_line
 

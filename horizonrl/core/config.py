@@ -321,7 +321,7 @@ class NetworkConfig(_Frozen):
 
 
 class WandbConfig(_Frozen):
-    """Weights & Biases logging (core/wandb_log.py); absent: none."""
+    """Weights & Biases logging (coordinator/wandb_log.py); absent: none."""
 
     project: str = "horizonrl"
     entity: str | None = None
