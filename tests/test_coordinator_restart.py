@@ -57,20 +57,20 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
     try:
         feed_a_run(first)
         first.save_state()  # as it does every STATE_SAVE_PERIOD_S (every change of its state is saved at once)
-        before = (first.learner_step, first.weight_version, first.weight_epoch, first.max_turns, dict(first.endpoints),
-                  dict(first.faults), first.eval_step, set(first.evaluated_steps), first.plateau.best,
+        before = (first.learner_step, first.progress.weight_version, first.progress.weight_epoch, first.progress.max_turns, dict(first.endpoints),
+                  dict(first.ledger.faults), first.held_out.eval_step, set(first.held_out.evaluated_steps), first.held_out.plateau.best,
                   first.health.total(ActorCounters).episodes, first.messages_read, dict(first.accepted))
         assert before[0] == 4 and before[3] == 4  # past the schedule's first interval
     finally:
         first.close()  # as if killed: nothing more is written after the state of its last change
     second = Coordinator.for_run(config, StopFlag())
     try:
-        after = (second.learner_step, second.weight_version, second.weight_epoch, second.max_turns,
-                 dict(second.endpoints), dict(second.faults), second.eval_step, set(second.evaluated_steps),
-                 second.plateau.best, second.health.total(ActorCounters).episodes, second.messages_read,
+        after = (second.learner_step, second.progress.weight_version, second.progress.weight_epoch, second.progress.max_turns,
+                 dict(second.endpoints), dict(second.ledger.faults), second.held_out.eval_step, set(second.held_out.evaluated_steps),
+                 second.held_out.plateau.best, second.health.total(ActorCounters).episodes, second.messages_read,
                  dict(second.accepted))
         assert after == before
-        assert second.restarts == 1 and second.bad_messages["ProtocolError"] == 1
+        assert second.restarts == 1 and second.intake.bad_messages["ProtocolError"] == 1
         assert "actor-1" in second.ledger.recovering  # its recovery is still timed from its death
         control = second.control()
         assert (control.learner_step, control.weight_epoch, control.endpoints["weights"]) == (4, 1,
@@ -84,7 +84,7 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
                                         exit_code=-9, at=time.time() - 3, key=key)))
         second.take(encode(ProcessEvent(run_id=RUN_ID, name="coordinator", role="coordinator", event=EVENT_RESTARTED,
                                         restarts=1, delay_s=1.0, at=time.time(), key=key)))
-        assert second.faults["coordinator_died"] == 1 and second.faults["coordinator_recovered"] == 1
+        assert second.ledger.faults["coordinator_died"] == 1 and second.ledger.faults["coordinator_recovered"] == 1
         assert second.ledger.recovery_s["coordinator"] >= 3
         lines = [json.loads(line) for line in (config.output_dir / "faults.jsonl").read_text().splitlines()]
         assert [line["event"] for line in lines if line["name"] == "coordinator"] == ["died", "restarted", "recovered"]

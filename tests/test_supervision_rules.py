@@ -59,7 +59,7 @@ def test_counters_add_up_over_incarnations_but_levels_are_the_current_ones(coord
     assert coordinator.health.total(ActorCounters).episodes == 7  # cumulative: both incarnations
     assert coordinator.health.gauges(ActorGauges).episodes_in_progress == 1  # a level: the current one
     assert not coordinator.rollout_paused  # the dead buffer's last depth is not the buffer's state
-    assert coordinator.faults["episodes_lost"] == 3  # what the dead actor was playing
+    assert coordinator.ledger.faults["episodes_lost"] == 3  # what the dead actor was playing
 
 
 def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(coordinator, tmp_path):
@@ -75,7 +75,7 @@ def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(co
     recovered = faults(tmp_path)[-1]
     assert recovered["event"] == "recovered" and recovered["name"] == "actor-1"
     assert 5 <= recovered["recovery_s"] < 60
-    assert coordinator.faults["actor_died"] == 1 and coordinator.faults["actor_recovered"] == 1
+    assert coordinator.ledger.faults["actor_died"] == 1 and coordinator.ledger.faults["actor_recovered"] == 1
 
 
 def test_time_to_recover_counts_from_the_last_death(coordinator, tmp_path):

@@ -74,7 +74,7 @@ class Coordinator:
                           EpisodeSample: self.on_episode_sample, ProcessEvent: self.on_process_event,
                           HeldOutEval: self.on_held_out_eval, Registration: self.on_registration}
         log.info("control on %s, reports on %s; turn budget now %d", net.endpoint(net.control_port),
-                 net.endpoint(net.report_port), self.max_turns)
+                 net.endpoint(net.report_port), self.progress.max_turns)
 
     @classmethod
     def for_run(cls, config: TrainConfig, stop: StopFlag) -> "Coordinator":
@@ -88,26 +88,15 @@ class Coordinator:
         return coordinator
 
     # ------------------------------------------------------------------ the state, as the others see it
+    # (the loop's, and what the tests of a whole run read)
 
     @property
     def learner_step(self) -> int:
         return self.progress.learner_step
 
     @property
-    def weight_version(self) -> int:
-        return self.progress.weight_version
-
-    @property
-    def weight_epoch(self) -> int:
-        return self.progress.weight_epoch
-
-    @property
     def finished(self) -> bool:
         return self.progress.finished
-
-    @property
-    def max_turns(self) -> int:
-        return self.progress.max_turns
 
     @property
     def rollout_paused(self) -> bool:
@@ -122,24 +111,8 @@ class Coordinator:
         return (self.finished and not self.awaiting_final_eval) or bool(self.stop)
 
     @property
-    def eval_step(self) -> int:
-        return self.held_out.eval_step
-
-    @property
-    def evaluated_steps(self) -> set[int]:
-        return self.held_out.evaluated_steps
-
-    @property
-    def plateau(self):
-        return self.held_out.plateau
-
-    @property
     def endpoints(self) -> dict[str, str]:
         return self.registry.endpoints
-
-    @property
-    def faults(self):
-        return self.ledger.faults
 
     @property
     def run_key(self) -> str:
@@ -156,14 +129,6 @@ class Coordinator:
     @property
     def accepted(self):
         return self.intake.accepted
-
-    @property
-    def rejected(self):
-        return self.intake.rejected
-
-    @property
-    def bad_messages(self):
-        return self.intake.bad_messages
 
     def control(self) -> Control:
         p = self.progress
