@@ -130,6 +130,14 @@ class Coordinator:
     def accepted(self):
         return self.intake.accepted
 
+    @property
+    def rejected(self):
+        return self.intake.rejected
+
+    @property
+    def bad_messages(self):
+        return self.intake.bad_messages
+
     def control(self) -> Control:
         p = self.progress
         return Control(
