@@ -15,7 +15,7 @@ from horizonrl.core.config import ConfigError, TrainConfig
 from horizonrl.core.runtime import StopFlag
 from horizonrl.launcher.console import RunConsole
 from horizonrl.launcher.local import Launcher
-from horizonrl.launcher.resolve import AUTO_HOST, prepare_run, resolve_placement
+from horizonrl.launcher.resolve import AUTO_HOST, prepare_cluster_run, prepare_run, resolve_placement
 
 log = logging.getLogger("horizonrl.launcher")
 
@@ -24,8 +24,6 @@ def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = Fa
     """Run training to the end; returns the exit code (0 on success). ``verbose``: the console shows every
     line every process writes, not only what goes wrong. ``launcher.type`` says what starts the processes."""
     if config.launcher.type == "ray":
-        from horizonrl.launcher.ray_cluster import launch_ray
-
         if tensorboard:
             log.warning("--tensorboard is not started by launcher.type=ray: run tensorboard --logdir %s",
                         config.run_dir.tensorboard)
@@ -103,3 +101,28 @@ def logging_to_console(console: RunConsole, path: Path, *, verbose: bool) -> Ite
         root.removeHandler(to_file)
         own.setLevel(saved_level)
         to_file.close()
+
+
+def launch_ray(config: TrainConfig, *, verbose: bool = False) -> int:
+    """``horizonrl train CONFIG launcher.type=ray``: the run on a Ray cluster (or a Ray instance started here)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("launcher.type=ray needs Ray: pip install 'horizonrl[ray]' (or 'ray[default]')") from None
+    from horizonrl.launcher.ray_cluster import RayLauncher  # Ray only for a Ray run
+
+    console = RunConsole.for_stdout(title=f"run {config.run.name} (Ray)", total=config.learner.total_steps,
+                                    verbose=verbose)
+    launcher = RayLauncher(config, console, verbose=verbose)
+    stop = StopFlag().install()
+    log_dir = config.run_dir.logs
+    print(f"run {config.run.name} on Ray: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner "
+          f"rank(s), {config.learner.total_steps} steps; logs in {log_dir}", flush=True)
+
+    def start() -> None:
+        started = time.monotonic()
+        launcher.start_all(lambda host, control, report: prepare_cluster_run(config, host, control, report))
+        log.info("every process placed in %.1f s", time.monotonic() - started)
+
+    with logging_to_console(console, log_dir / "launcher.log", verbose=verbose):
+        return run_to_the_end(launcher, console, stop, start)

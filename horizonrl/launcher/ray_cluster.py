@@ -469,29 +469,3 @@ class RayLauncher:
             self.supervisor.stop_all(stop)
         else:
             self.processes.close()  # the placement group, a Ray instance started here
-
-
-def launch_ray(config: TrainConfig, *, verbose: bool = False) -> int:
-    """``horizonrl train CONFIG launcher.type=ray``: the run on a Ray cluster (or a Ray instance started here)."""
-    from horizonrl.launcher.launch import logging_to_console, run_to_the_end
-    from horizonrl.launcher.resolve import prepare_cluster_run
-
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ConfigError("launcher.type=ray needs Ray: pip install 'horizonrl[ray]' (or 'ray[default]')") from None
-    console = RunConsole.for_stdout(title=f"run {config.run.name} (Ray)", total=config.learner.total_steps,
-                                    verbose=verbose)
-    launcher = RayLauncher(config, console, verbose=verbose)
-    stop = StopFlag().install()
-    log_dir = config.run_dir.logs
-    print(f"run {config.run.name} on Ray: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner "
-          f"rank(s), {config.learner.total_steps} steps; logs in {log_dir}", flush=True)
-
-    def start() -> None:
-        started = time.monotonic()
-        launcher.start_all(lambda host, control, report: prepare_cluster_run(config, host, control, report))
-        log.info("every process placed in %.1f s", time.monotonic() - started)
-
-    with logging_to_console(console, log_dir / "launcher.log", verbose=verbose):
-        return run_to_the_end(launcher, console, stop, start)
