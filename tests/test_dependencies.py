@@ -56,7 +56,10 @@ def top_module(name: str) -> str | None:
 
 
 def top_level_modules() -> set[str]:
-    return {p.stem for p in PKG.glob("*.py")} | {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    """Every module and folder of Python files at the top of the package (a folder without ``__init__.py`` too:
+    it is importable as a namespace package, and must not escape the rule)."""
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__" and any(p.rglob("*.py"))}
+    return {p.stem for p in PKG.glob("*.py")} | folders
 
 
 def files_of(module: str) -> list[Path]:
