@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast venv system-deps clean
+.PHONY: demo test test-fast lint venv system-deps clean
 
 venv: $(STAMP)
 
@@ -53,16 +53,20 @@ demo: $(STAMP)
 	$(PY) -m horizonrl demo
 
 # One pytest process by default. TEST_WORKERS=N runs N pytest-xdist workers, each taking whole files, longest
-# first (tests/conftest.py): for a machine with cores to spare. On 2 cores two workers saved little (2026-11-27:
-# ~62 min against 75, each with other work beside it) at a cost in reliability: two whole-loop tests at once each
-# ran 2-2.3x slower, and one ran past its 300 s limit.
+# first (tests/conftest.py): for a machine with cores to spare. On 2 cores two workers save little (~62 min
+# against 75, each with other work beside it) at a cost in reliability: two whole-loop tests at once each run
+# 2-2.3x slower, past their limits.
 TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: system-deps $(STAMP)
+# Seconds, before the tests' minutes: what ruff finds ([tool.ruff] in pyproject.toml) fails the run first.
+lint: $(STAMP)
+	$(PY) -m ruff check horizonrl tests scripts
+
+test: system-deps $(STAMP) lint
 	$(PY) -m pytest -q $(XDIST) --timeout=1800 --durations=40 tests
 
 # No engine, process group, whole run or system package: the Python packages alone, in under 3 minutes.
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not system" tests
 
 clean:

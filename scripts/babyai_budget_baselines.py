@@ -36,7 +36,8 @@ async def success_within(env: BabyAIEnv, ids: list[int], turns: int, policy: str
             elif policy == "bot":
                 reply, bot = env.expert_action(bot)
             else:  # greedy
-                reply = "Action: go to red ball 1" if "go to red ball 1" in env.available_actions() else "Action: turn left"
+                seen = "go to red ball 1" in env.available_actions()
+                reply = "Action: go to red ball 1" if seen else "Action: turn left"
             result = await env.step(reply)
             if result.done:
                 wins += result.success

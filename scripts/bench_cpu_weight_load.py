@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from horizonrl.tiny_model import SIGNPOST_TEST_RECIPE, ensure_tiny_model
+        from horizonrl.apps.tiny_model import SIGNPOST_TEST_RECIPE, ensure_tiny_model
 
         model_dir = str(ensure_tiny_model(REPO / ".cache" / "tiny-signpost", **SIGNPOST_TEST_RECIPE))
     files = sorted(Path(model_dir).glob("*.safetensors"))

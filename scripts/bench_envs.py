@@ -20,14 +20,14 @@ import sys
 import time
 import urllib.request
 
-from horizonrl.envs.cli import run_check
+from horizonrl.apps.env_cli import run_check
 
 
 def start_server(names: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "horizonrl.envs.cli", "serve", *names, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "horizonrl.apps.env_cli", "serve", *names, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     url = f"http://127.0.0.1:{port}"

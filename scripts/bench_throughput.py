@@ -9,7 +9,7 @@ See docs/benchmarks.md for every workload and the latest figures.
 import argparse
 import sys
 
-from horizonrl.bench.cli import add_bench_command
+from horizonrl.apps.bench.cli import add_bench_command
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="bench_throughput")

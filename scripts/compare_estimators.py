@@ -42,7 +42,7 @@ def mean(values: list[float]) -> float | None:
 
 def main() -> int:
     from horizonrl.core.config import load_config
-    from horizonrl.demo import held_out_success
+    from horizonrl.apps.demo import held_out_success
     from horizonrl.launcher import launch
     from horizonrl.core.run_dirs import latest_checkpoint
 

@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --cpu [--out ...]      the parts that need no CUDA, on the CPU
     python scripts/gpu_check.py --sizing               print docs/gpu.md's sizing table and exit
 
-Models: the tiny Qwen2 of ``horizonrl.tiny_model`` and a randomly initialised model in the shape of
+Models: the tiny Qwen2 of ``horizonrl.apps.tiny_model`` and a randomly initialised model in the shape of
 Qwen2.5-0.5B, or of ``--large-size`` (transformers' Qwen2Config, written to a temporary directory, loaded
 the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PASS / FAIL / SKIPPED with its figures:
 
@@ -149,7 +149,7 @@ def report_and_exit(result: dict, out_path: str) -> None:
 
 
 def tiny_model_dir(workdir: Path) -> Path:
-    from horizonrl.tiny_model import build_model
+    from horizonrl.apps.tiny_model import build_model
 
     path = workdir / "tiny"
     if not (path / "model.safetensors").is_file():
@@ -245,7 +245,8 @@ def _mixed_step(model_dir: Path, device, vocab: int, tokens: int) -> dict:
         moved.append(float((delta != 0).float().mean()))
         as_bf16 = (old.to(torch.bfloat16) + delta.to(torch.bfloat16)).float()
         below_bf16.append(bool(torch.equal(as_bf16, old.to(torch.bfloat16).float())))
-    moments = {str(v.dtype) for state in optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+    moments = {str(v.dtype) for state in optimizer.state.values() for k, v in state.items()
+               if k in ("exp_avg", "exp_avg_sq")}
     figures = {
         "compute_weight_dtype": seen.get("weight"), "compute_input_dtype": seen.get("input"),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}), "moment_dtypes": sorted(moments),
@@ -316,8 +317,8 @@ def check_activation_formula(ctx: Context) -> CheckResult:
     for key, shape in shapes.items():
         config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                              num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                             num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
-                             attn_implementation="sdpa")
+                             num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                             tie_word_embeddings=shape.tied, attn_implementation="sdpa")
         for checkpointing in (False, True):
             measured = saved_bytes_per_token(config, 256, checkpointing, device)
             predicted = shape.stored_activation_bytes(checkpointing)
@@ -343,7 +344,8 @@ def check_loss_parity(ctx: Context) -> CheckResult:
     losses = {}
     for label, device, dtype in (("cpu_fp32", "cpu", torch.float32), ("cuda_fp32", "cuda", torch.float32),
                                  ("cuda_bf16", "cuda", torch.bfloat16)):
-        model = load_model(str(tiny_model_dir(ctx.workdir)), "float32", torch.device(device)).to(device=device, dtype=dtype)
+        model = load_model(str(tiny_model_dir(ctx.workdir)), "float32", torch.device(device))
+        model = model.to(device=device, dtype=dtype)
         with torch.no_grad():
             loss, _ = micro_batch_loss(model, micro.to(torch.device(device)), LossSettings(),
                                        int(micro.loss_mask.sum()), micro.num_sequences)
@@ -722,7 +724,8 @@ def check_colocated_handoff(ctx: Context) -> CheckResult:
     sender, receiver = results
     best = min(sender["version_s"])
     figures = {"bytes": sender["bytes"], "buckets": sender["buckets"], "bucket_bytes": sender["bucket_bytes"],
-               "version_s": [round(t, 4) for t in sender["version_s"]], "handoff_gb_s": round(sender["bytes"] / best / GB, 2),
+               "version_s": [round(t, 4) for t in sender["version_s"]],
+               "handoff_gb_s": round(sender["bytes"] / best / GB, 2),
                "one_copy_gb_s": round(sender["bytes"] / sender["copy_s"] / GB, 2),
                "handoff_over_one_copy": round(best / sender["copy_s"], 2), "tensors": receiver["tensors"],
                "mismatched_tensors": len(receiver["mismatched"]), "dead_receiver": sender["dead_receiver"],
@@ -852,7 +855,7 @@ def _colocated_engine(model_dir: str, port: int, out_path: str) -> None:
         replies.append(worker.horizonrl_receive_weights())
         with torch.no_grad():
             torch.save(model(_prompt(model.config.vocab_size, "cuda")).logits.float().cpu(), f"{out_path}.v1.pt")
-        result["replies"] = replies  # (version, epoch, receive_s, load_s, worker, error)
+        result["replies"] = replies  # WorkerReply wire forms (protocol/worker_replies.py)
         worker._horizonrl_receiver.close()
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
@@ -877,14 +880,17 @@ def check_colocated_training(ctx: Context) -> CheckResult:
                                                                                        outputs)}
     differences = [float((logits["engine"][v] - logits["learner"][v]).abs().max()) for v in (0, 1)]
     moved = float((logits["learner"][1] - logits["learner"][0]).abs().max())
-    errors = [reply[5] for reply in engine["replies"] if reply[5]]
+    from horizonrl.protocol.worker_replies import WorkerReply
+
+    replies = [WorkerReply.from_wire(reply) for reply in engine["replies"]]
+    errors = [reply.error for reply in replies if reply.error]
     figures = {"model": model_dir.name, "link": learner["link"], "engine_replies": engine["replies"],
                "loaded_tensors": engine["loaded_tensors"], "max_abs_logit_diff_v0_v1": differences,
                "logits_moved_by_the_step": moved, "version1_publish": learner["version1"],
                "learner_peak_gb": learner["peak_gb"], "learner_cap_gb": learner["cap_gb"],
                "silent_engine": learner["silent_engine"]}
     silent = learner["silent_engine"]
-    ok = (not errors and learner["link"] == "IpcSender" and [r[0] for r in engine["replies"]] == [0, 1]
+    ok = (not errors and learner["link"] == "IpcSender" and [r.version for r in replies] == [0, 1]
           and max(differences) <= 1e-3 * max(1.0, moved) and moved > 0
           and silent["dropped"] == 1 and silent["members_left"] == 0 and silent["after_s"] <= silent["bound_s"] + 5)
     return CheckResult("colocated_training", "PASS" if ok else "FAIL", figures,
@@ -936,7 +942,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU; checks that need CUDA are SKIPPED")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--tokens", type=int, default=512, help="padded tokens per micro-batch of the large model's steps")
+    parser.add_argument("--tokens", type=int, default=512,
+                        help="padded tokens per micro-batch of the large model's steps")
     parser.add_argument("--no-large", action="store_true", help="leave out the large random model")
     parser.add_argument("--large-size", default="0.5B", choices=["0.5B", "1.5B", "7B"],
                         help="the Qwen2.5 shape of the large random model (7B: ~28 GB on disk, minutes to build)")
@@ -970,8 +977,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     print_table(results)
     failed = [r.name for r in results if r.status == "FAIL"]
-    report = {"device": describe_device(cuda), "mode": "cuda" if cuda else "cpu", "checks": [asdict(r) for r in results],
-              "failed": failed}
+    report = {"device": describe_device(cuda), "mode": "cuda" if cuda else "cpu",
+              "checks": [asdict(r) for r in results], "failed": failed}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from horizonrl.report import read_run
+from horizonrl.apps.report import read_run
 
 ARMS = {"fixed_short": "fixed short (2)", "fixed_long": "fixed long (8)", "scaling": "scaling 2→4→8"}
 COLOURS = {"fixed_short": "C0", "fixed_long": "C3", "scaling": "C2"}

@@ -1,6 +1,7 @@
 """Does a SearchQA model copy names from its context? Teacher-forced probabilities at the two places it must.
 
-    python scripts/searchqa_copy_probe.py MODEL_DIR [--config configs/searchqa_1hop.yaml] [--split test] [--questions 100]
+    python scripts/searchqa_copy_probe.py MODEL_DIR [--config configs/searchqa_1hop.yaml] [--split test] \\
+        [--questions 100]
 
 For the first N 1-hop questions of the split, the model reads the question, a search for the person's full name
 and the page it returns, and this prints the mean probability, under the model, of
@@ -24,7 +25,7 @@ from horizonrl.core.chat import ChatTokenizer
 from horizonrl.core.config import load_config
 from horizonrl.envs.retrieval import format_information
 from horizonrl.envs.searchqa import INSTRUCTION, SearchQAEnv
-from horizonrl.tiny_model import episode_ids
+from horizonrl.apps.tiny_model import episode_ids
 
 SEARCH = "<think>I should look this up.</think>\n<search> {} </search>"
 ANSWER = "<think>I will guess.</think>\n<answer> {} </answer>"

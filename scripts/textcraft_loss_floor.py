@@ -2,7 +2,7 @@
 
     python scripts/textcraft_loss_floor.py [--config configs/textcraft_renamed.yaml] [--episodes 2000]
 
-The tiny model's warm-up (horizonrl/tiny_model.py) is language modelling on random-policy episodes, the loss on
+The tiny model's warm-up (horizonrl/apps/tiny_model.py) is language modelling on random-policy episodes, the loss on
 the reply tokens only. Each reply is a uniform draw from ``TextCraftEnv.random_action_choices()`` — the recipe
 lines of the first observation, a ``get`` of each ingredient they name, ``inventory`` — so a model that copied
 every line and name exactly, and knew nothing else, would still pay ``-log(share of that choice)`` per reply.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 from horizonrl.core.chat import ChatTokenizer  # noqa: E402
 from horizonrl.core.config import load_config  # noqa: E402
 from horizonrl.envs.textcraft import TextCraftEnv  # noqa: E402
-from horizonrl.tiny_model import RandomEpisode, episode_ids, episodes_tokenizer, random_episodes  # noqa: E402
+from horizonrl.apps.tiny_model import RandomEpisode, episode_ids, episodes_tokenizer, random_episodes  # noqa: E402
 
 
 async def loss_floor(env: TextCraftEnv, episodes: list[RandomEpisode], chat: ChatTokenizer) -> tuple[float, int]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Which warm-up makes the tiny model copy TextCraft's renamed recipe lines (issue 16, docs/learning.md)?
+# Which warm-up makes the tiny model copy TextCraft's renamed recipe lines (docs/learning.md)?
 # Builds several tiny models for configs/textcraft_renamed.yaml's environment (random-policy episodes of up to
 # 20 turns), side by side, then plays each one's 200 held-out episodes (scripts/play_with_transformers.py: the
 # run's evaluation without vLLM).
@@ -31,7 +31,7 @@ pids=()
 for v in "${VARIANTS[@]}"; do
     IFS=: read -r name episodes_per_env steps layers hidden <<<"$v"
     (
-        "$PY" -m horizonrl.tiny_model "$OUT/$name" --envs textcraft --env-settings "$SETTINGS" \
+        "$PY" -m horizonrl.apps.tiny_model "$OUT/$name" --envs textcraft --env-settings "$SETTINGS" \
             --episodes-per-env $((episodes_per_env / SCALE)) --steps $((steps / SCALE > 0 ? steps / SCALE : 1)) \
             --max-turns 20 --layers "$layers" --hidden "$hidden" --device "$DEVICE" >"$OUT/$name.log" 2>&1
         tail -n 1 "$OUT/$name.log"

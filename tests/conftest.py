@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from no_skips import pytest_addoption, pytest_runtest_makereport  # noqa: E402,F401  (hooks: a skip is a failure)
 
-from horizonrl.tiny_model import SIGNPOST_TEST_RECIPE as TINY_MODEL_ARGS  # noqa: E402  (the model `horizonrl bench` uses)
+from horizonrl.apps.tiny_model import SIGNPOST_TEST_RECIPE as TINY_MODEL_ARGS  # noqa: E402  (the model `horizonrl bench` uses)
 
 REPO = Path(__file__).resolve().parents[1]
 # Built once and reused across sessions while the recipe and arguments match (its spec file says so).
@@ -67,7 +67,7 @@ def environment_as_it_was():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from horizonrl.tiny_model import ensure_tiny_model
+    from horizonrl.apps.tiny_model import ensure_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return Path(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))
@@ -78,18 +78,18 @@ def tiny_model() -> Path:
 def smollm2_model() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face checkpoint (`horizonrl make-model smollm2`), imported once and
     reused while the import matches (~30 s)."""
-    from horizonrl.model_import import ensure_imported
+    from horizonrl.apps.model_import import ensure_imported
 
     return ensure_imported(REPO / ".cache" / "smollm2", packaged="smollm2")
 
 
 @pytest.fixture(scope="session")
 def demo_tiny_model() -> Path:
-    """The demo's starting policy (horizonrl/demo.py's recipe on configs/demo.yaml's BabyAI levels): what the
+    """The demo's starting policy (horizonrl/apps/demo.py's recipe on configs/demo.yaml's BabyAI levels): what the
     BabyAI learning test trains, and the model the other BabyAI tests play with (built once: ~4 minutes)."""
     from horizonrl.core.config import load_config
-    from horizonrl.demo import TINY_MODEL_RECIPE
-    from horizonrl.tiny_model import ensure_tiny_model
+    from horizonrl.apps.demo import TINY_MODEL_RECIPE
+    from horizonrl.apps.tiny_model import ensure_tiny_model
 
     config = load_config(REPO / "configs" / "demo.yaml")
     return Path(ensure_tiny_model(REPO / ".cache" / "tiny-demo", envs=tuple(s.name for s in config.envs),
@@ -124,7 +124,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     second one reuses the first one's directory (a failed build leaves no mark, and the next asker retries)."""
     import shutil
 
-    from horizonrl.tiny_model import build_lock
+    from horizonrl.apps.tiny_model import build_lock
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

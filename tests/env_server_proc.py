@@ -34,7 +34,7 @@ class ServerProcess:
     def __init__(self, names: list[str], *extra: str, timeout_s: float = 60.0) -> None:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "horizonrl.envs.cli", "serve", *names, "--host", "127.0.0.1", "--port", "0", *extra],
+            [sys.executable, "-m", "horizonrl.apps.env_cli", "serve", *names, "--host", "127.0.0.1", "--port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.stderr: list[str] = []
         lines: queue.Queue[str] = queue.Queue()

@@ -106,7 +106,7 @@ async def test_each_announced_version_is_staged_then_swapped_in(tmp_path):
             actor._new_control.set()
             await follow(actor, engine, (0, version))
         assert engine.calls == ["stage 1", "load 1", "stage 2", "load 2"]
-        assert actor.counters["weight_updates"] == 2 and actor.counters["weight_stall_s"] == 0.01
+        assert actor.counters.weight_updates == 2 and actor.counters.weight_stall_s == 0.01
     finally:
         await actor.close()
 
@@ -125,7 +125,7 @@ async def test_a_version_overtaken_while_staged_is_not_loaded(tmp_path):
         actor._new_control.set()
         await follow(actor, engine, (0, 2))
         assert engine.calls == ["stage 1", "stage 2", "load 2"]
-        assert actor.counters["weight_versions_skipped"] == 1 and actor.counters["weight_updates"] == 1
+        assert actor.counters.weight_versions_skipped == 1 and actor.counters.weight_updates == 1
     finally:
         await actor.close()
 
@@ -139,7 +139,7 @@ async def test_a_failed_receive_joins_the_hub_again(tmp_path):
         actor._new_control.set()
         await follow(actor, engine, (0, 1))
         assert engine.calls == ["stage 1", "join 1"]
-        assert actor.counters["weight_receive_failures"] == 1
+        assert actor.counters.weight_receive_failures == 1
     finally:
         await actor.close()
 

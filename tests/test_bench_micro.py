@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import pytest
 
-from horizonrl.bench.report import is_summary
+from horizonrl.apps.bench.report import is_summary
 
 
 def _assert_shape(result: dict, part: str) -> None:
@@ -19,7 +19,7 @@ def _assert_shape(result: dict, part: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_weight_sync_benchmark_tiny(tmp_path):
-    from horizonrl.bench.weight_sync import run
+    from horizonrl.apps.bench.weight_sync import run
 
     result = run(False, tmp_path, models=["tiny"], repeats=1, receivers=2, timeout_s=60)
     _assert_shape(result, "weight_sync")
@@ -39,7 +39,7 @@ def test_weight_sync_benchmark_tiny(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_transport_benchmark_smallest(tmp_path):
-    from horizonrl.bench.transport import MPQ_LISTS, MPQ_NUMPY, ZMQ, run
+    from horizonrl.apps.bench.transport import MPQ_LISTS, MPQ_NUMPY, ZMQ, run
 
     result = run(True, tmp_path, sizes=(1024,), producers=(1, 2), repeats=1, counts={1024: 80}, timeout_s=30,
                  intake=False)
@@ -58,7 +58,7 @@ def test_transport_benchmark_smallest(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_buffer_intake_with_and_without_the_log():
-    from horizonrl.bench.buffer_intake import BASELINE, MODES, measure
+    from horizonrl.apps.bench.buffer_intake import BASELINE, MODES, measure
 
     rows, ratios, settings = measure(True, repeats=1, per_producer=40)
     assert [row["label"].split(" / ")[1] for row in rows] == list(MODES)
@@ -70,7 +70,7 @@ def test_buffer_intake_with_and_without_the_log():
 def test_transport_content_round_trips_through_the_real_codec():
     import numpy as np
 
-    from horizonrl.bench.transport import as_plain_dict, make_trajectory
+    from horizonrl.apps.bench.transport import as_plain_dict, make_trajectory
     from horizonrl.protocol import Trajectory, decode_as, encode
 
     sent = make_trajectory(1024, 3, 5)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from horizonrl.bench.report import alternate, make_result, paired_ratio, print_table, summarize, write_results
+from horizonrl.apps.bench.report import alternate, make_result, paired_ratio, print_table, summarize, write_results
 
 
 def test_summarize_gives_median_min_max_and_count():

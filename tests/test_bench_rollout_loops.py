@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from horizonrl.actors.engine import Generation
-from horizonrl.bench.cli import TRAINING_WORKLOADS
-from horizonrl.bench.rollout import SAMPLING, Workload, run_async, run_lockstep
-from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings
+from horizonrl.apps.bench.cli import TRAINING_WORKLOADS
+from horizonrl.apps.bench.rollout import SAMPLING, Workload, run_async, run_lockstep
+from horizonrl.envs.heavy_tail import HeavyTailEnv, HeavyTailSettings
 from horizonrl.core.config import load_config
 from horizonrl.core.environment import StepResult
 from horizonrl.core.runtime import BusyClock

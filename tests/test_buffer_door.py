@@ -12,7 +12,7 @@ from horizonrl.buffer.accounting import account
 from horizonrl.buffer.server import BufferServer
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
-from horizonrl.hostile import trajectory
+from horizonrl.apps.hostile import trajectory
 from horizonrl.launcher import resolve_ports
 from horizonrl.protocol import ACK_ACCEPTED, ACK_REJECTED, encode
 

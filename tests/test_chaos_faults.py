@@ -16,7 +16,7 @@ import pytest
 from helpers import ManualClock
 
 from horizonrl.buffer.server import BufferServer
-from horizonrl.chaos_faults import ENGINE_NAME, FILL_FILE, FillDisk, FreezeEngine, KillProcess, MessageStorm
+from horizonrl.apps.chaos_faults import ENGINE_NAME, FILL_FILE, FillDisk, FreezeEngine, KillProcess, MessageStorm
 from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig, dump_config
 from horizonrl.core.run_dirs import ensure_run_key

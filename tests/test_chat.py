@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from horizonrl.core.chat import ChatTemplateError, ChatTokenizer
-from horizonrl.tiny_model import CHATML_TEMPLATE, build_tokenizer
+from horizonrl.apps.tiny_model import CHATML_TEMPLATE, build_tokenizer
 
 # Qwen2.5-Instruct's rendering without tools: ChatML with a default system message.
 QWEN25_STYLE_TEMPLATE = (

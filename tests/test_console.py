@@ -1,4 +1,4 @@
-"""The run's console (horizonrl/core/console.py): the status block, the plain progress line, which lines of
+"""The run's console (horizonrl/launcher/console.py, the records: horizonrl/protocol/status.py): the status block, the plain progress line, which lines of
 the processes' output reach the console, and the live block's redraw — pure functions and a fake terminal."""
 
 import io
@@ -6,20 +6,8 @@ import re
 
 import pytest
 
-from horizonrl.core.console import (
-    BUFFER_CAPACITY,
-    BUFFER_GROUPS,
-    RunConsole,
-    StepPace,
-    StepStatus,
-    fault_summary,
-    format_duration,
-    parse_status_line,
-    progress_line,
-    shown_line,
-    status_lines,
-    status_record_line,
-)
+from horizonrl.launcher.console import RunConsole, StepPace, fault_summary, format_duration, progress_line, shown_line, status_lines
+from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS, StepStatus, parse_status_line, status_record_line
 
 SCALARS = {
     "batch/reward_mean": 0.4213, "rollout/success_rate": 0.375, "batch/success_mean": 0.5, "batch/turns_mean": 1.94,

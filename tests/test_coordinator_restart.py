@@ -17,7 +17,8 @@ from horizonrl.core.coordinator_state import load_snapshot, state_path
 from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.run_events import EventLog, RunEvent, read_events
 from horizonrl.core.runtime import StopFlag
-from horizonrl.launcher import Child, Launcher, resolve_ports, start_launch
+from horizonrl.launcher import resolve_ports, start_launch
+from horizonrl.protocol.counters import ActorCounters
 from horizonrl.protocol import (EVENT_DIED, EVENT_RESTARTED, Control, Heartbeat, HeldOutEval, LearnerReport,
                                 ProcessEvent, Registration, decode_as, encode)
 
@@ -56,21 +57,21 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
     try:
         feed_a_run(first)
         first.save_state()  # as it does every STATE_SAVE_PERIOD_S (every change of its state is saved at once)
-        before = (first.learner_step, first.weight_version, first.weight_epoch, first.max_turns, dict(first.endpoints),
-                  dict(first.faults), first.eval_step, set(first.evaluated_steps), first.plateau.best,
-                  first.health.total("actor", "episodes"), first.messages_read, dict(first.accepted))
+        before = (first.learner_step, first.progress.weight_version, first.progress.weight_epoch, first.progress.max_turns, dict(first.endpoints),
+                  dict(first.ledger.faults), first.held_out.eval_step, set(first.held_out.evaluated_steps), first.held_out.plateau.best,
+                  first.health.total(ActorCounters).episodes, first.messages_read, dict(first.accepted))
         assert before[0] == 4 and before[3] == 4  # past the schedule's first interval
     finally:
         first.close()  # as if killed: nothing more is written after the state of its last change
     second = Coordinator.for_run(config, StopFlag())
     try:
-        after = (second.learner_step, second.weight_version, second.weight_epoch, second.max_turns,
-                 dict(second.endpoints), dict(second.faults), second.eval_step, set(second.evaluated_steps),
-                 second.plateau.best, second.health.total("actor", "episodes"), second.messages_read,
+        after = (second.learner_step, second.progress.weight_version, second.progress.weight_epoch, second.progress.max_turns,
+                 dict(second.endpoints), dict(second.ledger.faults), second.held_out.eval_step, set(second.held_out.evaluated_steps),
+                 second.held_out.plateau.best, second.health.total(ActorCounters).episodes, second.messages_read,
                  dict(second.accepted))
         assert after == before
-        assert second.restarts == 1 and second.bad_messages["ProtocolError"] == 1
-        assert "actor-1" in second._recovering  # its recovery is still timed from its death
+        assert second.restarts == 1 and second.intake.bad_messages["ProtocolError"] == 1
+        assert "actor-1" in second.ledger.recovering  # its recovery is still timed from its death
         control = second.control()
         assert (control.learner_step, control.weight_epoch, control.endpoints["weights"]) == (4, 1,
                                                                                                "tcp://127.0.0.1:4000")
@@ -83,8 +84,8 @@ def test_a_restarted_coordinator_reads_back_what_nobody_resends(config):
                                         exit_code=-9, at=time.time() - 3, key=key)))
         second.take(encode(ProcessEvent(run_id=RUN_ID, name="coordinator", role="coordinator", event=EVENT_RESTARTED,
                                         restarts=1, delay_s=1.0, at=time.time(), key=key)))
-        assert second.faults["coordinator_died"] == 1 and second.faults["coordinator_recovered"] == 1
-        assert second.recovery_s["coordinator"] >= 3
+        assert second.ledger.faults["coordinator_died"] == 1 and second.ledger.faults["coordinator_recovered"] == 1
+        assert second.ledger.recovery_s["coordinator"] >= 3
         lines = [json.loads(line) for line in (config.output_dir / "faults.jsonl").read_text().splitlines()]
         assert [line["event"] for line in lines if line["name"] == "coordinator"] == ["died", "restarted", "recovered"]
         # The subscribers see the same Control as before the restart.
@@ -149,28 +150,3 @@ def test_a_new_launch_starts_from_its_checkpoint_not_from_the_last_coordinator(c
         assert fresh.restarts == 0 and fresh.learner_step == 0 and not fresh.endpoints
     finally:
         fresh.close()
-
-
-class ExitedProcess:
-    def __init__(self, pid: int, code: int) -> None:
-        self.pid, self.code = pid, code
-
-    def poll(self) -> int:
-        return self.code
-
-
-def test_the_launcher_restarts_a_dead_coordinator_and_lets_a_finished_one_go(config, tmp_path):
-    launcher = Launcher(config, tmp_path / "config.yaml", plan=_cpu_plan(config))
-    reported = []
-    launcher._report = lambda name, event, **fields: reported.append((name, event))
-    killed = Child("coordinator", ExitedProcess(2**22 + 1, -9), ["coordinator"], None, essential=True)
-    assert launcher._on_exit(killed, -9) is None  # not the end of the run
-    assert reported == [("coordinator", "died")] and [what for _, what, _ in launcher._due] == ["coordinator"]
-    finished = Child("coordinator", ExitedProcess(2**22 + 2, 0), ["coordinator"], None, essential=True)
-    assert launcher._on_exit(finished, 0) is None and len(launcher._due) == 1
-
-
-def _cpu_plan(config):
-    from horizonrl.launcher import resolve_placement
-
-    return resolve_placement(config, environ={"CUDA_VISIBLE_DEVICES": ""}, count_devices=lambda: 0)

@@ -73,7 +73,7 @@ async def test_acknowledged_trajectories_leave_the_outbox_and_unacknowledged_sur
         await buffer.ack(arrived[0][0], ["g-0"])
         await buffer.ack(arrived[0][0], ["g-1", "g-0"], ACK_DUPLICATE)  # an ack of a resend is harmless
         await asyncio.wait_for(_until(lambda: len(delivery.unacked) == 1), 10)
-        assert delivery.counters["acked_accepted"] == 1 and delivery.counters["acked_duplicate"] == 1
+        assert delivery.counters.acked_accepted == 1 and delivery.counters.acked_duplicate == 1
     finally:
         runner.cancel()
         delivery.close()
@@ -82,7 +82,7 @@ async def test_acknowledged_trajectories_leave_the_outbox_and_unacknowledged_sur
     again, socket = _delivery(ctx, buffer.port, tmp_path)
     runner = asyncio.create_task(again.run())
     try:
-        assert list(again.unacked) == ["g-2"] and again.counters["outbox_recovered"] == 1
+        assert list(again.unacked) == ["g-2"] and again.counters.outbox_recovered == 1
         (identity, resent), = await buffer.receive(1)
         assert resent.trajectory_id == "g-2"
         await buffer.ack(identity, ["g-2"])
@@ -105,7 +105,7 @@ async def test_an_unacknowledged_trajectory_is_resent_and_too_many_hold_the_send
         assert not third.done()  # two unacknowledged: the third waits
         arrived = await buffer.receive(4)  # the first two, then both again after the ack timeout
         assert sorted(t.trajectory_id for _, t in arrived) == ["g-0", "g-0", "g-1", "g-1"]
-        assert delivery.counters["resent"] >= 2
+        assert delivery.counters.resent >= 2
         fourth = asyncio.create_task(delivery.send(make_trajectory("g", 3)))
         await buffer.ack(arrived[0][0], ["g-0"])
         # room for one: exactly one of the two waiting senders goes on, the other waits again
@@ -126,7 +126,7 @@ async def test_a_resend_under_backpressure_is_not_a_warning(tmp_path, caplog, ba
         with caplog.at_level("INFO", logger="horizonrl.actors"):
             await delivery.send(make_trajectory("g", 0))
             await buffer.receive(2)  # sent, then sent again after the ack timeout
-            await asyncio.wait_for(_until(lambda: delivery.counters["resent"] >= 1), 10)
+            await asyncio.wait_for(_until(lambda: delivery.counters.resent >= 1), 10)
         [record] = [r for r in caplog.records if "unacknowledged" in r.getMessage()]
         assert record.levelname == ("INFO" if backpressure else "WARNING")
         assert ("the buffer is full" in record.getMessage()) == backpressure
@@ -172,7 +172,7 @@ async def test_a_stop_waits_for_acknowledgements_while_they_come_and_not_for_a_s
         left = await delivery.drain(timeout_s=120.0, quiet_s=3.0)
         took = time.monotonic() - start
         await acker
-        assert delivery.counters["acked_accepted"] == 4, took
+        assert delivery.counters.acked_accepted == 4, took
         # ...then the buffer says nothing more (full, or gone): the drain ends quiet_s after the last one, far
         # before its timeout, and the unacknowledged trajectory stays in the outbox for the next start.
         assert left == 1 and list(delivery.unacked) == ["g-4"]

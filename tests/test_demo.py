@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from horizonrl.demo import before_after_table
+from horizonrl.apps.demo import before_after_table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -30,7 +30,7 @@ def test_held_out_evaluation_plays_each_task_samples_per_task_times(monkeypatch)
     8 times each."""
     import horizonrl.actors.evaluate as evaluate_module
     from horizonrl.core.config import load_config
-    from horizonrl.demo import held_out_success
+    from horizonrl.apps.demo import held_out_success
 
     config = load_config(CONFIGS / "textcraft.yaml", [])
     specs = []
@@ -48,7 +48,7 @@ def test_held_out_evaluation_plays_each_task_samples_per_task_times(monkeypatch)
 
 def test_the_tiny_model_recipe_comes_from_the_config_and_defaults_to_the_tests_recipe():
     from horizonrl.core.config import load_config
-    from horizonrl.demo import TINY_MODEL_RECIPE
+    from horizonrl.apps.demo import TINY_MODEL_RECIPE
 
     config = load_config(CONFIGS / "demo.yaml", [])
     assert config.model.tiny.model_dump() == TINY_MODEL_RECIPE == {"episodes_per_env": 1500, "warmup_steps": 200,

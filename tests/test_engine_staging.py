@@ -18,6 +18,7 @@ from horizonrl.actors import engine as engine_module
 from horizonrl.actors.engine import RolloutEngine
 from horizonrl.actors.vllm_worker import WeightReceiverExtension
 from horizonrl.actors.weight_receiver import StagedReceive, _notify
+from horizonrl.protocol.worker_replies import StageOutcome
 
 
 class StagingLLM:
@@ -80,7 +81,7 @@ async def test_a_lost_message_costs_seconds_not_the_timeout(monkeypatch):
     assert (staged.version, staged.epoch) == (7, 0) and staged.receive_s == pytest.approx(0.5)
     assert lost == 1 and time.monotonic() - start < 20  # the timeout it used to wait out: 330 s
     # Asked while the thread was still receiving: "not yet", and the engine kept waiting.
-    assert llm.answers[0] is None and llm.answers[-1][1] == 7
+    assert llm.answers[0] is None and StageOutcome.from_wire(llm.answers[-1]).version == 7
 
 
 async def test_the_message_that_arrives_is_taken_without_asking():
@@ -100,5 +101,5 @@ def test_the_worker_answers_only_for_its_own_ended_stage():
     staged.error = RuntimeError("the learner dropped this member")
     worker._horizonrl_staging = staged
     assert worker.horizonrl_staged_outcome(1) is None  # another stage's
-    outcome = worker.horizonrl_staged_outcome(2)
-    assert outcome[0] == 2 and outcome[1] == -1 and "dropped" in outcome[-1]
+    outcome = StageOutcome.from_wire(worker.horizonrl_staged_outcome(2))
+    assert outcome.stage_id == 2 and outcome.version == -1 and "dropped" in outcome.error

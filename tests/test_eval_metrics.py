@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from horizonrl.actors.evaluate import format_table, pass_at_k, summarise
-from horizonrl.cli import _read_ids
+from horizonrl.apps.cli import _read_ids
 
 
 def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:

@@ -308,5 +308,5 @@ async def test_actor_0_plays_the_first_test_tasks_with_the_step_weights_and_send
         assert 0 < expected < 1  # the tasks tell a right count from a wrong one
         assert result.results[name]["success_rate"] == pytest.approx(expected)
         assert result.results[name]["episodes_valid"] == 6.0
-    assert actor.counters["episodes"] == 0 and actor.counters["eval_episodes"] == 12
+    assert actor.counters.episodes == 0 and actor.counters.eval_episodes == 12
     assert not actor.delivery.unacked  # nothing went to the buffer

@@ -18,7 +18,7 @@ from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.runtime import StopFlag
-from horizonrl.hostile import flipped, invalid_utf8_messages, sample_messages, string_paths, wrong_reports
+from horizonrl.apps.hostile import flipped, invalid_utf8_messages, sample_messages, string_paths, wrong_reports
 from horizonrl.launcher import resolve_ports
 from horizonrl.protocol import (EVENT_DIED, EpisodeSample, Heartbeat, HeldOutEval, LearnerReport, OversizedMessage,
                                 ProcessEvent, ProtocolError, Registration, decode, encode)
@@ -77,13 +77,13 @@ def test_wrong_reports_are_rejected_counted_by_kind_and_reason_and_change_nothin
     for data, counter in cases:
         coordinator.take(data)
         expected[counter] = expected.get(counter, 0) + 1
-    assert dict(coordinator.rejected) == expected
-    assert coordinator.messages_read == len(cases) and not coordinator.accepted and not coordinator.bad_messages
+    assert dict(coordinator.intake.rejected) == expected
+    assert coordinator.messages_read == len(cases) and not coordinator.accepted and not coordinator.intake.bad_messages
     # nothing of it reached the run's state
     assert coordinator.learner_step == 0 and not coordinator.finished and not coordinator.done
-    assert not coordinator.health.last_seen and not coordinator.faults and not coordinator.endpoints
+    assert not coordinator.health.last_seen and not coordinator.ledger.faults and not coordinator.endpoints
     assert not (tmp_path / "episodes.jsonl").exists() and not (tmp_path / "faults.jsonl").exists()
-    scalars = coordinator.message_scalars()
+    scalars = coordinator.intake.scalars(coordinator.restarts)
     assert scalars["coordinator/rejected"] == len(cases)
     assert scalars["coordinator/rejected_learner_report_unauthenticated"] == 2
 
@@ -103,9 +103,9 @@ def test_the_same_reports_with_the_runs_key_and_sane_values_are_taken(coordinato
     ]
     for message in good:
         coordinator.take(encode(message))
-    assert not coordinator.rejected and sum(coordinator.accepted.values()) == len(good)
-    assert coordinator.learner_step == 1 and coordinator.faults["actor_died"] == 1
-    assert coordinator.endpoints == {"batches": "tcp://127.0.0.1:5555"} and 0 in coordinator.evaluated_steps
+    assert not coordinator.intake.rejected and sum(coordinator.accepted.values()) == len(good)
+    assert coordinator.learner_step == 1 and coordinator.ledger.faults["actor_died"] == 1
+    assert coordinator.endpoints == {"batches": "tcp://127.0.0.1:5555"} and 0 in coordinator.held_out.evaluated_steps
     assert len((tmp_path / "episodes.jsonl").read_text().splitlines()) == 1
     assert [json.loads(line)["name"] for line in (tmp_path / "faults.jsonl").read_text().splitlines()] == ["actor-1"]
 
@@ -119,11 +119,11 @@ def test_learner_reports_never_take_the_run_back(coordinator):
 
     report(5)
     report(3)  # a late word: refused
-    assert coordinator.learner_step == 5 and coordinator.rejected["learner_report_run_state_backwards"] == 1
+    assert coordinator.learner_step == 5 and coordinator.intake.rejected["learner_report_run_state_backwards"] == 1
     report(4, epoch=1, startup=True)  # a restarted learner resumed from its checkpoint of step 4: taken
-    assert (coordinator.learner_step, coordinator.weight_epoch) == (4, 1)
+    assert (coordinator.learner_step, coordinator.progress.weight_epoch) == (4, 1)
     report(6, epoch=0)  # the dead incarnation's report, arriving late: refused
-    assert coordinator.learner_step == 4 and coordinator.rejected["learner_report_run_state_backwards"] == 2
+    assert coordinator.learner_step == 4 and coordinator.intake.rejected["learner_report_run_state_backwards"] == 2
     report(5, epoch=1)
     report(5, epoch=1, final=True)  # the closing report repeats the last step
     assert coordinator.finished and coordinator.learner_step == 5

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from horizonrl.cli import main as cli_main
+from horizonrl.apps.cli import main as cli_main
 from horizonrl.core.config import ConfigError, dump_config, load_config
-from horizonrl.import_agentgym_rl import convert, find_overrides, parse_hydra_value, parse_script
+from horizonrl.apps.import_agentgym_rl import convert, find_overrides, parse_hydra_value, parse_script
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "agentgym_rl"
@@ -301,9 +301,11 @@ def test_the_short_config_and_the_full_one_agree(tmp_path):
 
 
 def test_the_converter_imports_only_the_bottom_layer():
-    from test_dependencies import BOTTOM, violations
+    from test_dependencies import BOTTOM, files_of, imported_names, violations
 
-    assert violations("import_agentgym_rl", BOTTOM) == []
+    assert violations("apps/import_agentgym_rl", BOTTOM | {"apps"}) == []
+    assert not [name for path in files_of("apps/import_agentgym_rl") for name in imported_names(path)
+                if name.startswith("horizonrl.apps.") and not name.startswith("horizonrl.apps.import_agentgym_rl")]
 
 
 # ------------------------------------------------------- the must-show: AgentGym-RL's examples -> train --dry-run

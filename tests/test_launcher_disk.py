@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from horizonrl.core.config import ConfigError
-from horizonrl.launcher import _pump, check_writable
+from horizonrl.launcher import check_writable
+from horizonrl.launcher.local import _pump
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,12 +15,12 @@ from horizonrl.core.placement import (
     cpus_of,
     learner_device_index,
     local_device_type,
-    pin_to_cpus,
     plan_placement,
-    starting_on_cpus,
     visible_gpus,
     vllm_cpu_binding,
 )
+from horizonrl.actors.cpu_affinity import starting_on_cpus
+from horizonrl.apps.roles import pin_to_cpus
 
 BASE = ["model.path=/m", "envs=[{name: signpost}]"]
 
@@ -265,16 +265,17 @@ def test_table_lists_every_process_and_the_backends():
 
 
 def spawned_envs(cfg, plan, tmp_path, monkeypatch) -> dict[str, dict[str, str] | None]:
-    """What ``Launcher.start_all`` would start, by child name -> the env it adds; nothing is started."""
+    """What ``Launcher.start_all`` would start, by child name -> the env it adds (None: nothing); nothing is
+    started."""
     import io
 
-    from horizonrl.core.console import RunConsole
+    from horizonrl.launcher.console import RunConsole
     from horizonrl.launcher import Launcher
 
     launcher = Launcher(cfg, tmp_path / "config.yaml", plan=plan,
                         console=RunConsole(io.StringIO(), title="t", total=1, live=False))
     started: dict[str, dict[str, str] | None] = {}
-    monkeypatch.setattr(launcher, "spawn", lambda name, args, *, essential, env=None: started.setdefault(name, env))
+    monkeypatch.setattr(launcher.processes, "start", lambda spec: started.setdefault(spec.name, spec.env or None))
     launcher.start_all()
     return started
 
@@ -314,14 +315,14 @@ def test_launcher_resolves_the_plan_from_the_environment():
 def dry_run(tmp_path, capsys, monkeypatch, visible: str | None, *overrides: str) -> tuple[int, str, str]:
     import yaml
 
-    from horizonrl.cli import main
+    from horizonrl.apps.cli import main
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     # This machine has no GPU: the launcher is told the ids it sees exist.
-    monkeypatch.setattr("horizonrl.launcher.cuda_device_count", lambda: len([g for g in (visible or "").split(",") if g]))
+    monkeypatch.setattr("horizonrl.launcher.resolve.cuda_device_count", lambda: len([g for g in (visible or "").split(",") if g]))
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "/m"}, "envs": [{"name": "signpost"}]}))
     rc = main(["train", str(path), *overrides, "--dry-run"])
@@ -379,7 +380,7 @@ def test_an_engine_may_have_cores_apart_from_its_actor():
 
 def test_processes_and_threads_started_on_other_cores():
     """A process started inside starting_on_cpus runs on its cores; this thread, and a thread started
-    meanwhile, are back on their own afterwards. (With one core allowed it cannot tell them apart: CI has 2.)"""
+    meanwhile, are back on their own afterwards. (With one core allowed it cannot tell them apart: it needs 2.)"""
     import os
     import subprocess
     import sys
@@ -433,7 +434,7 @@ def test_pinning_restricts_this_process_and_binds_the_engine(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")       # leaked "1" broke a later tensor-parallel engine)
     try:
         assert pin_to_cpus(config(), "actor", 0) is None and os.sched_getaffinity(0) == before
-        assert pin_to_cpus(config(f"rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]
+        assert pin_to_cpus(config("rollout.num_actors=1", f"resources.actor_cpus=[[{core}]]"), "actor", 0) == [core]
         assert os.sched_getaffinity(0) == {core}
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
         with pytest.raises(ConfigError, match="may not use"):

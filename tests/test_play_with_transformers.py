@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
-from horizonrl.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
+from horizonrl.apps.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import horizonrl_cmd
 
-from horizonrl.report import MISSING, ReportError, first_last, read_run, report, smoothed
+from horizonrl.apps.report import MISSING, ReportError, first_last, read_run, report, smoothed
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -3,7 +3,8 @@
 import multiprocessing
 import os
 
-from horizonrl.core.run_events import EVENTS_FILE, EventLog, RunEvent, iter_events, read_events
+from horizonrl.core.run_dirs import RunDir
+from horizonrl.core.run_events import EventLog, RunEvent, iter_events, read_events
 
 
 def _write_many(output_dir: str, role: str, count: int) -> None:
@@ -29,7 +30,7 @@ def test_reading_filters_by_kind_and_skips_a_torn_last_line(tmp_path):
     events = EventLog(tmp_path, "learner-0")
     events.emit(RunEvent.STEP_TRAINED, step=1)
     events.emit(RunEvent.CHECKPOINT_WRITTEN, step=1, path="x")
-    with open(tmp_path / EVENTS_FILE, "ab") as out:
+    with open(RunDir(tmp_path).events, "ab") as out:
         out.write(b'{"event": "step_done", "st')  # a writer killed mid-line
     assert [r["event"] for r in read_events(tmp_path)] == ["step_trained", "checkpoint_written"]
     [written] = read_events(tmp_path, RunEvent.CHECKPOINT_WRITTEN)
@@ -50,7 +51,7 @@ def test_a_tail_reads_only_the_newest_whole_lines(tmp_path):
     events = EventLog(tmp_path, "learner-0")
     for step in range(200):
         events.emit(RunEvent.STEP_DONE, step=step, weights_sent=True)
-    size = (tmp_path / EVENTS_FILE).stat().st_size
+    size = (RunDir(tmp_path).events).stat().st_size
     tail = list(iter_events(tmp_path, RunEvent.STEP_DONE, tail_bytes=size // 4))
     assert 30 <= len(tail) <= 50 and [e["step"] for e in tail] == list(range(200 - len(tail), 200))
     assert len(list(iter_events(tmp_path, tail_bytes=10 * size))) == 200  # a tail longer than the file: all of it

@@ -8,7 +8,7 @@ from helpers import load_script
 
 def test_an_untrained_model_gives_no_name_a_high_probability(tmp_path):
     from horizonrl.envs.searchqa import SearchQAEnv
-    from horizonrl.tiny_model import build_model, build_tokenizer
+    from horizonrl.apps.tiny_model import build_model, build_tokenizer
 
     settings = {"people": 40, "name_parts": 8, "topk": 1}
     env = SearchQAEnv(**settings)

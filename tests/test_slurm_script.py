@@ -2,7 +2,8 @@
 
 No Slurm needed: what each step asks for (one ``srun --exact`` per process, ``--gres=none`` for the CPU
 processes so that they take no GPU of the job, the engines' and learner's GPUs), the learner under
-torchrun with gang restarts from the newest checkpoint, the coordinator on the first node, and the
+torchrun with gang restarts from the newest checkpoint, restarts under the run's supervision policy (its limit
+within a window and doubling back-off, as the other launchers apply it), the coordinator on the first node, and the
 ``--prepare`` step that the job runs to fix the coordinator's address in the resolved config.
 """
 
@@ -51,7 +52,9 @@ def test_a_gpu_job_has_one_exact_step_per_process_with_its_gpus(tmp_path):
     assert "--gres=none" in buffer and buffer.startswith("supervise buffer 5 srun")
     learner = next(s for s in found if "horizonrl learner" in s)
     assert "--gres=gpu:2" in learner and "-m torch.distributed.run" in learner
-    assert "--nproc-per-node=2" in learner and "--max-restarts=3" in learner and "--resume auto" in learner
+    # a gang: the whole step restarts under the run's policy (supervision.max_learner_restarts), not torchrun
+    assert learner.startswith("supervise learner 3 srun") and "--max-restarts=0" in learner
+    assert "--nproc-per-node=2" in learner and "--resume auto" in learner
     actors = [s for s in found if "horizonrl actor" in s]
     assert [re.search(r"--index (\d+)", s).group(1) for s in actors] == ["0", "1", "2"]
     assert all("--gres=gpu:2" in s and "supervise actor-" in s for s in actors)
@@ -106,3 +109,32 @@ def test_the_command_writes_the_script_to_stdout(tmp_path):
     out = subprocess.run([sys.executable, "-m", "horizonrl", "slurm", str(CONFIG), f"run.output_dir={tmp_path}/r"],
                          capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.startswith("#!/bin/bash") and "srun --exact" in out.stdout
+
+
+def supervise_in_bash(tmp_path, script: str, limit: int, failures: int) -> tuple[int, list[str], bool]:
+    """Run the script's own ``supervise`` function on a step that fails ``failures`` times, then succeeds: its
+    exit code, what it said, and whether it marked the job failed."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("WINDOW_S="))
+    end = lines.index("}", start)
+    counter = tmp_path / "attempts"
+    step = f'n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}; [ "$n" -ge {failures} ] || exit 3'
+    program = "\n".join([f"RUN_DIR={tmp_path}", f'mkdir -p "{tmp_path}/logs"', *lines[start:end + 1],
+                         f"supervise step {limit} bash -c '{step}'", "echo rc=$?"])
+    out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=60)
+    return int(out.stdout.split("rc=")[1]), out.stderr.splitlines(), (tmp_path / ".failed").exists()
+
+
+def test_the_scripts_restarts_follow_the_supervision_policy(tmp_path):
+    """The same limits and back-off as the other launchers: a step that fails is started again after a
+    doubling back-off while it has had fewer than the limit of restarts within the window; one more stops the
+    job."""
+    config = config_for(tmp_path, "supervision.backoff_s=0.05", "supervision.max_backoff_s=0.1",
+                        "supervision.window_s=600", "supervision.max_restarts=2")
+    script = sbatch_script(config)
+    assert "WINDOW_S=600; BACKOFF_S=0.05; MAX_BACKOFF_S=0.1" in script
+    rc, said, failed = supervise_in_bash(tmp_path / "a", script, limit=2, failures=2)
+    assert rc == 0 and not failed
+    assert "restarting it in 0.05 s (restart 1 of 2" in said[0] and "restarting it in 0.1 s (restart 2 of 2" in said[1]
+    rc, said, failed = supervise_in_bash(tmp_path / "b", script, limit=2, failures=3)
+    assert rc == 3 and failed and "2 restart(s) within 600 s: stopping the job" in said[-1]

@@ -7,12 +7,12 @@ fill is what the receiver allocated for the collectives (on a GPU, device memory
 
 from __future__ import annotations
 
-import msgspec
 import torch
 import zmq
 
 from horizonrl.actors.weight_receiver import StagedReceive, WeightReceiver
 from horizonrl.learner.weight_broadcast import WeightHub
+from horizonrl.protocol.worker_replies import StageOutcome
 
 
 class Done:
@@ -60,11 +60,11 @@ def test_a_staged_version_waits_in_host_memory_and_the_device_holds_one_bucket(t
         staged = StagedReceive.start(receiver, stage_id=1, notify_address=address)
         staged.thread.join(30)
         assert actor.poll(10_000)
-        outcome = msgspec.msgpack.decode(actor.recv())
+        outcome = StageOutcome.decode(actor.recv())
     finally:
         actor.close(linger=0)
         context.term()
-    assert outcome[:3] == [1, 3, 0] and outcome[-1] == ""
+    assert (outcome.stage_id, outcome.version, outcome.epoch, outcome.error) == (1, 3, 0, "")
     # The collectives filled nothing bigger than a bucket: the device holds one bucket, not the model.
     buckets = group.handed[2:]
     assert len(buckets) == 3 and all(t.untyped_storage().nbytes() <= largest for t in buckets)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 
-import msgspec
 import pytest
 import torch
 import zmq
@@ -20,6 +19,7 @@ from helpers import wait_until
 
 from horizonrl.actors.vllm_worker import WeightReceiverExtension
 from horizonrl.learner.weight_broadcast import WeightHub
+from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
 
 pytestmark = pytest.mark.slow  # real gloo groups between the hub and the worker (14 s for both tests here)
 
@@ -64,9 +64,21 @@ def setting(tmp_path):
     context.term()
 
 
-def told(actor) -> list:
+def told(actor) -> tuple[int, int, int]:
+    """(stage, version, epoch) of the staging thread's word to the actor."""
     assert actor.poll(30_000), "no word from the staging thread"
-    return msgspec.msgpack.decode(actor.recv())
+    outcome = StageOutcome.decode(actor.recv())
+    return outcome.stage_id, outcome.version, outcome.epoch
+
+
+def asked(worker, stage: int) -> tuple[int, int] | None:
+    """(stage, version) of the worker's answer when the engine asks how ``stage`` ended; None: not ended."""
+    answer = worker.horizonrl_staged_outcome(stage)
+    return None if answer is None else (StageOutcome.from_wire(answer).stage_id, StageOutcome.from_wire(answer).version)
+
+
+def reply(answer: list) -> WorkerReply:
+    return WorkerReply.from_wire(answer)
 
 
 def publish(hub, version: int) -> threading.Thread:
@@ -75,34 +87,34 @@ def publish(hub, version: int) -> threading.Thread:
     return sender
 
 
-def join(worker, hub) -> tuple:
-    return worker.horizonrl_join_weight_hub("127.0.0.1", hub.port, 0, RUN_ID, TIMEOUT_S, "gloo")
+def join(worker, hub) -> WorkerReply:
+    return reply(worker.horizonrl_join_weight_hub("127.0.0.1", hub.port, 0, RUN_ID, TIMEOUT_S, "gloo"))
 
 
 def test_a_stage_request_while_a_receive_is_under_way_takes_that_receive_over(setting):
     hub, worker, actor, address = setting
-    assert join(worker, hub)[:2] == (0, 0) and worker.model.weight[0, 0] == 0.0
+    assert join(worker, hub).version == 0 and worker.model.weight[0, 0] == 0.0
     # Stage 1 ends; the engine takes its outcome by asking (its message "lost"), and loads it.
-    assert worker.horizonrl_stage_weights(1, address)[-1] == ""
+    assert reply(worker.horizonrl_stage_weights(1, address)).error == ""
     publish(hub, 1).join(30)
-    assert told(actor)[:3] == [1, 1, 0]
+    assert told(actor) == (1, 1, 0)
     worker._horizonrl_staging.thread.join(10)
-    assert worker.horizonrl_staged_outcome(1)[:2] == [1, 1]
-    assert worker.horizonrl_load_staged()[:2] == (1, 0) and worker.model.weight[0, 0] == 1.0
+    assert asked(worker, 1) == (1, 1)
+    assert reply(worker.horizonrl_load_staged()).version == 1 and worker.model.weight[0, 0] == 1.0
     # Stage 2 starts receiving; before version 2 comes, the engine asks for stage 3.
-    assert worker.horizonrl_stage_weights(2, address)[-1] == ""
-    assert worker.horizonrl_stage_weights(3, address)[-1] == ""  # was: "a staged receive is already in progress"
+    assert reply(worker.horizonrl_stage_weights(2, address)).error == ""
+    assert reply(worker.horizonrl_stage_weights(3, address)).error == ""  # was: "a staged receive is already in progress"
     publish(hub, 2).join(30)
-    assert told(actor)[:3] == [3, 2, 0]  # the receive under way brought version 2, for stage 3
+    assert told(actor) == (3, 2, 0)  # the receive under way brought version 2, for stage 3
     worker._horizonrl_staging.thread.join(10)
-    assert worker.horizonrl_staged_outcome(3)[:2] == [3, 2] and worker.horizonrl_staged_outcome(2) is None
-    assert worker.horizonrl_load_staged()[:2] == (2, 0) and worker.model.weight[0, 0] == 2.0
+    assert asked(worker, 3) == (3, 2) and asked(worker, 2) is None
+    assert reply(worker.horizonrl_load_staged()).version == 2 and worker.model.weight[0, 0] == 2.0
 
 
 def test_a_rejoin_while_a_staged_receive_waits_on_the_old_membership_takes_seconds_not_the_timeout(setting):
     hub, worker, actor, address = setting
     join(worker, hub)
-    assert worker.horizonrl_stage_weights(1, address)[-1] == ""  # waits for a version that is not coming
+    assert reply(worker.horizonrl_stage_weights(1, address)).error == ""  # waits for a version that is not coming
     time.sleep(0.5)
     start = time.monotonic()
     done: list = []
@@ -111,12 +123,12 @@ def test_a_rejoin_while_a_staged_receive_waits_on_the_old_membership_takes_secon
     rejoin.join(40)
     assert not rejoin.is_alive(), "the rejoin waited for the old staged receive"
     assert time.monotonic() - start < 20  # the stall it replaces lasted the timeout (60 s here, 300 s by default)
-    assert done[0][:2] == (0, 0) and done[0][-1] == ""  # admitted again, at the newest version
+    assert (done[0].version, done[0].epoch, done[0].error) == (0, 0, "")  # admitted again, at the newest version
     wait_until(lambda: hub.counters["admitted"] == 2, 10, "the hub to count the second admission")
     assert len(hub.members) == 1
     # The learner's next version reaches the new membership without waiting for the old one.
-    assert worker.horizonrl_stage_weights(2, address)[-1] == ""
+    assert reply(worker.horizonrl_stage_weights(2, address)).error == ""
     sender = publish(hub, 1)
     sender.join(30)
     assert not sender.is_alive()
-    assert [m for m in (told(actor), told(actor)) if m[0] == 2][0][:2] == [2, 1]
+    assert [m for m in (told(actor), told(actor)) if m[0] == 2][0][:2] == (2, 1)

@@ -14,6 +14,7 @@ from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
 from horizonrl.launcher import RestartPolicy, resolve_ports
 from horizonrl.protocol import EVENT_DIED, EVENT_RESTARTED, Heartbeat, LearnerReport, ProcessEvent
+from horizonrl.protocol.counters import ActorCounters, ActorGauges
 
 
 def test_restarts_back_off_double_and_stop_at_the_limit_within_the_window():
@@ -55,10 +56,10 @@ def test_counters_add_up_over_incarnations_but_levels_are_the_current_ones(coord
     assert coordinator.rollout_paused  # the buffer holds capacity_groups
     coordinator.on_heartbeat(beat("actor", 11, episodes=2.0, episodes_in_progress=1.0))  # a restarted actor
     coordinator.on_heartbeat(beat("buffer", 21, ready_groups=0.0))  # a restarted buffer, empty
-    assert coordinator.health.total("actor", "episodes") == 7  # cumulative: both incarnations
-    assert coordinator.health.gauge("actor", "episodes_in_progress") == 1  # a level: the current one
+    assert coordinator.health.total(ActorCounters).episodes == 7  # cumulative: both incarnations
+    assert coordinator.health.gauges(ActorGauges).episodes_in_progress == 1  # a level: the current one
     assert not coordinator.rollout_paused  # the dead buffer's last depth is not the buffer's state
-    assert coordinator.faults["episodes_lost"] == 3  # what the dead actor was playing
+    assert coordinator.ledger.faults["episodes_lost"] == 3  # what the dead actor was playing
 
 
 def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(coordinator, tmp_path):
@@ -74,7 +75,7 @@ def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(co
     recovered = faults(tmp_path)[-1]
     assert recovered["event"] == "recovered" and recovered["name"] == "actor-1"
     assert 5 <= recovered["recovery_s"] < 60
-    assert coordinator.faults["actor_died"] == 1 and coordinator.faults["actor_recovered"] == 1
+    assert coordinator.ledger.faults["actor_died"] == 1 and coordinator.ledger.faults["actor_recovered"] == 1
 
 
 def test_time_to_recover_counts_from_the_last_death(coordinator, tmp_path):

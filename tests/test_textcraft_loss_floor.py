@@ -11,7 +11,7 @@ from helpers import load_script
 
 from horizonrl.core.chat import ChatTokenizer
 from horizonrl.envs.textcraft import TextCraftEnv
-from horizonrl.tiny_model import RandomEpisode, build_tokenizer, episode_ids
+from horizonrl.apps.tiny_model import RandomEpisode, build_tokenizer, episode_ids
 
 SETTINGS = {"max_depth": 1, "max_distractors": 2, "renamed_variants": 10, "rename": "items"}
 

@@ -14,7 +14,7 @@ import pytest
 from horizonrl.core.chat import ChatTokenizer
 from horizonrl.envs import extract_react_action
 from horizonrl.envs.signpost import ACTIONS
-from horizonrl.tiny_model import (
+from horizonrl.apps.tiny_model import (
     SIGNPOST_TEST_MODEL,
     SPEC_FILE,
     build_tokenizer,
@@ -48,14 +48,14 @@ def hf(model_dir):
 
 
 def test_importing_does_not_import_torch():
-    code = "import sys, horizonrl.tiny_model, horizonrl.core.chat; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, horizonrl.apps.tiny_model, horizonrl.core.chat; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
 
 def test_cli_help():
     out = subprocess.run(
-        [sys.executable, "-m", "horizonrl.tiny_model", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "horizonrl.apps.tiny_model", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--envs" in out and "--env-settings" in out and "--steps" in out and "--seed" in out
 
@@ -221,7 +221,7 @@ def test_the_spec_file_keeps_the_warmup_loss_curve(tmp_path):
 def test_two_builders_of_one_directory_build_it_once(tmp_path):
     """Parallel test workers (and two demos) ask for the same model at once: one builds, the other waits on the
     lock and reuses the build."""
-    code = ("import sys; from horizonrl.tiny_model import ensure_tiny_model; ensure_tiny_model(sys.argv[1], "
+    code = ("import sys; from horizonrl.apps.tiny_model import ensure_tiny_model; ensure_tiny_model(sys.argv[1], "
             "envs=('signpost',), episodes_per_env=8, warmup_steps=20, batch_size=4, max_turns=3, progress=False)")
     builders = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m")], stderr=subprocess.PIPE, text=True)
                 for _ in range(2)]
@@ -238,7 +238,7 @@ def test_two_builders_of_one_directory_build_it_once(tmp_path):
 def test_a_builder_waiting_on_a_hung_one_gives_up_with_a_clear_error(tmp_path):
     import fcntl
 
-    from horizonrl.tiny_model import build_lock
+    from horizonrl.apps.tiny_model import build_lock
 
     with open(tmp_path / ".m.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: it blocks this process's build_lock as another's would
@@ -344,7 +344,7 @@ def test_vllm_loads_the_model_and_its_logprobs_match_transformers(model_dir, hf,
 def test_the_build_device_is_recorded_and_not_part_of_the_spec(tmp_path):
     """``--device cuda`` runs a long warm-up on a GPU; the directory it builds is then reused by a CPU run that asks
     for the same recipe (configs name the recipe, not where it ran). The device is in the build's figures."""
-    from horizonrl.tiny_model import main
+    from horizonrl.apps.tiny_model import main
 
     args = dict(envs=("signpost",), episodes_per_env=8, warmup_steps=1, batch_size=4, max_turns=3, progress=False)
     out = ensure_tiny_model(tmp_path / "m", device="cpu", **args)

@@ -11,7 +11,7 @@ import pytest
 from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import StopFlag
-from horizonrl.core.wandb_log import EPISODE_COLUMNS, WandbLog, episode_row
+from horizonrl.coordinator.wandb_log import EPISODE_COLUMNS, WandbLog, episode_row
 from horizonrl.launcher import resolve_ports
 from horizonrl.protocol import EpisodeSample, LearnerReport
 

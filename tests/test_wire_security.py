@@ -7,7 +7,7 @@ import stat
 import pytest
 import zmq
 
-from horizonrl.cli import main
+from horizonrl.apps.cli import main
 from horizonrl.core.config import ConfigError, load_config
 from horizonrl.launcher import prepare_run
 from horizonrl.protocol.transport import WireSecurity, generate_keys, make_socket, wire_security

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 import zlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import zmq
 import zmq.asyncio
@@ -65,6 +65,7 @@ from horizonrl.protocol import (
     encode,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
+from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
 from horizonrl.core.run_dirs import read_run_key
@@ -83,8 +84,8 @@ EVAL_SEND_TIMEOUT_S = 30.0
 EVAL_METRICS = ("success_rate", "episodes_valid", "infra_failures", "mean_reward", "mean_score", "mean_turns")
 
 
-def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str, task_id: int,
-                  actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
+def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str,
+                  task_id: int, actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
     return Trajectory(
         run_id=run_id,
         trajectory_id=trajectory_id,
@@ -191,13 +192,13 @@ class Actor:
         self.evaluating = False  # a held-out evaluation is running: start no new groups
         probe = {s.name: make_env(s.name, s.settings) for s in config.envs}
         self.category = {name: env.task_category for name, env in probe.items()}
-        state_dir = config.output_dir / "actors"
-        self.tasks = TaskSequence(state_dir / f"actor_{index}.json", config.run.seed, index, config.envs,
+        self.tasks = TaskSequence(config.run_dir.task_sequence(index), config.run.seed, index, config.envs,
                                   {name: env.task_ids("train") for name, env in probe.items()})
         self.control: Control | None = None
         self._new_control = asyncio.Event()
         self._control_reader_running = False
-        self.counters: Counter[str] = Counter()
+        self.counters = ActorCounters()
+        self.gauges = ActorGauges()
         self._last_sample: dict[str, float] = {}  # env -> when its last episode sample was sent
         r = config.rollout
         self.sampling = SamplingSettings(r.temperature, r.top_p, r.max_tokens_per_turn, r.max_context_tokens,
@@ -210,7 +211,7 @@ class Actor:
         # The buffer at its configured port, or wherever it registered (followed when it restarts elsewhere).
         self.buffer_endpoint = FollowedEndpoint(self.intake, ENDPOINT_TRAJECTORIES,
                                                 net.endpoint(net.trajectory_port) if net.trajectory_port else None)
-        self.delivery = TrajectoryDelivery(self.intake, state_dir / f"outbox_{index}", self.run_id,
+        self.delivery = TrajectoryDelivery(self.intake, config.run_dir.outbox(index), self.run_id,
                                            ack_timeout_s=r.ack_timeout_s, max_unacked=r.max_unacked)
         self.sub = make_socket(self.ctx, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
         self.sub.connect(net.endpoint(net.control_port))
@@ -300,7 +301,7 @@ class Actor:
             t.cancel()
         await asyncio.gather(*services, return_exceptions=True)
         log.info("stopped: %d episodes abandoned in progress; %d trajectories unacknowledged (kept in the outbox)",
-                 self.counters["abandoned_episodes"], left)
+                 self.counters.abandoned_episodes, left)
 
     async def _wait_for_first_control(self) -> None:
         """The first Control, then the weights it announces (a resumed learner's): no episode is played
@@ -375,8 +376,9 @@ class Actor:
                 return host, port
             except (OSError, asyncio.TimeoutError):
                 if time.monotonic() > deadline:
+                    timeout_s = self.config.learner.weight_sync_timeout_s
                     raise TimeoutError(f"no weight hub answered at {host}:{port} (the newest registered) within "
-                                       f"learner.weight_sync_timeout_s={self.config.learner.weight_sync_timeout_s:.0f} s")
+                                       f"learner.weight_sync_timeout_s={timeout_s:.0f} s")
                 await asyncio.sleep(HUB_PROBE_S)
                 if not self._control_reader_running:  # else _read_control keeps self.control current
                     await self._read_queued_control()
@@ -390,7 +392,7 @@ class Actor:
         update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
                                                 timeout_s=self.config.learner.weight_sync_timeout_s)
         self._took(update)
-        self.counters["weight_joins"] += 1
+        self.counters.weight_joins += 1
         log.info("joined the weight hub at weights %s (epoch, version)", self.weights)
 
     async def _read_control(self) -> None:
@@ -432,14 +434,14 @@ class Actor:
                     if staged.key > before and staged.key < self._announced():
                         # A newer version was announced while this one came: it is on its way to the same
                         # staging buffer, so this one is never loaded.
-                        self.counters["weight_versions_skipped"] += 1
-                        self.counters["weight_transfer_s"] += staged.receive_s
+                        self.counters.weight_versions_skipped += 1
+                        self.counters.weight_transfer_s += staged.receive_s
                         continue
                     update = await self.engine.load_staged()
                 else:
                     update = await self.engine.receive_weights(timeout_s)
             except Exception as exc:  # noqa: BLE001 - the learner dropped us, or it is gone: join again
-                self.counters["weight_receive_failures"] += 1
+                self.counters.weight_receive_failures += 1
                 log.warning("receiving weights after %s failed (%s); joining the weight hub again", self.weights,
                             str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
                 await self._join_weights()  # a failure here fails the actor (the launcher restarts it)
@@ -450,11 +452,11 @@ class Actor:
 
     def _took(self, update) -> None:
         """The engine holds ``update``'s weights now."""
-        self.counters["weight_updates"] += 1
-        self.counters["weight_stall_s"] += update.stall_s  # the engine generated nothing meanwhile
-        self.counters["weight_pause_wait_s"] += update.pause_wait_s  # it ended the step it was in meanwhile
-        self.counters["weight_transfer_s"] += update.receive_s
-        self.counters["weight_load_s"] += update.load_s
+        self.counters.weight_updates += 1
+        self.counters.weight_stall_s += update.stall_s  # the engine generated nothing meanwhile
+        self.counters.weight_pause_wait_s += update.pause_wait_s  # it ended the step it was in meanwhile
+        self.counters.weight_transfer_s += update.receive_s
+        self.counters.weight_load_s += update.load_s
         log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s; before it, %.3f s to end a step)",
                   self.weights, update.stall_s, update.receive_s, update.load_s, update.pause_wait_s)
 
@@ -467,7 +469,7 @@ class Actor:
                 start = time.monotonic()
                 while self.control.pause_rollout and not self.control.stop and not self.stop:
                     await asyncio.sleep(0.05)
-                self.counters["paused_s"] += time.monotonic() - start
+                self.counters.paused_s += time.monotonic() - start
                 continue
             await self._run_group()
 
@@ -489,7 +491,7 @@ class Actor:
                     raise TimeoutError(f"synchronous rollout: no weights after {weights} within {limit:.0f} s "
                                        "(is the learner alive and receiving the batch?)")
                 await asyncio.sleep(0.01)
-            self.counters["weights_wait_s"] += time.monotonic() - start
+            self.counters.weights_wait_s += time.monotonic() - start
 
     async def _run_group(self) -> None:
         task = self.tasks.next()
@@ -500,7 +502,7 @@ class Actor:
         try:
             episodes = await asyncio.gather(*(self._play(env, task.task_id, max_turns) for _ in range(n)))
         except asyncio.CancelledError:
-            self.counters["abandoned_episodes"] += n  # stopping: never produced, never sent
+            self.counters.abandoned_episodes += n  # stopping: never produced, never sent
             raise
         await self._maybe_send_sample(env, task.task_id, max_turns, episodes)
         monitor = self.config.monitor
@@ -516,30 +518,30 @@ class Actor:
         env = self.envs.acquire(env_name)
         ep = None
         # A gauge in the heartbeat: if this actor dies, the coordinator counts these episodes as lost.
-        self.counters["episodes_in_progress"] += 1
+        self.gauges.episodes_in_progress += 1
         try:
             ep = await run_episode(self.engine, env, self.chat, task_id, max_turns=max_turns, sampling=self.sampling,
                                    weights=lambda: self.weights)
         finally:
-            self.counters["episodes_in_progress"] -= 1
+            self.gauges.episodes_in_progress -= 1
             self.envs.release(env_name, env, healthy=ep is not None and ep.failure not in UNHEALTHY_ENV_FAILURES)
-        self.counters["episodes"] += 1
-        self.counters["generated_tokens"] += ep.generated_tokens
-        self.counters["turns"] += ep.num_turns
+        self.counters.episodes += 1
+        self.counters.generated_tokens += ep.generated_tokens
+        self.counters.turns += ep.num_turns
         if ep.failure:
             # Never trained on; counted by kind (rollout/failures/<kind> in TensorBoard).
-            self.counters[f"failures_{ep.failure}"] += 1
+            self.counters.count_failure(ep.failure)
             self._failure_log.warning("%s failure in %s task %d: %s", ep.failure, env_name, task_id,
                                       ep.failure_message)
             self.events.emit(RunEvent.EPISODE_FAILED, actor=self.index, env=env_name, task=task_id,
                              failure=ep.failure, message=ep.failure_message)
         else:
-            self.counters["completed"] += 1
-            self.counters["successes"] += ep.success
-            self.counters["reward_sum"] += ep.reward
-            self.counters[f"stop_{ep.stop_reason}"] += 1  # the agent's outcomes: done, max_turns, context_limit
-            self.counters["completed_turns"] += ep.num_turns
-            self.counters["invalid_actions"] += ep.invalid_actions  # the agent's errors (observations, not failures)
+            self.counters.completed += 1
+            self.counters.successes += ep.success
+            self.counters.reward_sum += ep.reward
+            self.counters.count_stop(ep.stop_reason)  # the agent's outcomes: done, max_turns, context_limit
+            self.counters.completed_turns += ep.num_turns
+            self.counters.invalid_actions += ep.invalid_actions  # the agent's errors (observations, not failures)
         return ep
 
     def held_out_specs(self) -> list[EvalSpec]:
@@ -578,11 +580,12 @@ class Actor:
                 run_id=self.run_id, learner_step=step, wall_s=wall_s,
                 weight_versions=(min(v[0] for v in versions), max(v[1] for v in versions)) if versions else (-1, -1),
                 results={r["env"]: {key: float(r[key]) for key in EVAL_METRICS} for r in results}, key=self.run_key)
-            self.counters["eval_runs"] += 1
-            self.counters["eval_episodes"] += sum(r["episodes"] for r in results)
-            self.counters["eval_s"] += wall_s
+            self.counters.eval_runs += 1
+            self.counters.eval_episodes += sum(r["episodes"] for r in results)
+            self.counters.eval_s += wall_s
             log.info("held-out evaluation of step %d: %s (%.1f s, weights v%d-v%d)", step,
-                     ", ".join(f"{r['env']} {r['success_rate']:.2f}" for r in results), wall_s, *message.weight_versions)
+                     ", ".join(f"{r['env']} {r['success_rate']:.2f}" for r in results), wall_s,
+                     *message.weight_versions)
             try:
                 await asyncio.wait_for(self.reports.send(encode(message)), EVAL_SEND_TIMEOUT_S)
             except asyncio.TimeoutError:
@@ -619,22 +622,24 @@ class Actor:
 
     async def _heartbeat(self) -> None:
         while True:
-            counters = {k: float(v) for k, v in self.counters.items()}
-            counters.update({k: float(v) for k, v in self.delivery.counters.items()})
-            counters["unacknowledged"] = float(len(self.delivery.unacked))
-            counters["weight_epoch"], counters["weight_version"] = (float(x) for x in self.weights)
-            counters["continued_requests"] = float(self.engine.continued_requests)
-            counters["kept_requests"] = float(self.engine.kept_requests)
-            counters["lost_stage_messages"] = float(self.engine.lost_stage_messages)
-            counters["engine_idle_s"] = self.engine.clock.idle_s
-            counters["engine_wall_s"] = self.engine.clock.wall_s
-            counters["engine_request_s"] = self.engine.clock.unit_s
-            beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(), counters=counters)
+            beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(),
+                             counters=heartbeat_counters(*self.counts()))
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)
             except zmq.Again:
                 pass
             await asyncio.sleep(1.0)
+
+    def counts(self) -> tuple[ActorCounters, DeliveryCounters, ActorGauges]:
+        """What the heartbeat reports: this actor's counters with its engine's, its delivery's, its gauges."""
+        e = self.engine
+        self.counters.continued_requests, self.counters.kept_requests = e.continued_requests, e.kept_requests
+        self.counters.lost_stage_messages = e.lost_stage_messages
+        self.counters.engine_idle_s, self.counters.engine_wall_s = e.clock.idle_s, e.clock.wall_s
+        self.counters.engine_request_s = e.clock.unit_s
+        self.gauges.unacknowledged = len(self.delivery.unacked)
+        self.gauges.weight_epoch, self.gauges.weight_version = self.weights
+        return self.counters, self.delivery.counters, self.gauges
 
     async def close(self) -> None:
         await self.envs.close()
@@ -663,7 +668,7 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvF
     try:
         await actor.run()
     finally:
-        log.info("stopping; counters %s", dict(actor.counters))
+        log.info("stopping; counters %s", actor.counters)
         await actor.close()
         engine.shutdown()
 

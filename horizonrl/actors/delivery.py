@@ -4,11 +4,10 @@ A trajectory leaves the actor's care only when the buffer acknowledges it (``Tra
 accepted and durable in its log, a duplicate of an accepted one, or rejected as invalid). Until
 then it is *unacknowledged*: it is resent every ``ack_timeout_s`` (the buffer de-duplicates by
 trajectory id), and it is in the outbox on disk — appended as it is produced, before it is sent —
-so a crashed or restarted actor sends it again. The outbox is a sequence of segment files
-``outbox_<n>.bin`` of length-prefixed encoded trajectories, each with ``outbox_<n>.acked`` listing
-the ids acknowledged so far (skipped at a restart); a segment is deleted once all of its
-trajectories are acknowledged. Appends are not fsync'ed: they survive the actor's crash (the OS
-holds them), not the machine's — and what was acknowledged but not yet marked is merely sent again
+so a crashed or restarted actor sends it again. The outbox's format is core/outbox.py's: segments of
+encoded trajectories, each with the ids acknowledged so far (skipped at a restart); a segment is deleted
+once all of its trajectories are acknowledged. Appends are not fsync'ed: they survive the actor's crash
+(the OS holds them), not the machine's — and what was acknowledged but not yet marked is merely sent again
 (the buffer answers "duplicate").
 
 Backpressure: at most ``max_unacked`` trajectories are unacknowledged; :meth:`send` waits
@@ -19,25 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import struct
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
+from horizonrl.core.outbox import acked_path, framed, read_outbox, segment_path
 from horizonrl.core.runtime import RateLimitedLog
 from horizonrl.protocol import ACK_REJECTED, ProtocolError, Trajectory, TrajectoryAck, decode_as, encode
+from horizonrl.protocol.counters import DeliveryCounters
 
 log = logging.getLogger("horizonrl.actors.delivery")
 
 MAX_ACK_BYTES = 4 * 1024 * 1024
 SEGMENT_ENTRIES = 256
-_LENGTH = struct.Struct("<I")
-_SEGMENT = re.compile(r"^outbox_(\d{8})\.bin$")
 
 
 @dataclass
@@ -57,7 +53,7 @@ class TrajectoryDelivery:
         self.ack_timeout_s = ack_timeout_s
         self.max_unacked = max_unacked
         self.unacked: dict[str, _Unacked] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = DeliveryCounters()
         self._segment_ids: dict[int, set[str]] = {}  # outbox segment -> its unacknowledged ids
         self._segment = 0
         self._segment_entries = 0
@@ -74,37 +70,19 @@ class TrajectoryDelivery:
 
     # ------------------------------------------------------------------ outbox on disk
 
-    def _segments(self) -> list[tuple[int, Path]]:
-        return sorted((int(m.group(1)), p) for p in self.outbox_dir.iterdir() if (m := _SEGMENT.match(p.name)))
-
     def _load_outbox(self) -> None:
         """What a previous run of this actor produced and never saw acknowledged: sent again."""
-        for number, path in self._segments():
-            data = path.read_bytes()
-            acked_file = path.with_suffix(".acked")
-            acked = set(acked_file.read_text().split()) if acked_file.is_file() else set()
-            offset, ids = 0, set()
-            while offset + _LENGTH.size <= len(data):
-                (length,) = _LENGTH.unpack_from(data, offset)
-                payload = data[offset + _LENGTH.size: offset + _LENGTH.size + length]
-                if len(payload) < length:
-                    break  # a torn last append: that trajectory was never sent
-                offset += _LENGTH.size + length
-                try:
-                    trajectory = decode_as(payload, Trajectory, run_id=self.run_id)
-                except ProtocolError as exc:
-                    log.warning("outbox %s: skipping an entry that does not decode (%s)", path.name, exc)
-                    continue
-                if trajectory.trajectory_id in acked:
-                    continue
-                self.unacked[trajectory.trajectory_id] = _Unacked(payload, number)
-                ids.add(trajectory.trajectory_id)
-            self._segment_ids[number] = ids
-            self._segment = max(self._segment, number)
+        for segment in read_outbox(self.outbox_dir, self.run_id):
+            for error in segment.undecodable:
+                log.warning("outbox %s: skipping an entry that does not decode (%s)", segment.path.name, error)
+            for payload, trajectory in segment.unacked:
+                self.unacked[trajectory.trajectory_id] = _Unacked(payload, segment.number)
+            self._segment_ids[segment.number] = {trajectory.trajectory_id for _, trajectory in segment.unacked}
+            self._segment = max(self._segment, segment.number)
         if self.unacked:
             log.info("outbox: %d unacknowledged trajectories from before the restart; sending them again",
                      len(self.unacked))
-            self.counters["outbox_recovered"] += len(self.unacked)
+            self.counters.outbox_recovered += len(self.unacked)
         self._forget_acknowledged_segments()
         self._update_room()
 
@@ -115,8 +93,8 @@ class TrajectoryDelivery:
             self._segment += 1
             self._segment_entries = 0
             self._segment_ids[self._segment] = set()
-            self._file = open(self.outbox_dir / f"outbox_{self._segment:08d}.bin", "ab")
-        self._file.write(_LENGTH.pack(len(data)) + data)
+            self._file = open(segment_path(self.outbox_dir, self._segment), "ab")
+        self._file.write(framed(data))
         self._file.flush()
         self._segment_entries += 1
         self._segment_ids[self._segment].add(trajectory_id)
@@ -129,8 +107,8 @@ class TrajectoryDelivery:
             if number == self._segment and self._file is not None:
                 self._file.close()
                 self._file = None
-            (self.outbox_dir / f"outbox_{number:08d}.bin").unlink(missing_ok=True)
-            (self.outbox_dir / f"outbox_{number:08d}.acked").unlink(missing_ok=True)
+            segment_path(self.outbox_dir, number).unlink(missing_ok=True)
+            acked_path(self.outbox_dir, number).unlink(missing_ok=True)
             del self._segment_ids[number]
 
     # ------------------------------------------------------------------ sending
@@ -145,8 +123,8 @@ class TrajectoryDelivery:
         self.unacked[trajectory.trajectory_id] = _Unacked(data, segment)
         self._update_room()
         await self._try_send(trajectory.trajectory_id)
-        self.counters["sent"] += 1
-        self.counters["send_wait_s"] += time.monotonic() - start
+        self.counters.sent += 1
+        self.counters.send_wait_s += time.monotonic() - start
 
     async def _try_send(self, trajectory_id: str) -> None:
         entry = self.unacked[trajectory_id]
@@ -173,22 +151,23 @@ class TrajectoryDelivery:
         try:
             ack = decode_as(data, TrajectoryAck, MAX_ACK_BYTES, self.run_id)
         except ProtocolError as exc:
-            self.counters["bad_acks"] += 1
+            self.counters.bad_acks += 1
             log.warning("ignoring a malformed acknowledgement: %s", exc)
             return
         marks: dict[int, list[str]] = {}
-        for trajectory_id, status, reason in zip(ack.trajectory_ids, ack.statuses, ack.reasons or [""] * len(ack.statuses)):
+        reasons = ack.reasons or [""] * len(ack.statuses)
+        for trajectory_id, status, reason in zip(ack.trajectory_ids, ack.statuses, reasons):
             entry = self.unacked.pop(trajectory_id, None)
             if entry is None:
                 continue  # acknowledged before (an ack of a resend)
             self._segment_ids.get(entry.segment, set()).discard(trajectory_id)
             marks.setdefault(entry.segment, []).append(trajectory_id)
-            self.counters[f"acked_{status}"] += 1
+            self.counters.count_ack(status)
             if status == ACK_REJECTED:
                 self._reject_log.warning("the buffer rejected trajectory %s: %s", trajectory_id, reason)
         for segment, ids in marks.items():
             if self._segment_ids.get(segment):  # still holds unacknowledged ones: remember which are done
-                with open(self.outbox_dir / f"outbox_{segment:08d}.acked", "a") as f:
+                with open(acked_path(self.outbox_dir, segment), "a") as f:
                     f.write("".join(i + "\n" for i in ids))
         self._forget_acknowledged_segments()
         self._update_room()
@@ -200,7 +179,7 @@ class TrajectoryDelivery:
             was_sent = self.unacked[trajectory_id].sent_at is not None
             await self._try_send(trajectory_id)
             if was_sent:
-                self.counters["resent"] += 1
+                self.counters.resent += 1
         if overdue:
             # Under backpressure a late acknowledgement is the design at work, not a fault: INFO, off the console.
             self._resend_log.log(logging.INFO if self.backpressure else logging.WARNING,

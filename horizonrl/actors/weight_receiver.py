@@ -32,6 +32,7 @@ import torch.distributed as dist
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
+from horizonrl.protocol.worker_replies import StageOutcome
 
 if TYPE_CHECKING:
     from horizonrl.actors.weight_ipc import IpcReceiver
@@ -258,10 +259,11 @@ class StagedReceive:
     as soon as it is here. On a GPU that buffer is host memory (pinned) and each bucket passes through one
     device buffer: a whole second copy of the model on every worker's GPU would sit outside vLLM's memory
     budget (a 7B model in bf16, ~15 GB, does not fit beside an engine at utilization 0.9 on 80 GB) and run it
-    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every collective is bounded by the group's timeout, so it always
-    does), the thread tells the actor at ``notify_address`` (a ZMQ PULL socket of the actor's, msgpack
-    ``[stage_id, version, epoch, receive_s, 0.0, worker, error]``): the actor waits for that message rather
-    than asking the engine, whose worker would spin between such questions on the cores the receive needs.
+    out of memory; the load then copies host to device, inside the swap (docs/gpu.md). When it ends (every
+    collective is bounded by the group's timeout, so it always does), the thread tells the actor at
+    ``notify_address`` (a ZMQ PULL socket of the actor's, a msgpack ``StageOutcome``,
+    protocol/worker_replies.py): the actor waits for that message rather than asking the engine, whose
+    worker would spin between such questions on the cores the receive needs.
     ``layout`` is set once it all arrived, ``error`` if it failed."""
 
     stage_id: int
@@ -314,20 +316,21 @@ class StagedReceive:
             address, outcome = self.notify_address, self.outcome()
         _notify(address, outcome)
 
-    def outcome(self) -> list:
-        """``[stage_id, version, epoch, receive_s, load_s, worker, error]`` (version -1 unless it all arrived)."""
+    def outcome(self) -> StageOutcome:
+        """How it ended, for the stage that owns it now (version -1 unless it all arrived)."""
         if self.error is not None:
-            return [self.stage_id, -1, -1, 0.0, 0.0, self.worker, f"{type(self.error).__name__}: {self.error}"]
+            error = f"{type(self.error).__name__}: {self.error}"
+            return StageOutcome(self.stage_id, -1, -1, 0.0, 0.0, self.worker, error)
         if self.layout is None:
-            return [self.stage_id, -1, -1, 0.0, 0.0, self.worker, ""]
-        return [self.stage_id, self.layout.version, self.layout.epoch, self.receive_s, 0.0, self.worker, ""]
+            return StageOutcome(self.stage_id, -1, -1, 0.0, 0.0, self.worker)
+        return StageOutcome(self.stage_id, self.layout.version, self.layout.epoch, self.receive_s, 0.0, self.worker)
 
 
 NOTIFY_TIMEOUT_MS = 5000
 FORMING_MARGIN_S = 5.0  # past the group's timeout, how long the first NCCL collective may take to give up itself
 
 
-def _notify(address: str, outcome: list) -> None:
+def _notify(address: str, outcome: StageOutcome) -> None:
     """One small message to the actor; if it cannot be delivered, the actor asks the worker (it waits for this
     message a few seconds at a time: ``Engine.stage_weights``)."""
     import msgspec
@@ -342,8 +345,8 @@ def _notify(address: str, outcome: list) -> None:
         try:
             sock.send(msgspec.msgpack.encode(outcome))
         except zmq.Again:  # the actor asks for it when it is late (Engine.stage_weights)
-            log.warning("staged receive %d: could not tell the actor at %s within %.0f s that it ended", outcome[0],
-                        address, NOTIFY_TIMEOUT_MS / 1000)
+            log.warning("staged receive %d: could not tell the actor at %s within %.0f s that it ended",
+                        outcome.stage_id, address, NOTIFY_TIMEOUT_MS / 1000)
         sock.close()
     finally:
         context.term()

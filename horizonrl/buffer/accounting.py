@@ -13,8 +13,6 @@ Read from what the run keeps on disk, with no process running:
 
 from __future__ import annotations
 
-import re
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,18 +20,16 @@ from typing import Any
 from horizonrl.buffer.groups import FATE_DROPPED, GroupBuffer
 from horizonrl.buffer.records import apply, decode_record
 from horizonrl.buffer.wal import WriteAheadLog
-from horizonrl.core.run_dirs import checkpoint_dir, latest_checkpoint, read_state
-from horizonrl.protocol import Trajectory, decode_as
-
-_LENGTH = struct.Struct("<I")
-_OUTBOX = re.compile(r"^outbox_(\d{8})\.bin$")
+from horizonrl.core.outbox import read_outbox
+from horizonrl.core.run_dirs import RunDir, checkpoint_dir, latest_checkpoint, read_state
+from horizonrl.protocol import Trajectory
 
 
 def buffer_state(output_dir: str | Path) -> GroupBuffer:
     """The buffer's state as its log leaves it (the log's Settings records set how it decides)."""
     state = GroupBuffer(capacity_groups=1, max_staleness=0, skip_equal_reward_groups=True,
                         group_timeout_s=float("inf"))
-    wal_dir = Path(output_dir) / "buffer_wal"
+    wal_dir = RunDir(output_dir).buffer_wal
     if wal_dir.is_dir():
         for payload in WriteAheadLog(wal_dir).replay():
             apply(state, decode_record(payload))
@@ -61,24 +57,10 @@ def outbox_ids(output_dir: str | Path) -> set[str]:
 
 
 def outbox_trajectories(output_dir: str | Path) -> list[Trajectory]:
-    """The trajectories in the actors' outboxes that the buffer has not acknowledged."""
-    found: list[Trajectory] = []
-    for outbox in (Path(output_dir) / "actors").glob("outbox_*"):
-        for path in outbox.iterdir() if outbox.is_dir() else []:
-            if not _OUTBOX.match(path.name):
-                continue
-            acked_file = path.with_suffix(".acked")
-            acked = set(acked_file.read_text().split()) if acked_file.is_file() else set()
-            data, offset = path.read_bytes(), 0
-            while offset + _LENGTH.size <= len(data):
-                (length,) = _LENGTH.unpack_from(data, offset)
-                payload = data[offset + _LENGTH.size: offset + _LENGTH.size + length]
-                offset += _LENGTH.size + length
-                if len(payload) == length:
-                    trajectory = decode_as(payload, Trajectory)
-                    if trajectory.trajectory_id not in acked:
-                        found.append(trajectory)
-    return found
+    """The trajectories in the actors' outboxes that the buffer has not acknowledged (an entry that does not
+    decode cannot be sent either: it is not among them)."""
+    return [trajectory for outbox in RunDir(output_dir).outboxes() for segment in read_outbox(outbox)
+            for _, trajectory in segment.unacked]
 
 
 def account(output_dir: str | Path) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from horizonrl.protocol import FAILURE_NONE, Trajectory
+from horizonrl.protocol.counters import BufferGauges, heartbeat_counters
 
 # Reasons a trajectory is dropped (keys of GroupBuffer.dropped, counted in trajectories); a failed
 # episode is dropped under "failure_<kind>" (environment, engine, prompt_too_long).
@@ -123,7 +124,8 @@ class GroupBuffer:
             return REJECT_GROUP_MISMATCH, f"group {traj.group_id} is already complete"
         if group is not None and (group.env, group.task_id, group.size) != (traj.env, traj.task_id, traj.group_size):
             return REJECT_GROUP_MISMATCH, (f"group {traj.group_id} is ({group.env}, task {group.task_id}, size "
-                                           f"{group.size}); this member says ({traj.env}, {traj.task_id}, {traj.group_size})")
+                                           f"{group.size}); this member says ({traj.env}, {traj.task_id}, "
+                                           f"{traj.group_size})")
         return None
 
     def accept(self, traj: Trajectory) -> None:
@@ -308,21 +310,23 @@ class GroupBuffer:
     def in_flight_trajectories(self) -> int:
         return len(self.in_flight_ids())
 
+    def gauges(self) -> BufferGauges:
+        """The levels the coordinator reads (the rollout pause: ``ready_groups``)."""
+        return BufferGauges(ready_groups=self.ready_groups, pending_groups=self.pending_groups,
+                            in_flight_trajectories=self.in_flight_trajectories(),
+                            held_trajectories=self.held_trajectories(), committed_step=self.committed_step)
+
     def stats(self) -> dict[str, float]:
-        out = {
+        """The gauges, then counts for people (the learner charts them as ``buffer/``)."""
+        out = heartbeat_counters(self.gauges(), extra={
             "received": float(self.received),
-            "ready_groups": float(self.ready_groups),
-            "pending_groups": float(self.pending_groups),
             "served_groups": float(self.served_groups),
             "served_equal_reward_groups": float(self.served_equal_groups),
             "rolled_back_batches": float(self.rolled_back_batches),
             "trained_trajectories": float(self.trained_trajectories),
-            "in_flight_trajectories": float(self.in_flight_trajectories()),
-            "held_trajectories": float(self.held_trajectories()),
             "dropped_total": float(sum(self.dropped.values())),
             "rejected_total": float(sum(self.rejected.values())),
-            "committed_step": float(self.committed_step),
-        }
+        })
         out.update({f"dropped_{k}": float(v) for k, v in self.dropped.items()})
         out.update({f"rejected_{k}": float(v) for k, v in self.rejected.items()})
         return out

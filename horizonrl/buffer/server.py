@@ -107,12 +107,12 @@ class BufferServer:
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
-        self.wal = (WriteAheadLog(config.output_dir / "buffer_wal", fsync=cfg.wal_fsync,
+        self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
         settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups)
-        if (self.recovered_records == 0 or (self.groups.capacity_groups, self.groups.max_staleness,
-                                             self.groups.skip_equal_reward_groups) != tuple(msgspec.structs.astuple(settings))):
+        replayed = (self.groups.capacity_groups, self.groups.max_staleness, self.groups.skip_equal_reward_groups)
+        if self.recovered_records == 0 or replayed != tuple(msgspec.structs.astuple(settings)):
             self._log(settings)
         self.bad_messages: Counter[str] = Counter()
         self.messages_read: Counter[str] = Counter()  # per socket: every message is read once and counted
@@ -124,14 +124,15 @@ class BufferServer:
         self._outbox: defaultdict[bytes, list[tuple[str, str, str]]] = defaultdict(list)  # acks, once durable
         self._reply: tuple[bytes, bytes] | None = None  # a batch, once durable
         # (log ticket, acks, batch reply): what may leave the process once the log is durable up to the ticket
-        self._undurable: deque[tuple[int, dict[bytes, list[tuple[str, str, str]]], tuple[bytes, bytes] | None]] = deque()
+        self._undurable: deque[tuple[int, dict[bytes, list[tuple[str, str, str]]], tuple[bytes, bytes] | None]] = (
+            deque())
         self._pending: tuple[bytes, BatchRequest] | None = None
         self._pending_since = 0.0
         self._equal_seen_at_request = 0
         self._last_compaction = 0.0
         self._compacted_size = 0
         # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
-        self.recorder = EpisodeRecordWriter(config.output_dir / "episodes",
+        self.recorder = EpisodeRecordWriter(config.run_dir.episode_records,
                                             max_bytes=config.monitor.record_max_mb * 1e6)
 
         self.ctx = zmq.Context()
@@ -257,19 +258,11 @@ class BufferServer:
             except zmq.Again:
                 return
             self.messages_read["intake"] += 1
-            if len(frames) != 2:
-                self._count_bad("intake_frames", f"trajectory message with {len(frames) - 1} frames")
+            received = self._decoded(frames, Trajectory, MAX_TRAJECTORY_BYTES, "intake", "trajectory")
+            if received is None:
                 continue
-            identity, data = frames
-            try:
-                trajectory = decode_as(data, Trajectory, MAX_TRAJECTORY_BYTES, self.run_id)
-            except ForeignRunError as exc:
-                self._count_bad("intake_other_run", str(exc))
-                continue
-            except ProtocolError as exc:
-                self._count_bad("intake_malformed", f"trajectory: {exc}")
-                continue
-            self._admit(identity, trajectory, data)
+            identity, trajectory = received
+            self._admit(identity, trajectory, frames[1])
             if self.groups.full:
                 return
 
@@ -379,18 +372,10 @@ class BufferServer:
     def _read_request(self) -> None:
         frames = self.router.recv_multipart()
         self.messages_read["requests"] += 1
-        if len(frames) != 2:
-            self._count_bad("request_frames", f"batch request with {len(frames) - 1} frames")
+        received = self._decoded(frames, BatchRequest, MAX_REQUEST_BYTES, "request", "batch request")
+        if received is None:
             return
-        identity, data = frames
-        try:
-            request = decode_as(data, BatchRequest, MAX_REQUEST_BYTES, self.run_id)
-        except ForeignRunError as exc:
-            self._count_bad("request_other_run", str(exc))
-            return
-        except ProtocolError as exc:
-            self._count_bad("request_malformed", f"batch request: {exc}")
-            return
+        identity, request = received
         if self.run_key and not hmac.compare_digest(request.key.encode(), self.run_key.encode()):
             # only the learner may roll batches back or commit them (a forged request could have them trained twice)
             self._count_bad("request_unauthenticated", "batch request without the run's key (<output_dir>/run_key)")
@@ -459,6 +444,21 @@ class BufferServer:
         self._last_compaction, self._compacted_size = time.monotonic(), self.wal.size_bytes()
         log.info("compacted the write-ahead log: %.1f MB of closed segments -> %.1f MB in %.1f s", before / 2**20,
                  after / 2**20, time.perf_counter() - start)
+
+    def _decoded(self, frames: list[bytes], kind: type, limit: int, socket: str, what: str):
+        """(identity, message) of one ROUTER message of ``kind``; None when it is not one, counted as
+        ``<socket>_frames``, ``<socket>_other_run`` or ``<socket>_malformed``."""
+        if len(frames) != 2:
+            self._count_bad(f"{socket}_frames", f"{what} message with {len(frames) - 1} frames")
+            return None
+        identity, data = frames
+        try:
+            return identity, decode_as(data, kind, limit, self.run_id)
+        except ForeignRunError as exc:
+            self._count_bad(f"{socket}_other_run", str(exc))
+        except ProtocolError as exc:
+            self._count_bad(f"{socket}_malformed", f"{what}: {exc}")
+        return None
 
     def _count_bad(self, kind: str, what: str) -> None:
         self.bad_messages[kind] += 1

@@ -152,7 +152,8 @@ class WriteAheadLog:
     def wait_durable(self, ticket: int, timeout_s: float = 600.0) -> None:
         with self._written:
             if not self._written.wait_for(lambda: self.durable >= ticket or self._error is not None, timeout_s):
-                raise TimeoutError(f"write-ahead log {self.directory}: not written within {timeout_s:.0f} s (a hung disk?)")
+                raise TimeoutError(f"write-ahead log {self.directory}: not written within {timeout_s:.0f} s "
+                                   "(a hung disk?)")
         self.check()
 
     def check(self) -> None:

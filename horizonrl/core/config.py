@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from horizonrl.core.run_dirs import RunDir
 from horizonrl.protocol.transport import advertise_host, tcp_endpoint
 
 
@@ -33,7 +34,7 @@ class RunConfig(_Frozen):
 
 
 class TinyModelRecipe(_Frozen):
-    """How ``horizonrl demo`` builds the tiny model at ``model.path`` when it is missing (horizonrl/tiny_model.py):
+    """How ``horizonrl demo`` builds the tiny model at ``model.path`` when it is missing (horizonrl/apps/tiny_model.py):
     a format-only warm-up on random-policy episodes of the run's environments."""
 
     episodes_per_env: int = Field(1500, ge=1, description="random-policy episodes per environment")
@@ -46,8 +47,9 @@ class TinyModelRecipe(_Frozen):
 
 
 class FormatWarmup(_Frozen):
-    """A short SFT of a pretrained model on random-policy episodes of the run's environments (horizonrl/warmup_data.py):
-    the reply format, not the skill (every reply in the data is a random valid action)."""
+    """A short SFT of a pretrained model on random-policy episodes of the run's environments
+    (horizonrl/apps/warmup_data.py): the reply format, not the skill (every reply in the data is a random valid
+    action)."""
 
     episodes_per_env: int = Field(500, ge=1, description="random-policy episodes per environment")
     steps: int = Field(40, ge=1, description="SFT optimizer steps on them")
@@ -60,7 +62,7 @@ class PretrainedRecipe(_Frozen):
     imported (``horizonrl make-model NAME``), then, if asked, format-warmed (the import stays beside it, as
     ``<path>.base``)."""
 
-    packaged: Literal["smollm2"] = Field(..., description="the packaged model (horizonrl/model_import.py)")
+    packaged: Literal["smollm2"] = Field(..., description="the packaged model (horizonrl/apps/model_import.py)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the imported checkpoint's dtype")
     format_warmup: FormatWarmup | None = Field(None, description="None: the instruct model as it is (the paper's "
                                                                  "prompted start)")
@@ -275,8 +277,8 @@ class BufferConfig(_Frozen):
     wal_segment_mb: float = Field(64.0, gt=0, description="start a new log segment past this size")
     wal_compact_mb: float = Field(512.0, gt=0, description="compact (drop the payloads of trained and dropped "
                                   "trajectories) when the log grows past this")
-    future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard of "
-                                 "yet waits this long for it, then is rejected as from the future")
+    future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard "
+                                 "of yet waits this long for it, then is rejected as from the future")
 
 
 class NetworkConfig(_Frozen):
@@ -319,7 +321,7 @@ class NetworkConfig(_Frozen):
 
 
 class WandbConfig(_Frozen):
-    """Weights & Biases logging (core/wandb_log.py); absent: none."""
+    """Weights & Biases logging (coordinator/wandb_log.py); absent: none."""
 
     project: str = "horizonrl"
     entity: str | None = None
@@ -352,7 +354,8 @@ class SupervisionConfig(_Frozen):
 
     restart: bool = Field(True, description="restart a dead actor, buffer, coordinator or managed environment "
                           "server (off: any death stops the run)")
-    max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops the run")
+    max_restarts: int = Field(5, ge=0, description="restarts of one process within window_s; one more death stops "
+                              "the run")
     window_s: float = Field(600.0, gt=0)
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each restart in the "
                              "window")
@@ -463,7 +466,8 @@ class SlurmLauncherConfig(_Frozen):
                               "processes that start on other nodes")
     torchrun_port: int = Field(29402, ge=1, le=65535, description="the learner's torchrun rendezvous port")
     max_restarts: int | None = Field(None, ge=0, description="restarts of an actor or buffer step, and of the "
-                                     "learner under torchrun (default: supervision.max_restarts)")
+                                     "learner's step (a gang), within supervision.window_s (default: "
+                                     "supervision.max_restarts and supervision.max_learner_restarts)")
     setup: list[str] = Field([], description="shell lines run before the steps, e.g. `source .venv/bin/activate` or "
                              "`module load cuda`")
     python: str = Field("python", description="the interpreter on the nodes")
@@ -476,8 +480,9 @@ class LauncherConfig(_Frozen):
 
     type: Literal["local", "ray", "slurm"] = Field(
         "local", description="local: subprocesses of `horizonrl train` on this machine, supervised by it; ray: Ray "
-                             "actors in one placement group (Ray restarts actors and the buffer, the launcher the "
-                             "learner as a gang); slurm: `horizonrl slurm CONFIG > job.sbatch`, then sbatch it")
+                             "actors in one placement group, supervised the same way (supervision.*); slurm: "
+                             "`horizonrl slurm CONFIG > job.sbatch`, then sbatch it (its script applies "
+                             "supervision.* in bash)")
     ray: RayLauncherConfig = RayLauncherConfig()
     slurm: SlurmLauncherConfig = SlurmLauncherConfig()
 
@@ -501,7 +506,8 @@ class EvalConfig(_Frozen):
                                 "learner's last step for that step's evaluation")
     stop_after_plateau: int = Field(0, ge=0, description="end training early when held-out success (eval.every) "
                                     "has not beaten its best by more than eval.plateau_min_delta for this many "
-                                    "evaluations in a row: the learner saves and stops at its next step boundary (0: off)")
+                                    "evaluations in a row: the learner saves and stops at its next step boundary "
+                                    "(0: off)")
     plateau_min_delta: float = Field(0.02, ge=0, description="the rise in held-out success that counts as "
                                      "progress for eval.stop_after_plateau")
 
@@ -535,7 +541,8 @@ class TrainConfig(_Frozen):
                              f"the learner would wait forever for a batch; set buffer.capacity_groups to about "
                              f"{2 * self.learner.groups_per_step} (two steps' worth)")
         if self.buffer.max_staleness < self.rollout.weight_sync_every - 1:
-            raise ValueError(f"buffer.max_staleness ({self.buffer.max_staleness}) is below rollout.weight_sync_every - 1 "
+            raise ValueError(f"buffer.max_staleness ({self.buffer.max_staleness}) is below "
+                             "rollout.weight_sync_every - 1 "
                              f"({self.rollout.weight_sync_every - 1}): between two weight updates the learner moves "
                              f"that many steps past the engines' weights, so every group would be dropped as stale; "
                              f"set buffer.max_staleness to at least {self.rollout.weight_sync_every}")
@@ -552,6 +559,11 @@ class TrainConfig(_Frozen):
     @property
     def output_dir(self) -> Path:
         return Path(self.run.output_dir)
+
+    @property
+    def run_dir(self) -> RunDir:
+        """Every path of the run directory, by name (core/run_dirs.py)."""
+        return RunDir(self.run.output_dir)
 
     @property
     def step_token_budget(self) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-COORDINATOR_STATE_FILE = "coordinator_state.json"
+from horizonrl.core.run_dirs import RunDir
 
 log = logging.getLogger("horizonrl.coordinator")
 
@@ -79,7 +79,7 @@ class CoordinatorSnapshot(msgspec.Struct, kw_only=True):
 
 
 def state_path(output_dir: str | Path) -> Path:
-    return Path(output_dir) / COORDINATOR_STATE_FILE
+    return RunDir(output_dir).coordinator_state
 
 
 def save_snapshot(output_dir: str | Path, snapshot: CoordinatorSnapshot) -> bool:

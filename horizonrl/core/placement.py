@@ -28,9 +28,6 @@ raised by the launcher before anything starts.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
@@ -169,9 +166,9 @@ def choose_backends(device_type: DeviceType, learner_backend: str) -> tuple[Back
     if learner_backend not in ("auto", implied):
         if device_type == "cuda":
             raise ConfigError(
-                "learner.backend=gloo with GPUs: gloo cannot run the learner's FSDP collectives or the weight broadcast "
-                "on CUDA tensors, and engines on GPUs receive over NCCL. Use learner.backend=auto (NCCL on GPUs), or "
-                "train on the CPU with resources.device=cpu")
+                "learner.backend=gloo with GPUs: gloo cannot run the learner's FSDP collectives or the weight "
+                "broadcast on CUDA tensors, and engines on GPUs receive over NCCL. Use learner.backend=auto (NCCL on "
+                "GPUs), or train on the CPU with resources.device=cpu")
         raise ConfigError(
             f"learner.backend={learner_backend} without a GPU: NCCL needs GPUs. Use learner.backend=auto (gloo on the "
             "CPU), or run where GPUs are visible")
@@ -380,56 +377,6 @@ def engine_cpus_of(config: TrainConfig, index: int) -> list[int] | None:
     """The CPU cores actor ``index``'s vLLM engine runs on: ``resources.engine_cpus``, else the actor's own."""
     r = config.resources
     return list(r.engine_cpus[index]) if r.engine_cpus is not None else cpus_of(config, "actor", index)
-
-
-def _check_allowed(cpus: list[int], what: str) -> None:
-    allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cpus) - allowed)
-    if missing:
-        raise ConfigError(f"resources: {what} is given CPU cores {missing} that this process may not use "
-                          f"(allowed: {sorted(allowed)})")
-
-
-def pin_to_cpus(config: TrainConfig, role: str, index: int = 0) -> list[int] | None:
-    """Restrict this process, and every process it starts from now on, to its cores (``cpus_of``); an actor's
-    vLLM engine binds its OpenMP threads to the engine's cores (``engine_cpus_of``, through
-    ``VLLM_CPU_OMP_THREADS_BIND``; by default vLLM-CPU binds to cores of its own choosing) and, when those differ
-    from the actor's, is started on them (``RolloutEngine.start(cpus=...)``). Returns the process's cores, or
-    None when the config gives none."""
-    cpus = cpus_of(config, role, index)
-    name = f"actor {index}" if role == "actor" else role
-    if cpus is not None:
-        _check_allowed(cpus, name)
-    if role == "actor":
-        engine_cpus = engine_cpus_of(config, index)
-        if engine_cpus is not None:
-            _check_allowed(engine_cpus, f"the engine of actor {index}")
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_binding(
-                engine_cpus, config.rollout.engine.tensor_parallel_size)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    return cpus
-
-
-@contextlib.contextmanager
-def starting_on_cpus(cpus: Sequence[int] | None):
-    """Processes started inside run on ``cpus``; afterwards every thread of this process is back on this
-    thread's own cores. (A new process or thread inherits the affinity of the thread that starts it: this
-    thread holds ``cpus`` meanwhile, and threads started then — ZeroMQ's I/O threads of a vLLM client — are
-    put back.)"""
-    own = os.sched_getaffinity(0)
-    if cpus is None:
-        yield
-        return
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), own)
-            except ProcessLookupError:
-                pass  # a thread that has ended meanwhile
 
 
 def vllm_cpu_binding(cpus: Sequence[int], tensor_parallel_size: int) -> str:

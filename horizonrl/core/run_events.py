@@ -24,7 +24,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator
 
-EVENTS_FILE = "events.jsonl"
+from horizonrl.core.run_dirs import RunDir
+
 
 log = logging.getLogger("horizonrl.events")
 
@@ -58,7 +59,8 @@ class RunEvent(str, Enum):
     ENDPOINTS_REGISTERED = "endpoints_registered"  # name, endpoints: what a process serves, where
     TRAINING_ENDED_EARLY = "training_ended_early"  # step, reason
     HELD_OUT_EVALUATED = "held_out_evaluated"  # step, success_rate
-    COORDINATOR_RESTORED = "coordinator_restored"  # restarts, step, weight_epoch: a restarted coordinator read its state
+    # restarts, step, weight_epoch: a restarted coordinator read its state
+    COORDINATOR_RESTORED = "coordinator_restored"
     LEARNER_DONE_FROM_DISK = "learner_done_from_disk"  # step: a restarted coordinator found the learner's end here
 
 
@@ -66,7 +68,7 @@ class EventLog:
     """The writer one process keeps for its run's event file."""
 
     def __init__(self, output_dir: str | Path, role: str) -> None:
-        self.path = Path(output_dir) / EVENTS_FILE
+        self.path = RunDir(output_dir).events
         self.role = role
         self._lock = threading.Lock()
         self._failed = False
@@ -104,10 +106,11 @@ def read_events(output_dir: str | Path, *kinds: RunEvent | str) -> list[dict[str
     return list(iter_events(output_dir, *kinds))
 
 
-def iter_events(output_dir: str | Path, *kinds: RunEvent | str, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+def iter_events(output_dir: str | Path, *kinds: RunEvent | str,
+                tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """As :func:`read_events`; ``tail_bytes``: only the events in the file's last that many bytes (a reader
     that polls a long run's file for something recent)."""
-    path = Path(output_dir) / EVENTS_FILE
+    path = RunDir(output_dir).events
     try:
         with open(path, "rb") as events:
             size = events.seek(0, os.SEEK_END)

@@ -43,7 +43,8 @@ class HTTPEnv:
     """One remote session; created on the first reset, closed by ``close``."""
 
     def __init__(self, url: str, env: str | None = None, timeout_s: float = 60.0, retry_for_s: float = 60.0,
-                 protocol: str = "horizonrl", managed: bool = False, env_settings: dict[str, Any] | None = None) -> None:
+                 protocol: str = "horizonrl", managed: bool = False,
+                 env_settings: dict[str, Any] | None = None) -> None:
         if protocol not in ("horizonrl", "agentgym"):
             raise ValueError("protocol must be 'horizonrl' or 'agentgym'")
         self.url = url.rstrip("/")
@@ -177,7 +178,8 @@ class HTTPEnv:
             if status == 404:
                 raise EnvironmentFailure(f"lost session on {self.url}: {payload.get('error', text[:200])}")
             if status >= 400:
-                last = EnvironmentFailure(f"{self.url}{path} answered HTTP {status}: {payload.get('error', text[:200])}")
+                error = payload.get("error", text[:200])
+                last = EnvironmentFailure(f"{self.url}{path} answered HTTP {status}: {error}")
                 if status >= 500:
                     continue
                 raise last

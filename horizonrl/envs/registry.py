@@ -1,42 +1,61 @@
 """Environments by name: ``make_env("babyai", {"levels": [...]})``.
 
-Each module registers a factory that takes the environment's settings as keyword
-arguments. Imports are lazy so that listing names never imports minigrid, Java, etc.
+Each name maps to a factory called with the environment's settings as keyword arguments. A built-in
+one's module is imported when it is made, so listing names never imports minigrid, Java, etc.; by an
+import statement, so the dependency test sees it (no module named by a string).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import Any, Callable
 
 from horizonrl.envs.base import Environment
 
-# name -> "module:factory"; the factory is called with the settings as keyword arguments.
-_FACTORIES: dict[str, str] = {
-    "signpost": "horizonrl.envs.signpost:SignpostEnv",
-    "babyai": "horizonrl.envs.babyai:BabyAIEnv",
-    "textcraft": "horizonrl.envs.textcraft:TextCraftEnv",
-    "sciworld": "horizonrl.envs.sciworld:SciWorldEnv",
-    "searchqa": "horizonrl.envs.searchqa:SearchQAEnv",
-    "webarena": "horizonrl.envs.webarena:WebArenaEnv",
-    "http": "horizonrl.envs.client:HTTPEnv",
-    # The benchmark's workload (long-tailed turns, slow steps), for `horizonrl bench --workload heavy-tail`.
-    "heavy-tail": "horizonrl.bench.workload:heavy_tail_env",
-}
+EnvFactory = Callable[..., Environment]
 
 
-def register(name: str, target: str) -> None:
-    """Register ``"module:factory"`` under ``name`` (used by plug-in environments)."""
-    _FACTORIES[name] = target
+BUILT_IN = ("signpost", "babyai", "textcraft", "sciworld", "searchqa", "webarena", "http", "heavy-tail")
+_REGISTERED: dict[str, EnvFactory] = {}  # register(): a program's own environments
+
+
+def _built_in(name: str) -> EnvFactory:
+    """The factory of a built-in environment, its module imported now (minigrid, Java, ... only when used).
+    ``heavy-tail`` is the benchmarks' workload (long-tailed turns, slow steps): `horizonrl bench --workload
+    heavy-tail`."""
+    if name == "signpost":
+        from horizonrl.envs.signpost import SignpostEnv as factory
+    elif name == "babyai":
+        from horizonrl.envs.babyai import BabyAIEnv as factory
+    elif name == "textcraft":
+        from horizonrl.envs.textcraft import TextCraftEnv as factory
+    elif name == "sciworld":
+        from horizonrl.envs.sciworld import SciWorldEnv as factory
+    elif name == "searchqa":
+        from horizonrl.envs.searchqa import SearchQAEnv as factory
+    elif name == "webarena":
+        from horizonrl.envs.webarena import WebArenaEnv as factory
+    elif name == "http":
+        from horizonrl.envs.client import HTTPEnv as factory
+    elif name == "heavy-tail":
+        from horizonrl.envs.heavy_tail import heavy_tail_env as factory
+    else:
+        raise ValueError(f"{name!r} is not a built-in environment")
+    return factory
+
+
+def register(name: str, factory: EnvFactory) -> None:
+    """Make ``factory`` (called with the settings as keyword arguments) the environment named ``name``: how a
+    program adds an environment of its own before it starts the run's processes in this interpreter."""
+    _REGISTERED[name] = factory
 
 
 def env_names() -> list[str]:
-    return sorted(_FACTORIES)
+    return sorted({*BUILT_IN, *_REGISTERED})
 
 
 def make_env(name: str, settings: dict[str, Any] | None = None) -> Environment:
-    if name not in _FACTORIES:
+    if name in _REGISTERED:
+        return _REGISTERED[name](**(settings or {}))
+    if name not in BUILT_IN:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(env_names())}")
-    module_name, _, attr = _FACTORIES[name].partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory(**(settings or {}))
+    return _built_in(name)(**(settings or {}))

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output file: .jsonl (one record per line) or .json (one list, as AgentGym)")
-    parser.add_argument("--env", default="signpost", choices=["signpost"], help="environment (only signpost has an expert)")
+    parser.add_argument("--env", default="signpost", choices=["signpost"],
+                        help="environment (only signpost has an expert)")
     parser.add_argument("--kind", default="sft", choices=["sft", "dpo"], help="sft: expert trajectories; dpo: pairs")
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--length", type=int, default=4, help="Signpost's number of crossroads")

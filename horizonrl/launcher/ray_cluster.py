@@ -1,38 +1,34 @@
-"""``launcher.type=ray``: the run's processes as Ray actors in one placement group.
+"""``launcher.type=ray``: the run's processes as Ray actors in one placement group, supervised by the same
+:class:`~horizonrl.launcher.supervisor.Supervisor` as local processes (:class:`RayActors` is its backend).
 
-Ray places and restarts; it runs the same programs as the local launcher
-(``horizonrl coordinator|buffer|learner|actor --config <output_dir>/config.yaml``). Each process
-is the child of a small Ray actor, :class:`RoleHost`, in its own bundle of one placement group
-(``core/placement.py``'s :func:`cluster_bundles`: CPU bundles for the coordinator and the buffer,
-``{GPU: 1}`` per learner rank, ``{GPU: tensor_parallel_size}`` per engine — one bundle, so one
-node). Ray sets each host's ``CUDA_VISIBLE_DEVICES``, which its child inherits.
+Each process is the child of a small Ray actor, :class:`RoleHost`, in its own bundle of one placement group
+(``core/placement.py``'s :func:`cluster_bundles`: CPU bundles for the coordinator and the buffer, ``{GPU: 1}``
+per learner rank, ``{GPU: tensor_parallel_size}`` per engine — one bundle, so one node). Ray sets each host's
+``CUDA_VISIBLE_DEVICES``, which its child inherits.
 
-How the processes find each other: the coordinator is started first and picks its two ports on
-its node; that address goes into the resolved config, and every other process binds a free port
-where Ray put it and registers it with the coordinator (``protocol/registry.py``). With a
-loopback ``network.host`` (the default) everything stays on loopback: one machine (a local
-instance, or ``ray.cluster_utils.Cluster``'s simulated nodes); with ``network.host=auto`` each
-process advertises its node's address (``$HORIZONRL_ADVERTISE_HOST``) and CurveZMQ keys are
-required, as for any run off loopback.
+How the processes find each other: the coordinator is started first and picks its two ports on its node; that
+address goes into the resolved config, and every other process binds a free port where Ray put it and
+registers it with the coordinator (``protocol/registry.py``). With a loopback ``network.host`` (the default)
+everything stays on loopback: one machine (a local instance, or ``ray.cluster_utils.Cluster``'s simulated
+nodes); with ``network.host=auto`` each process advertises its node's address (``$HORIZONRL_ADVERTISE_HOST``)
+and CurveZMQ keys are required, as for any run off loopback.
 
-Who restarts what:
-- an actor or the buffer: Ray (``max_restarts`` = ``supervision.max_restarts``). A host whose
-  child exits non-zero is killed with ``ray.kill(no_restart=False)``, and a host that dies (its
-  node, ``kill -9``) is restarted by Ray as well; the new incarnation starts the program again,
-  which registers its new endpoints: the others follow.
-- the learner: this launcher, as a gang (``supervision.max_learner_restarts``): when one rank
-  fails, every rank's host is killed and new ones start in the same bundles with ``--resume
-  auto`` and a new gang id (their process group's rendezvous is registered under it).
-- the coordinator: nobody; the run stops (``resume=auto`` continues it), as with ``local``.
+Who restarts what: the supervisor, with the policy of every launcher (``supervision.*``). A process that
+exits non-zero, or whose host dies (its node, ``kill -9``), is restarted as a new host in the same bundle
+(Ray's own ``max_restarts`` is not used: one policy, one place); the new incarnation registers its new
+endpoints and the others follow. The learner restarts as a gang: every rank's host is ended and new ones
+start in the same bundles with ``--resume auto`` and a new gang id (their process group's rendezvous is
+registered under it). The coordinator is not restarted here (its address is fixed in every process's config
+when the run starts): a dead coordinator stops the run, and ``resume=auto`` continues it.
 
-The processes' output goes to ``<output_dir>/logs/<name>.log``, written on their node: the output
-directory must be on a file system every node shares (checkpoints, the buffer's log and the actors'
-outboxes live there too, and a process restarted elsewhere needs them). This process tails those
-files for the console, as the local launcher reads its children's pipes.
+The processes' output goes to ``<output_dir>/logs/<name>.log``, written on their node: the output directory
+must be on a file system every node shares (checkpoints, the buffer's log and the actors' outboxes live there
+too, and a process restarted elsewhere needs them). This process tails those files for the console, as the
+local launcher reads its children's pipes.
 
-A host's child is an ordinary child (no new session): if the host dies, Ray ends its process tree
-with it (children started with ``start_new_session=True`` would survive). The host is its
-children's subreaper, so the engine processes a dead child leaves behind are still its own to end.
+A host's child is an ordinary child (no new session): if the host dies, Ray ends its process tree with it
+(children started with ``start_new_session=True`` would survive). The host is its children's subreaper, so
+the engine processes a dead child leaves behind are still its own to end.
 """
 
 from __future__ import annotations
@@ -41,27 +37,28 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from horizonrl.core.config import ConfigError, TrainConfig
-from horizonrl.core.console import RunConsole, parse_status_line, shown_line
+from horizonrl.core.config import ConfigError, TrainConfig, load_config
 from horizonrl.core.placement import ClusterBundle, cluster_bundles
+from horizonrl.core.programs import role_command
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
-from horizonrl.protocol import EVENT_DIED, EVENT_GAVE_UP, EVENT_RESTARTED
+from horizonrl.launcher.console import RunConsole, route_line
+from horizonrl.launcher.local import QUIET_VLLM_LEVEL
+from horizonrl.launcher.supervisor import ProcessSpec, Supervisor
 from horizonrl.protocol.registry import LEARNER_GANG_ENV as GANG_ENV
 from horizonrl.protocol.transport import ADVERTISE_HOST_ENV, free_ports, is_loopback
 
 log = logging.getLogger("horizonrl.launcher.ray")
 
 FORWARDED_ENV_PREFIXES = ("VLLM_", "NCCL_", "HF_", "TRANSFORMERS_", "TORCH_", "HORIZONRL_")
-HOST_STOP_GRACE_S = 20.0
-POLL_S = 0.2
+HOST_CALL_S = 10.0  # how long a call into a host may take (a dead or restarting one never answers)
 REVIVE_POLL_S = 0.5
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -100,7 +97,7 @@ class RoleHost:
         return free_ports(count, host)
 
     def start(self, argv: list[str] | None = None) -> int:
-        """Start the program (``argv`` replaces the one given at creation); returns its pid."""
+        """Start the program, a whole command line (``argv`` replaces the one given at creation); returns its pid."""
         if argv is not None:
             self.argv = argv
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
@@ -109,7 +106,7 @@ class RoleHost:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             # No new session: the child must die with this actor (Ray ends the actor's process tree).
-            self.proc = subprocess.Popen([sys.executable, "-m", "horizonrl", *self.argv], stdout=out,
+            self.proc = subprocess.Popen(self.argv, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         return self.proc.pid
 
@@ -158,49 +155,38 @@ def _host_class():
 
 @dataclass
 class Hosted:
-    """The launcher's view of one hosted process."""
+    """One incarnation of a hosted process."""
 
-    name: str
+    spec: ProcessSpec
     bundle: int
     handle: object
-    argv: list[str]
-    restartable: bool  # by Ray (actors, the buffer)
-    essential: bool  # the run is over when every essential process exited 0
-    host_pid: int = 0
-    waiting: object = None  # the ObjectRef of handle.wait()
-    reviving: object = None  # after a death: the ObjectRef of handle.ready() on the next incarnation
-    revive_at: float = 0.0  # when to ask again (Ray was still restarting it)
-    died_at: float = 0.0
-    exit_code: int | None = None  # once it exited for good (0: finished)
-    gang_member: bool = False
-
-    @property
-    def role(self) -> str:
-        return self.name.split("-")[0]
+    ready: object = None  # the ObjectRef of handle.ready() until the host answered it
+    waiting: object = None  # then the ObjectRef of handle.wait()
+    revive_at: float = 0.0  # Ray was still creating it: when to ask ``ready`` again
+    exited: bool = False
 
 
-class RayLauncher:
-    def __init__(self, config: TrainConfig, console: RunConsole, *, verbose: bool = False) -> None:
+class RayActors:
+    """The run's processes as hosts in one placement group: a bundle per process (a restart starts a new host in
+    the same bundle), every host polled through its ``ready`` and ``wait`` calls."""
+
+    restartable = frozenset({"actor", "buffer"})
+
+    def __init__(self, config: TrainConfig, on_line: Callable[[str, str], None], *, verbose: bool = False) -> None:
         self.config = config
-        self.console = console
+        self.on_line = on_line
         self.verbose = verbose
         self.settings = config.launcher.ray
-        self.log_dir = config.output_dir / "logs"
         self.hosted: dict[str, Hosted] = {}
+        self.retired: list[Hosted] = []  # earlier incarnations, ended at close
         self.placement_group = None
         self.started_ray = False
         self.loopback = is_loopback(config.network.host)
         self.bundles: tuple[ClusterBundle, ...] = ()
-        self.config_path: Path | None = None
-        self.events = None  # CoordinatorEvents, once the coordinator's address is known
-        from horizonrl.launcher import RestartPolicy
-
-        self.learner_restarts = RestartPolicy.for_learner(config.supervision)
-        self._due: list[tuple[float, str, object]] = []
         self._tail_stop = threading.Event()
         self._tail_thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ starting
+    # ------------------------------------------------------------------ the cluster
 
     def connect(self) -> None:
         """Attach to the cluster (or start an instance here), then reserve every bundle in one placement group."""
@@ -241,25 +227,22 @@ class RayLauncher:
     def bundle_summary(self) -> str:
         return ", ".join(f"{b.name} {b.resources}" for b in self.bundles)
 
-    def _options(self, bundle_index: int, *, restartable: bool) -> dict:
+    def _host(self, spec: ProcessSpec, *, start: bool) -> Hosted:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = self.bundles[bundle_index]
-        sup = self.config.supervision
-        return dict(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                 placement_group_bundle_index=bundle_index),
-            num_cpus=bundle.cpus, num_gpus=bundle.gpus,
-            max_restarts=(sup.max_restarts if sup.restart else 0) if restartable else 0,
-            max_task_retries=0,
-        )
+        index = next(i for i, b in enumerate(self.bundles) if b.name == spec.name)
+        bundle = self.bundles[index]
+        options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                            placement_group_bundle_index=index),
+                       num_cpus=bundle.cpus, num_gpus=bundle.gpus, max_restarts=0, max_task_retries=0)
+        handle = _host_class().options(**options).remote(spec.name, spec.argv, self._env(spec.env),
+                                                         str(self.config.run_dir.log(spec.name)), not self.loopback,
+                                                         start)
+        hosted = Hosted(spec, index, handle)
+        self.hosted[spec.name] = hosted
+        return hosted
 
-    def _bundle(self, name: str) -> int:
-        return next(i for i, b in enumerate(self.bundles) if b.name == name)
-
-    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        from horizonrl.launcher import QUIET_VLLM_LEVEL
-
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
         # The driver's settings of the engines and collectives (an attached cluster's workers do not inherit its
         # environment); the rank variables are the launcher's to set, or unset: the learner then meets through
         # the coordinator.
@@ -268,86 +251,174 @@ class RayLauncher:
         forwarded.update({"MASTER_ADDR": "", "MASTER_PORT": ""})
         if not self.verbose and "VLLM_LOGGING_LEVEL" not in os.environ:
             forwarded["VLLM_LOGGING_LEVEL"] = QUIET_VLLM_LEVEL
-        return {**forwarded, **(extra or {})}
+        return {**forwarded, **extra}
 
-    def host(self, name: str, argv: list[str], *, restartable: bool, essential: bool, env: dict | None = None,
-             start: bool = True, gang_member: bool = False) -> Hosted:
-        index = self._bundle(name)
-        handle = _host_class().options(**self._options(index, restartable=restartable)).remote(
-            name, argv, self._env(env), str(self.log_dir / f"{name}.log"), not self.loopback, start)
-        hosted = Hosted(name, index, handle, argv, restartable, essential, gang_member=gang_member)
-        self.hosted[name] = hosted
-        return hosted
-
-    def start_coordinator(self, prepare) -> Path:
+    def start_coordinator(self, spec: ProcessSpec, prepare: Callable[[str, int, int], Path]) -> Path:
         """The coordinator first: its node and ports are the address every other process is given. ``prepare``
-        writes the resolved config for (host, control_port, report_port) and returns its path."""
+        writes the resolved config for (host, control_port, report_port) and returns its path; ``spec``'s
+        command line names that path once it is known (:func:`role_command` with it)."""
         import ray
 
-        coordinator = self.host("coordinator", [], restartable=False, essential=True, start=False)
-        if self.loopback:
-            host = self.config.network.host
-        else:
-            host = ray.get(coordinator.handle.node_address.remote())
+        coordinator = self._host(spec, start=False)
+        host = self.config.network.host if self.loopback else ray.get(coordinator.handle.node_address.remote())
         net = self.config.network
         ports = [net.control_port, net.report_port]
         if not all(ports):
             picked = iter(ray.get(coordinator.handle.free_ports.remote(host, 2)))
             ports = [p or next(picked) for p in ports]
-        self.config_path = prepare(host, ports[0], ports[1])
-        coordinator.argv = ["coordinator", "--config", str(self.config_path)]
-        ray.get(coordinator.handle.start.remote(coordinator.argv))
-        coordinator.host_pid, node = ray.get(coordinator.handle.ready.remote())
-        coordinator.waiting = coordinator.handle.wait.remote()
-        log.info("coordinator runs on node %s (host pid %d)", node, coordinator.host_pid)
-        self._placed(coordinator, node)
+        path = prepare(host, ports[0], ports[1])
+        spec.argv = role_command("coordinator", str(path))
+        ray.get(coordinator.handle.start.remote(spec.argv))
+        coordinator.ready = coordinator.handle.ready.remote()
         log.info("coordinator at %s:%d (control), %d (reports)", host, ports[0], ports[1])
-        return self.config_path
+        self.config = load_config(path)  # the resolved one: run id, coordinator's address
+        return path
 
-    def start_all(self, prepare) -> None:
-        from horizonrl.launcher import CoordinatorEvents
+    # ------------------------------------------------------------------ the backend
 
-        self.start_coordinator(prepare)
-        from horizonrl.core.config import load_config
+    def start(self, spec: ProcessSpec) -> None:
+        previous = self.hosted.pop(spec.name, None)
+        if previous is not None:
+            self._end(previous)  # a host whose child died may still be alive: its bundle is the new one's
+            self.retired.append(previous)
+        hosted = self._host(spec, start=True)
+        hosted.ready = hosted.handle.ready.remote()  # ready -> its pid and node, then wait
 
-        self.config = load_config(self.config_path)  # the resolved one: run id, coordinator's address
-        self.events = CoordinatorEvents(self.config)
-        self._start_tailing()
-        self._start("buffer", ["buffer", "--config", str(self.config_path)], restartable=True, essential=False)
-        self.start_learner()
-        for i in range(self.config.rollout.num_actors):
-            self._start(f"actor-{i}", ["actor", "--config", str(self.config_path), "--index", str(i)],
-                        restartable=True, essential=False)
+    def poll(self, wait_s: float) -> list[tuple[str, int | None]]:
+        import ray
 
-    def _start(self, name: str, argv: list[str], **kwargs) -> Hosted:
-        hosted = self.host(name, argv, **kwargs)
-        hosted.reviving = hosted.handle.ready.remote()  # ready -> its pid, then wait
-        return hosted
+        now = time.monotonic()
+        for h in self.hosted.values():
+            if h.revive_at and now >= h.revive_at:
+                h.revive_at, h.ready = 0.0, h.handle.ready.remote()
+        pending = {ref: h for h in self.hosted.values() if not h.exited for ref in (h.ready, h.waiting)
+                   if ref is not None}
+        if not pending:
+            time.sleep(wait_s)
+            return []
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        exits = []
+        for ref in done:
+            hosted = pending[ref]
+            if self.hosted.get(hosted.spec.name) is not hosted or hosted.exited:
+                continue
+            rc = self._answered_ready(hosted, ref) if ref is hosted.ready else self._exited(hosted, ref)
+            if hosted.exited:
+                exits.append((hosted.spec.name, rc))
+        return exits
 
-    def start_learner(self, *extra: str) -> None:
+    def _answered_ready(self, hosted: Hosted, ref) -> None:
+        """A host answered ``ready`` (it runs its program), or could not be created."""
+        import ray
+
+        hosted.ready = None
+        try:
+            pid, node = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            hosted.revive_at = time.monotonic() + REVIVE_POLL_S  # still being created: ask again soon
+            return None
+        except ray.exceptions.RayActorError as exc:
+            log.error("%s: its host could not start (%s)", hosted.spec.name, str(exc).splitlines()[0][:200])
+            hosted.exited = True
+            return None
+        hosted.waiting = hosted.handle.wait.remote()
+        log.info("%s runs on node %s (host pid %d)", hosted.spec.name, node, pid)
+        EventLog(self.config.output_dir, "launcher").emit(RunEvent.PROCESS_PLACED, name=hosted.spec.name, node=node,
+                                                          resources=self.bundles[hosted.bundle].resources)
+        return None
+
+    def _exited(self, hosted: Hosted, ref) -> int | None:
+        """A hosted program exited (its code), or its host died with it (None)."""
+        import ray
+
+        hosted.waiting, hosted.exited = None, True
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            return None
+
+    def running(self, name: str) -> bool:
+        """Whether ``name``'s program still runs, asked without waiting (an exit seen here is not polled again:
+        it is asked while the run stops, or while a gang it belongs to is ended)."""
+        import ray
+
+        hosted = self.hosted.get(name)
+        if hosted is None or hosted.exited:
+            return False
+        if hosted.waiting is not None and ray.wait([hosted.waiting], timeout=0)[0]:
+            hosted.exited, hosted.waiting = True, None
+        return not hosted.exited
+
+    def signal(self, name: str, sig: int, *, group: bool = False) -> None:
+        """The program alone; ``group`` makes no difference: the host ends what the program leaves behind once it
+        exits."""
+        import ray
+
+        hosted = self.hosted.get(name)
+        if hosted is not None and not hosted.exited:
+            try:
+                ray.get(hosted.handle.stop.remote(sig), timeout=HOST_CALL_S)
+            except Exception:  # noqa: BLE001 - a dead or restarting host cannot be asked: ended by kill
+                pass
+
+    def kill(self, name: str) -> None:
+        hosted = self.hosted.get(name)
+        if hosted is not None:
+            self._end(hosted)
+
+    def _end(self, hosted: Hosted) -> None:
+        """The program and everything under its host, then the host itself."""
+        import ray
+
+        try:
+            ray.get(hosted.handle.kill.remote(), timeout=HOST_CALL_S)
+        except Exception:  # noqa: BLE001 - a dead host has nothing left to end
+            pass
+        ray.kill(hosted.handle, no_restart=True)
+        hosted.exited, hosted.ready, hosted.waiting = True, None, None
+
+    def learner_gang(self, *extra: str) -> list[ProcessSpec]:
         """Every rank, one gang (a new id: its rendezvous is registered under it)."""
-        gang = uuid.uuid4().hex[:8]
-        world = self.config.learner.num_ranks
-        for rank in range(world):
-            env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), GANG_ENV: gang}
-            self._start(f"learner-{rank}", ["learner", "--config", str(self.config_path), *extra], restartable=False,
-                        essential=True, env=env, gang_member=True)
+        gang, world = uuid.uuid4().hex[:8], self.config.learner.num_ranks
         log.info("learner: %d rank(s), gang %s", world, gang)
+        return [ProcessSpec(f"learner-{rank}", role_command("learner", str(self.config.run_dir.config), *extra),
+                            {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), GANG_ENV: gang},
+                            essential=True) for rank in range(world)]
 
-    # ------------------------------------------------------------------ console
+    def close(self) -> None:
+        import ray
 
-    def _start_tailing(self) -> None:
+        try:
+            for hosted in [*self.retired, *self.hosted.values()]:
+                self._end(hosted)
+        finally:
+            self._tail_stop.set()
+            if self._tail_thread is not None:
+                self._tail_thread.join(timeout=5)
+            if self.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                try:
+                    remove_placement_group(self.placement_group)
+                except Exception:  # noqa: BLE001 - the cluster is going away anyway
+                    log.warning("could not remove the placement group", exc_info=True)
+            if ray.is_initialized():
+                ray.shutdown()
+
+    # ------------------------------------------------------------------ the console
+
+    def start_tailing(self) -> None:
         self._tail_thread = threading.Thread(target=self._tail_logs, name="ray-log-tail", daemon=True)
         self._tail_thread.start()
 
     def _tail_logs(self) -> None:
         """Every line the hosted processes write (to their log files) to the console, as the local launcher does
-        with its children's pipes: the coordinator's status records feed the status block."""
+        with its children's pipes."""
         offsets: dict[Path, int] = {}
         partial: dict[Path, bytes] = {}
         while not self._tail_stop.is_set():
             for name in list(self.hosted):
-                path = self.log_dir / f"{name}.log"
+                path = self.config.run_dir.log(name)
                 try:
                     size = path.stat().st_size
                 except OSError:
@@ -363,241 +434,38 @@ class RayLauncher:
                 if rest:
                     partial[path] = rest
                 for raw in lines:
-                    self._line(name, raw.decode(errors="replace").rstrip("\r"))
-            self._tail_stop.wait(POLL_S)
+                    self.on_line(name, raw.decode(errors="replace").rstrip("\r"))
+            self._tail_stop.wait(0.2)
 
-    def _line(self, name: str, line: str) -> None:
-        status = parse_status_line(line) if name == "coordinator" else None
-        if status is not None:
-            self.console.status(status)
-            return
-        text = shown_line(name, line, verbose=self.verbose)
-        if text is not None:
-            self.console.line(text)
 
-    # ------------------------------------------------------------------ watching
+class RayLauncher:
+    """A run on Ray: the cluster's bundles, the coordinator first, then the rest under the supervisor."""
+
+    def __init__(self, config: TrainConfig, console: RunConsole, *, verbose: bool = False) -> None:
+        self.config = config
+        self.console = console
+        self.processes = RayActors(config, lambda name, line: route_line(console, name, line, verbose=verbose),
+                                   verbose=verbose)
+        self.supervisor: Supervisor | None = None
+
+    def start_all(self, prepare: Callable[[str, int, int], Path]) -> None:
+        self.processes.connect()
+        coordinator = ProcessSpec("coordinator", [], essential=True)
+        path = self.processes.start_coordinator(coordinator, prepare)
+        self.config = self.processes.config
+        self.supervisor = Supervisor(self.config, self.processes)
+        self.supervisor.adopt(coordinator)
+        self.processes.start_tailing()
+        self.supervisor.start(ProcessSpec("buffer", role_command("buffer", str(path))))
+        self.supervisor.start_learner()
+        for i in range(self.config.rollout.num_actors):
+            self.supervisor.start(ProcessSpec(f"actor-{i}", role_command("actor", str(path), index=i)))
 
     def watch(self, stop: StopFlag) -> int:
-        """As the local launcher's: 0 when the coordinator and every learner rank exited 0, 1 when a death
-        is past what supervision allows, 130 when stopped."""
-        import ray
-
-        while True:
-            if stop:
-                log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
-                return 130
-            self._start_due()
-            now = time.monotonic()
-            for h in self.hosted.values():
-                if h.revive_at and now >= h.revive_at:
-                    h.revive_at, h.reviving = 0.0, h.handle.ready.remote()
-            pending = {ref: h for h in self.hosted.values() for ref in (h.waiting, h.reviving) if ref is not None}
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S) if pending else ([], [])
-            for ref in ready:
-                hosted = pending[ref]
-                if self.hosted.get(hosted.name) is not hosted or ref not in (hosted.waiting, hosted.reviving):
-                    continue  # a learner rank of a gang ended meanwhile
-                outcome = self._on_waiting(hosted, ref) if ref is hosted.waiting else self._on_reviving(hosted, ref)
-                if outcome is not None:
-                    return outcome
-            essential = [h for h in self.hosted.values() if h.essential]
-            if not self._due and essential and all(h.exit_code == 0 for h in essential):
-                return 0
-            self.console.tick()
-            if not pending:
-                time.sleep(POLL_S)
-
-    def _on_reviving(self, hosted: Hosted, ref) -> int | None:
-        """A host answered ``ready`` (started, or restarted by Ray), or Ray gave up on it."""
-        import ray
-
-        hosted.reviving = None
-        try:
-            pid, node = ray.get(ref)
-        except ray.exceptions.ActorUnavailableError:
-            hosted.revive_at = time.monotonic() + REVIVE_POLL_S  # still restarting: ask again soon
-            return None
-        except ray.exceptions.RayActorError as exc:
-            if self._run_over():
-                return None
-            log.error("%s is dead and Ray will not restart it (%s); stopping the run", hosted.name,
-                      str(exc).splitlines()[0][:200])
-            self._report(hosted.name, EVENT_GAVE_UP)
-            return 1
-        if pid == hosted.host_pid:  # the old incarnation answered before Ray's kill reached it: ask the new one
-            hosted.reviving = hosted.handle.ready.remote()
-            return None
-        restarted = hosted.host_pid != 0
-        hosted.host_pid = pid
-        hosted.waiting = hosted.handle.wait.remote()
-        log.info("%s runs on node %s (host pid %d)", hosted.name, node, pid)
-        self._placed(hosted, node)
-        if restarted:
-            log.warning("%s restarted by Ray %.1f s after it died", hosted.name, time.monotonic() - hosted.died_at)
-            self._report(hosted.name, EVENT_RESTARTED, delay_s=time.monotonic() - hosted.died_at)
-        return None
-
-    def _on_waiting(self, hosted: Hosted, ref) -> int | None:
-        """A hosted program exited (its code), or its host died."""
-        import ray
-
-        hosted.waiting = None
-        try:
-            rc = ray.get(ref)
-        except ray.exceptions.RayActorError:
-            rc = None  # the host died with it (kill -9, its node)
-        if rc == 0:
-            hosted.exit_code = 0
-            if hosted.role in ("actor", "coordinator", "learner") or self._run_over():
-                return None
-            log.error("%s exited before the run finished; stopping the run", hosted.name)
-            return 1
-        what = "its host died" if rc is None else f"exited with code {rc}"
-        if hosted.role == "coordinator":
-            log.error("the coordinator %s; stopping the run (see %s)", what, self.log_dir / "coordinator.log")
-            return 1
-        self._report(hosted.name, EVENT_DIED, exit_code=rc)
-        if self._run_over():
-            return None
-        if hosted.gang_member:
-            return self._restart_learner(hosted, what)
-        if not hosted.restartable or self.config.supervision.max_restarts == 0 or not self.config.supervision.restart:
-            log.error("%s %s; restarts are off (supervision.restart); stopping the run", hosted.name, what)
-            self._report(hosted.name, EVENT_GAVE_UP, exit_code=rc)
-            return 1
-        log.warning("%s %s; Ray restarts it", hosted.name, what)
-        hosted.died_at = time.monotonic()
-        if rc is not None:
-            # The host is alive, its program is not: a Ray restart (counted against max_restarts) starts it again.
-            ray.kill(hosted.handle, no_restart=False)
-        hosted.reviving = hosted.handle.ready.remote()
-        return None
-
-    def _restart_learner(self, dead: Hosted, what: str) -> int | None:
-        """A rank failed: the others cannot go on. End every rank's host, then start a new gang from the
-        newest checkpoint in the same bundles."""
-        import ray
-
-        delay = self.learner_restarts.next_delay("learner")
-        if delay is None:
-            log.error("%s %s; the learner was restarted %d times within %.0f s (or supervision.recover is off); "
-                      "stopping the run", dead.name, what, self.learner_restarts.recent("learner"),
-                      self.config.supervision.window_s)
-            self._report("learner", EVENT_GAVE_UP)
-            return 1
-        restarts = self.learner_restarts.recent("learner")
-        log.warning("%s %s; restarting the learner from its newest checkpoint in %.1f s", dead.name, what, delay)
-        ranks = [h for h in self.hosted.values() if h.gang_member]
-        for h in ranks:
-            try:
-                h.handle.stop.remote()
-            except Exception:  # noqa: BLE001 - a dead host cannot be asked
-                pass
-        refs = [h.waiting for h in ranks if h.waiting is not None]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=HOST_STOP_GRACE_S)
-        for h in ranks:
-            ray.kill(h.handle, no_restart=True)
-            del self.hosted[h.name]
-
-        def start() -> None:
-            self.start_learner("--resume", "auto")
-            self._report("learner", EVENT_RESTARTED, restarts=restarts, delay_s=delay)
-
-        self._due.append((time.monotonic() + delay, "learner", start))
-        return None
-
-    def _start_due(self) -> None:
-        now = time.monotonic()
-        for item in [d for d in self._due if d[0] <= now]:
-            self._due.remove(item)
-            item[2]()
-
-    def _run_over(self) -> bool:
-        learners = [h for h in self.hosted.values() if h.gang_member]
-        return bool(learners) and all(h.exit_code == 0 for h in learners) and not self._due
-
-    def _placed(self, hosted: Hosted, node: str) -> None:
-        EventLog(self.config.output_dir, "launcher").emit(RunEvent.PROCESS_PLACED, name=hosted.name, node=node,
-                                                          resources=self.bundles[hosted.bundle].resources)
-
-    def _report(self, name: str, event: str, **fields) -> None:
-        EventLog(self.config.output_dir, "launcher").emit(RunEvent(f"process_{event}"), name=name, **fields)
-        if self.events is not None:
-            self.events.report(name, event, **fields)
-
-    # ------------------------------------------------------------------ stopping
+        return self.supervisor.watch(stop, self.console.tick)
 
     def stop_all(self, stop: StopFlag | None = None) -> None:
-        """As the local launcher: actors and learner first (the learner saves), then the buffer and the
-        coordinator; then every host is killed, the placement group removed and a Ray instance we started
-        stopped."""
-        import ray
-
-        self._due.clear()
-        phases = [{"actor": 30.0, "learner": self.config.monitor.stop_timeout_s},
-                  {"buffer": HOST_STOP_GRACE_S, "coordinator": HOST_STOP_GRACE_S}]
-        try:
-            for grace in phases:
-                members = [h for h in self.hosted.values() if h.role in grace and h.waiting is not None]
-                for h in members:
-                    try:
-                        ray.get(h.handle.stop.remote(), timeout=10)
-                    except Exception:  # noqa: BLE001 - a dead or restarting host: killed below
-                        pass
-                refs = [h.waiting for h in members]
-                deadline = time.monotonic() + max(grace.values(), default=0)
-                while refs and time.monotonic() < deadline:
-                    if stop is not None and stop.count >= 2:
-                        log.warning("second stop signal: killing every process now")
-                        break
-                    done, refs = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
-                if stop is not None and stop.count >= 2:
-                    break
-            for h in self.hosted.values():
-                try:
-                    ray.get(h.handle.kill.remote(), timeout=10)
-                except Exception:  # noqa: BLE001
-                    pass
-                ray.kill(h.handle, no_restart=True)
-        finally:
-            self._tail_stop.set()
-            if self._tail_thread is not None:
-                self._tail_thread.join(timeout=5)
-            if self.events is not None:
-                self.events.close()
-            if self.placement_group is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                try:
-                    remove_placement_group(self.placement_group)
-                except Exception:  # noqa: BLE001 - the cluster is going away anyway
-                    log.warning("could not remove the placement group", exc_info=True)
-            if ray.is_initialized():
-                ray.shutdown()
-
-
-def launch_ray(config: TrainConfig, *, verbose: bool = False) -> int:
-    """``horizonrl train CONFIG launcher.type=ray``: the run on a Ray cluster (or a Ray instance started here)."""
-    from horizonrl.launcher import logging_to_console, prepare_cluster_run, run_to_the_end
-
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ConfigError("launcher.type=ray needs Ray: pip install 'horizonrl[ray]' (or 'ray[default]')") from None
-    console = RunConsole.for_stdout(title=f"run {config.run.name} (Ray)", total=config.learner.total_steps,
-                                    verbose=verbose)
-    launcher = RayLauncher(config, console, verbose=verbose)
-    stop = StopFlag().install()
-    log_dir = config.output_dir / "logs"
-    print(f"run {config.run.name} on Ray: {config.rollout.num_actors} actors, {config.learner.num_ranks} learner "
-          f"rank(s), {config.learner.total_steps} steps; logs in {log_dir}", flush=True)
-
-    def start() -> None:
-        started = time.monotonic()
-        launcher.connect()
-        launcher.start_all(lambda host, control, report: prepare_cluster_run(config, host, control, report))
-        log.info("every process placed in %.1f s", time.monotonic() - started)
-
-    with logging_to_console(console, log_dir / "launcher.log", verbose=verbose):
-        return run_to_the_end(launcher, console, stop, start)
+        if self.supervisor is not None:
+            self.supervisor.stop_all(stop)
+        else:
+            self.processes.close()  # the placement group, a Ray instance started here

@@ -113,7 +113,8 @@ class BatchAccounting:
         return out
 
 
-def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo") -> tuple[list[Sample], BatchAccounting]:
+def samples_from_batch(batch: Batch, norm_adv_by_std: bool,
+                       estimator: str = "grpo") -> tuple[list[Sample], BatchAccounting]:
     """One Sample per trajectory that trains (see the module docstring for what does not), with its
     group's outcome advantage (grpo, rloo) or 0 (the token-level estimators start from the
     per-token rewards every Sample carries)."""
@@ -138,7 +139,8 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "gr
                 for trajectory in members:
                     accounting.note("zero_signal", trajectory)
                 continue
-            advantages = outcome_advantages(torch.tensor([t.reward for t in members]), estimator, norm_adv_by_std).tolist()
+            rewards = torch.tensor([t.reward for t in members])
+            advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
         else:
             advantages = [0.0] * len(members)
         for trajectory, advantage in zip(members, advantages):
@@ -222,7 +224,8 @@ def micro_batches_for_rank(
     """This rank's micro-batches, padded with empty ones to the count of the busiest rank.
 
     Every rank packs every rank's share (cheap, and identical everywhere), so all agree on the count."""
-    packed = [pack_micro_batches(share, micro_batch_size, max_tokens) for share in split_across_ranks(samples, world_size)]
+    packed = [pack_micro_batches(share, micro_batch_size, max_tokens)
+              for share in split_across_ranks(samples, world_size)]
     count = max(1, max(len(chunks) for chunks in packed))
     chunks = packed[rank]
     return [collate(chunk) for chunk in chunks] + [empty_micro_batch() for _ in range(count - len(chunks))]

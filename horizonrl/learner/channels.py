@@ -20,6 +20,7 @@ import zmq
 
 from horizonrl.protocol import (ENDPOINT_BATCHES, MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat,
                                 LearnerReport, ProtocolError, decode_as, encode)
+from horizonrl.protocol.counters import LearnerCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket
 from horizonrl.protocol.validation import trajectory_problem
@@ -220,7 +221,7 @@ class HeartbeatThread(threading.Thread):
     (non-blocking send), never queued behind each other.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, counters: dict[str, float], run_id: str,
+    def __init__(self, context: zmq.Context, endpoint: str, counters: LearnerCounters, run_id: str,
                  security=None) -> None:
         super().__init__(name="learner-heartbeat", daemon=True)
         self.context = context
@@ -236,7 +237,7 @@ class HeartbeatThread(threading.Thread):
         try:
             while not self.stopped.is_set():
                 beat = Heartbeat(run_id=self.run_id, role="learner", index=0, pid=os.getpid(),
-                                 counters=dict(self.counters))
+                                 counters=heartbeat_counters(self.counters))
                 try:
                     socket.send(encode(beat), zmq.NOBLOCK)
                 except zmq.Again:

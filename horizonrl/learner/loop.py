@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 
 from horizonrl.core.runtime import PhaseTimer
 from horizonrl.protocol import Batch, LearnerReport, decode_as
+from horizonrl.protocol.counters import LearnerCounters
 
 
 class RankGroup(Protocol):
@@ -129,7 +130,7 @@ class LoopState:
     published: int = 0  # the newest version the engines were sent
     consumed: list[dict] = field(default_factory=list)  # what each step since saved_step trained on
     checkpoint: str = ""
-    counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # the learner's heartbeat
+    counters: LearnerCounters = field(default_factory=LearnerCounters)  # the learner's heartbeat
 
 
 @dataclass
@@ -258,11 +259,11 @@ def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
     return metrics
 
 
-def _count(counters: dict[str, float], step: int, outcome: StepOutcome) -> None:
-    counters.update(step=step, weight_version=step)
-    counters["trajectories_trained"] += outcome.num_samples
-    counters["tokens_trained"] += outcome.num_tokens
-    counters["failed_skipped"] += outcome.failed_skipped
+def _count(counters: LearnerCounters, step: int, outcome: StepOutcome) -> None:
+    counters.step = counters.weight_version = step
+    counters.trajectories_trained += outcome.num_samples
+    counters.tokens_trained += outcome.num_tokens
+    counters.failed_skipped += outcome.failed_skipped
 
 
 def _describe(stats: dict[str, float]) -> str:

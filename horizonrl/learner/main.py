@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
-from horizonrl.core.run_dirs import read_run_key
+from horizonrl.core.run_dirs import RunDir, read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
@@ -52,6 +51,7 @@ from horizonrl.learner.train_step import AdvantageSettings, LossSettings, Update
 from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import (ENDPOINT_COLOCATED_ENGINE, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, Batch,
                                 LearnerReport, learner_rendezvous_name)
+from horizonrl.protocol.counters import LearnerCounters
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
 from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
@@ -203,7 +203,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     # Every wait on the learner's own ranks is bounded by this: a rank may wait for rank 0 through a
     # whole batch wait and a weight update.
     control_timeout_s = lc.batch_timeout_s + lc.weight_sync_timeout_s + PROCESS_GROUP_SLACK_S
-    counters: dict[str, float] = defaultdict(float)
+    counters = LearnerCounters()
     # The coordinator's request to end early (eval.stop_after_plateau): like a stop signal at the step
     # boundaries, but nothing is cut short — the last weights still reach every engine for the final evaluation.
     end_training = threading.Event()
@@ -266,7 +266,7 @@ def _open_report_channel(config: TrainConfig, res: Resources) -> None:
                                key=read_run_key(config.output_dir))
 
 
-def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: dict[str, float],
+def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: LearnerCounters,
                              end_training: threading.Event) -> None:
     """Rank 0: heartbeats, the coordinator's Control (an early end; where a registered buffer is), the buffer."""
     from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
@@ -429,7 +429,8 @@ class HubPublisher:
 
     def __init__(self, model, res: Resources, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
                  stop: threading.Event) -> None:
-        self.model, self.res, self.epoch, self.bucket_mb, self.dtype, self.stop = model, res, epoch, bucket_mb, dtype, stop
+        self.model, self.res, self.epoch = model, res, epoch
+        self.bucket_mb, self.dtype, self.stop = bucket_mb, dtype, stop
 
     @property
     def usable(self) -> bool:
@@ -456,7 +457,8 @@ class HubPublisher:
 
     def metrics(self) -> dict[str, float]:
         hub = self.res.weight_hub
-        return {**{f"weights/{k}": float(v) for k, v in hub.counters.items()}, "weights/members": float(len(hub.members))}
+        return {**{f"weights/{k}": float(v) for k, v in hub.counters.items()},
+                "weights/members": float(len(hub.members))}
 
 
 class GatherOnly:
@@ -522,7 +524,7 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
 
 def next_weight_epoch(output_dir: Path) -> int:
     """This learner incarnation's weight epoch: one more than the last one started in this run directory."""
-    path = Path(output_dir) / "learner_epoch"
+    path = RunDir(output_dir).learner_epoch
     epoch = int(path.read_text()) + 1 if path.is_file() else 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -64,6 +64,7 @@ from horizonrl.learner.train_step import lr_multiplier
 from horizonrl.core.config import ConfigError
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
 from horizonrl.core.precision import PrecisionPolicy, resolve_precision
+from horizonrl.core.programs import OFFLINE_RANK_MODULE, offline_rank_command
 from horizonrl.core.runtime import PhaseTimer, setup_logging
 
 log = logging.getLogger("horizonrl.offline")
@@ -98,7 +99,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
 
 
-def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor,
+                      loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) ids and mask -> (per-token log π of the N loss tokens (N,), per-sequence sums (B,)).
 
     Logits at t−1 predict token t, so only the (N, V) rows where ``loss_mask[:, 1:]`` is 1 are
@@ -188,14 +190,15 @@ def sft_step(tr: Trainer, data: SFTData, indices: np.ndarray) -> dict[str, float
         input_ids, loss_mask = collate([seqs.get(int(i)) for i in chunk], tr.device)
         logprobs, _ = sequence_logprobs(tr.model, input_ids, loss_mask)
         (sft_loss(logprobs, num_loss_tokens) * tr.world_size).backward()
-        sums += torch.tensor([-float(logprobs.detach().sum()), logprobs.numel(), sum(seqs.num_tokens(int(i)) for i in chunk)],
-                             dtype=torch.float64)
+        tokens = sum(seqs.num_tokens(int(i)) for i in chunk)
+        sums += torch.tensor([-float(logprobs.detach().sum()), logprobs.numel(), tokens], dtype=torch.float64)
     grad_norm = tr.update(sums)
     return {"loss": float(sums[0] / max(sums[1], 1)), "grad_norm": grad_norm, "loss_tokens": float(sums[1]),
             "tokens": float(sums[2])}
 
 
-def _pair_logprobs(model: nn.Module, data: DPOData, chunk: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_logprobs(model: nn.Module, data: DPOData, chunk: np.ndarray,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(y_c), log π(y_r)), each (P,), of the pairs in ``chunk`` in one forward over 2P sequences."""
     sequences = [data.chosen.get(int(i)) for i in chunk] + [data.rejected.get(int(i)) for i in chunk]
     input_ids, loss_mask = collate(sequences, device)
@@ -273,7 +276,8 @@ def pair_logprobs_all(tr: Trainer, data: DPOData) -> torch.Tensor:
 def measure_dpo(tr: Trainer, data: DPOData, reference: torch.Tensor) -> dict[str, float]:
     policy = pair_logprobs_all(tr, data)
     losses, r_c, r_r = dpo_loss(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], tr.config.beta)
-    return _pair_metrics(_pair_sums(losses, r_c, r_r, policy[:, 0], [data.chosen.num_loss_tokens(i) for i in range(len(data))]))
+    chosen_tokens = [data.chosen.num_loss_tokens(i) for i in range(len(data))]
+    return _pair_metrics(_pair_sums(losses, r_c, r_r, policy[:, 0], chosen_tokens))
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -300,7 +304,8 @@ def build_trainer(config: OfflineConfig, device: torch.device, rank: int, world_
     return Trainer(config, model, optimizer, scheduler, device, rank, world_size)
 
 
-def fit(config: OfflineConfig, paradigm: str, data: SFTData | DPOData, device: torch.device) -> tuple[dict[str, Any], nn.Module]:
+def fit(config: OfflineConfig, paradigm: str, data: SFTData | DPOData,
+        device: torch.device) -> tuple[dict[str, Any], nn.Module]:
     """Train on an initialised process group; returns (summary, the sharded model). Rank 0 writes
     the checkpoint, metrics.jsonl and summary.json. A collective: every rank calls it."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -412,7 +417,8 @@ def load_data(config: OfflineConfig, paradigm: str) -> SFTData | DPOData:
     load = load_sft_data if paradigm == "sft" else load_dpo_data
     data = load(config.data, chat, config.max_length, config.system_prompt)
     if len(data) == 0:
-        raise OfflineDataError(f"no {paradigm} data left to train on: {data.stats.summary(paradigm, config.max_length)}")
+        raise OfflineDataError(f"no {paradigm} data left to train on: "
+                               f"{data.stats.summary(paradigm, config.max_length)}")
     return data
 
 
@@ -471,15 +477,15 @@ def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:
         for rank in range(world):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-            args = [sys.executable, "-m", "horizonrl.learner.offline", paradigm, "--config",
-                    str(config.out / "config.yaml"), "--data", str(data_file)]
+            args = offline_rank_command(paradigm, str(config.out / "config.yaml"), str(data_file))
             procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         log.info("started %d %s ranks (pids %s)", world, paradigm, ", ".join(str(p.pid) for p in procs))
         while True:
             codes = [p.poll() for p in procs]
             failed = [(rank, rc) for rank, rc in enumerate(codes) if rc not in (None, 0)]
             if failed:
-                raise RuntimeError(f"{paradigm} rank {failed[0][0]} exited with code {failed[0][1]}; stopped the others")
+                raise RuntimeError(f"{paradigm} rank {failed[0][0]} exited with code {failed[0][1]}; stopped the "
+                                   "others")
             if all(rc == 0 for rc in codes):
                 return
             time.sleep(0.2)
@@ -497,7 +503,7 @@ def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:
 
 def rank_main(argv: list[str] | None = None) -> int:
     """One rank started by :func:`run_offline` (RANK, WORLD_SIZE, MASTER_PORT in the environment)."""
-    parser = argparse.ArgumentParser(prog="python -m horizonrl.learner.offline")
+    parser = argparse.ArgumentParser(prog=f"python -m {OFFLINE_RANK_MODULE}")
     parser.add_argument("paradigm", choices=["sft", "dpo"])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, help="the tokenised data the launching process wrote")

@@ -129,7 +129,8 @@ class DPOData:
 # ---------------------------------------------------------------------------- tokenisation
 
 
-def conversation_ids(chat: Any, conversation: Conversation, system_prompt: str | None = None) -> tuple[list[int], list[int]]:
+def conversation_ids(chat: Any, conversation: Conversation,
+                     system_prompt: str | None = None) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a conversation, built append-only exactly as the actor builds an episode.
 
     ``chat`` is a :class:`horizonrl.core.chat.ChatTokenizer`. The conversation's own system message

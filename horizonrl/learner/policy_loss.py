@@ -88,7 +88,8 @@ def token_logprobs_and_entropy(
     return logprobs, entropy
 
 
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+                   top_p: float = 1.0) -> torch.Tensor:
     """Log-probability of each target token alone (shapes as :func:`token_logprobs_and_entropy`)."""
     logp = torch.log_softmax(nucleus_logits(logits.float() / temperature, top_p), dim=-1)
     return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)

@@ -165,7 +165,8 @@ def broadcast_bytes(shape: ModelShape, world_size: int, bucket_bytes: int, engin
 def max_tokens(shape: ModelShape, *, world_size: int, checkpointing: bool, budget_bytes: float,
                bucket_bytes: int = 0) -> int:
     """The largest micro-batch (padded tokens) whose peak fits ``budget_bytes``; 0 if the states alone do not."""
-    fixed = learner_memory(shape, world_size=world_size, tokens=0, checkpointing=checkpointing, bucket_bytes=bucket_bytes)
+    fixed = learner_memory(shape, world_size=world_size, tokens=0, checkpointing=checkpointing,
+                           bucket_bytes=bucket_bytes)
     if fixed.peak > budget_bytes:
         return 0
     per_token = shape.activation_bytes_per_token(checkpointing) + shape.logits_bytes_per_token
@@ -182,7 +183,8 @@ def sizing_table(budget_gb: float = 80.0, tokens: int = 8192, bucket_mb: float =
     which also gathers the broadcast's buckets)."""
     bucket = int(bucket_mb * (1 << 20))
     rows = ["| model | params | W | params+grads+AdamW | unsharded bf16 | act./token (AC off / on) | logits/token | "
-            f"weight gather (rank 0) | peak @ {tokens} tok (AC off / on) | max tokens in {budget_gb:.0f} GB (AC off / on) |",
+            f"weight gather (rank 0) | peak @ {tokens} tok (AC off / on) | max tokens in {budget_gb:.0f} GB "
+            "(AC off / on) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, world in rows_of:
         shape = QWEN25[key]
@@ -191,8 +193,9 @@ def sizing_table(budget_gb: float = 80.0, tokens: int = 8192, bucket_mb: float =
         fits = [max_tokens(shape, world_size=world, checkpointing=ac, budget_bytes=budget_gb * GB, bucket_bytes=bucket)
                 for ac in (False, True)]
         rows.append(
-            f"| {shape.name} | {shape.params / 1e9:.2f} B | {world} | {off.states / GB:.1f} | {off.unsharded / GB:.2f} | "
-            f"{shape.activation_bytes_per_token(False) / 1e6:.2f} / {shape.activation_bytes_per_token(True) / 1e6:.2f} MB | "
+            f"| {shape.name} | {shape.params / 1e9:.2f} B | {world} | {off.states / GB:.1f} | "
+            f"{off.unsharded / GB:.2f} | {shape.activation_bytes_per_token(False) / 1e6:.2f} / "
+            f"{shape.activation_bytes_per_token(True) / 1e6:.2f} MB | "
             f"{shape.logits_bytes_per_token / 1e6:.2f} MB | {off.broadcast / GB:.2f} | "
             f"{off.peak / GB:.1f} / {on.peak / GB:.1f} | "
             + " / ".join("does not fit" if n == 0 else f"{n:,}" for n in fits) + " |")

@@ -171,8 +171,8 @@ def micro_batch_loss(
 
     proximal = None if micro_batch.proximal_logprobs is None else micro_batch.proximal_logprobs[:, 1:][selected]
     pg, diag = clipped_policy_loss(
-        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected], settings.clip,
-        proximal,
+        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected],
+        settings.clip, proximal,
     )
     loss = (w * pg).sum() - settings.entropy_coeff * (w * entropy).sum()
     stats = PolicyLossStats.from_tokens(pg, diag["ratio"], diag["clipped"])

@@ -482,7 +482,8 @@ class WeightHub:
         return None if abandoned else failures
 
     def _run_for_each(self, members: list[Member], action: Callable[[Member], None],
-                      should_abandon: Callable[[], bool] | None, bound_s: float) -> list[tuple[Member, Exception]] | None:
+                      should_abandon: Callable[[], bool] | None,
+                      bound_s: float) -> list[tuple[Member, Exception]] | None:
         """``action(member)`` for every member at once, one thread each (the collectives release the GIL); the
         members whose action failed, or None when ``should_abandon()`` turned true before all finished.
 

@@ -106,7 +106,8 @@ def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES, run_id:
         raise ProtocolError(_explain(data, exc)) from None
     limit = KIND_MAX_BYTES.get(type(message))
     if limit is not None and len(data) > limit:
-        raise OversizedMessage(f"{type(message).__name__} of {len(data)} bytes exceeds its kind's limit of {limit} bytes")
+        raise OversizedMessage(f"{type(message).__name__} of {len(data)} bytes exceeds its kind's limit of {limit} "
+                               "bytes")
     if message.v != SCHEMA_VERSION:
         raise ProtocolError(
             f"{type(message).__name__} has schema version {message.v}; this process speaks {SCHEMA_VERSION}"

@@ -385,5 +385,6 @@ class TrajectoryAck(msgspec.Struct, tag="trajectory_ack", kw_only=True):
     reasons: list[str] = []  # per trajectory, "" unless rejected
 
 
-Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat | EpisodeSample
-           | TrajectoryAck | ProcessEvent | HeldOutEval | Registration | IpcWeights | IpcBucketReady | IpcBucketAck)
+Message = (Trajectory | Control | WeightLayout | WeightJoin | BatchRequest | Batch | LearnerReport | Heartbeat
+           | EpisodeSample | TrajectoryAck | ProcessEvent | HeldOutEval | Registration | IpcWeights | IpcBucketReady
+           | IpcBucketAck)

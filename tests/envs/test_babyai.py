@@ -84,7 +84,7 @@ async def test_high_level_go_to_solves_goto_level_with_minigrid_reward():
 async def test_high_level_pickup():
     env = BabyAIEnv(levels=["BabyAI-PickupLoc-v0"])
     for task_id in range(20):
-        obs = await env.reset(task_id)
+        await env.reset(task_id)
         target = env._env.unwrapped.mission.replace("pick up the ", "").replace("pick up a ", "")
         action = next((a for a in env.available_actions() if a.startswith(f"pickup {target} ")), None)
         if action is None:

@@ -279,7 +279,7 @@ def test_id_files(tmp_path):
 
 def test_split_files_from_the_command_line_feed_eval_ids(tmp_path, capsys):
     """`horizonrl env splits` writes AgentGym-RL's id files; `horizonrl eval --ids` reads them."""
-    from horizonrl.cli import _read_ids, main
+    from horizonrl.apps.cli import _read_ids, main
     from horizonrl.core.config import ConfigError
     from horizonrl.envs.signpost import SignpostEnv
 

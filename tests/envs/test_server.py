@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from horizonrl.envs.base import EnvironmentFailure
-from horizonrl.envs.cli import run_check
+from horizonrl.apps.env_cli import run_check
 from horizonrl.envs.client import HTTPEnv
 from horizonrl.envs.registry import make_env
 from horizonrl.protocol.transport import free_port

@@ -11,7 +11,7 @@ import re
 import pytest
 import pytest_asyncio
 
-from horizonrl.envs.cli import run_check
+from horizonrl.apps.env_cli import run_check
 from horizonrl.envs.registry import env_names, make_env
 from horizonrl.envs.webarena import WebArenaEnv
 from horizonrl.envs.webarena.browser import close_browser

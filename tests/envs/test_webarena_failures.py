@@ -197,7 +197,7 @@ def test_env_check_command_in_process_and_through_the_server():
     from env_server_proc import ServerProcess
 
     def check(*extra):
-        out = subprocess.run([sys.executable, "-m", "horizonrl.envs.cli", "check", "webarena", "--episodes", "20",
+        out = subprocess.run([sys.executable, "-m", "horizonrl.apps.env_cli", "check", "webarena", "--episodes", "20",
                               *extra], capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])

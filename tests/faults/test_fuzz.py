@@ -1,7 +1,7 @@
 """Over 10,000 malformed, inconsistent or hostile messages to every listening socket: no process dies, and
 every message is counted once, by kind.
 
-The kinds (horizonrl/hostile.py): random bytes, truncated msgpack, the wrong shape, a lying length, another
+The kinds (horizonrl/apps/hostile.py): random bytes, truncated msgpack, the wrong shape, a lying length, another
 run's messages, a kind the socket does not take, invalid UTF-8 in every string of every kind, reports that
 are well-formed and wrong (unknown processes and environments, NaN, steps past the run, a final report or a
 supervision event without the run's key), trajectories that are inconsistent, longer than the run's
@@ -36,7 +36,7 @@ from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig, load_config
 from horizonrl.core.run_dirs import ensure_run_key
 from horizonrl.core.runtime import StopFlag
-from horizonrl.hostile import flipped, intake_storm, report_storm, request_storm
+from horizonrl.apps.hostile import flipped, intake_storm, report_storm, request_storm
 from horizonrl.launcher import resolve_ports
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,8 +25,8 @@ from horizonrl.buffer.accounting import account
 from horizonrl.buffer.records import Accepted, decode_record
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import load_config
-from horizonrl.core.coordinator_state import COORDINATOR_STATE_FILE
-from horizonrl.hostile import invalid_utf8_messages, wrong_reports
+from horizonrl.core.run_dirs import RunDir
+from horizonrl.apps.hostile import invalid_utf8_messages, wrong_reports
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def assert_nothing_lost_nothing_twice(run_dir: Path, steps: int) -> dict:
 def saved_counts(run_dir: Path) -> tuple[int, int]:
     """(bad, rejected) messages in the coordinator's saved state."""
     try:
-        state = json.loads((run_dir / COORDINATOR_STATE_FILE).read_text())
+        state = json.loads(RunDir(run_dir).coordinator_state.read_text())
     except (OSError, ValueError):
         return -1, -1
     return sum(state["bad_messages"].values()), sum(state["rejected"].values())

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 from helpers import horizonrl_cmd
 
-from horizonrl.bench import rollout, training
-from horizonrl.bench.workload import HeavyTailEnv, HeavyTailSettings
+from horizonrl.apps.bench import rollout, training
+from horizonrl.envs.heavy_tail import HeavyTailEnv, HeavyTailSettings
 
 pytestmark = pytest.mark.slow
 

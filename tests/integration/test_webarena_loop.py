@@ -21,7 +21,7 @@ WEBARENA_TINY_RECIPE = dict(envs=("webarena",), env_settings={"webarena": WEBARE
 
 @pytest.fixture(scope="session")
 def webarena_tiny_model() -> Path:
-    from horizonrl.tiny_model import ensure_tiny_model
+    from horizonrl.apps.tiny_model import ensure_tiny_model
 
     return Path(ensure_tiny_model(REPO / ".cache" / "tiny-webarena", **WEBARENA_TINY_RECIPE))
 

@@ -138,7 +138,7 @@ def test_each_step_is_reported_published_and_the_run_ends_with_a_checkpoint_nami
     assert [r.checkpoint for r in s.reporter.reports] == ["", "ckpt/step_2", "", "ckpt/step_4", "", "ckpt/step_5"]
     assert [r["committed_step"] for r in s.batches.requests] == [0, 0, 2, 2, 4]
     assert s.reporter.finished == (5, False, "ckpt/step_5")
-    assert final.counters["trajectories_trained"] == 20 and final.counters["step"] == 5
+    assert final.counters.trajectories_trained == 20 and final.counters.step == 5
     metrics = s.reporter.reports[0].metrics
     for key in ("loss/policy", "batch/reward_mean", "batch/staleness_mean", "time/batch_wait_s", "time/step_s",
                 "time/weight_sync_s", "throughput/learner_tokens_per_s", "weights/members", "batch/tokens"):

@@ -26,7 +26,7 @@ from horizonrl.core.offline_config import load_offline_config
 from horizonrl.envs.signpost_expert import expert_reply, read_sign, signpost_records
 from horizonrl.learner.offline_data import conversation_ids, load_dpo_data, load_sft_data
 from horizonrl.protocol.transport import free_port
-from horizonrl.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
+from horizonrl.apps.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -373,7 +373,7 @@ def test_two_gloo_ranks_give_the_losses_of_one_rank(model_dir, expert_files, tmp
 
 
 def test_cli_dry_run_and_expert_data(model_dir, tmp_path, capsys):
-    from horizonrl.cli import main
+    from horizonrl.apps.cli import main
 
     out = tmp_path / "expert.json"
     assert main(["make-expert-data", str(out), "--kind", "dpo", "--episodes", "4", "--length", "2"]) == 0

@@ -7,7 +7,7 @@ import pytest
 from viewer_records import synthetic_record
 
 from horizonrl.core.episode_records import EpisodeRecordWriter, trained_record
-from horizonrl.viewer.index import EpisodeFilter, EpisodeIndex
+from horizonrl.apps.viewer.index import EpisodeFilter, EpisodeIndex
 
 
 @pytest.fixture

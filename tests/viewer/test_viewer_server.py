@@ -19,7 +19,7 @@ from PIL import Image
 from viewer_records import played_record, synthetic_record
 
 from horizonrl.core.episode_records import EpisodeRecordWriter, trained_record
-from horizonrl.viewer.server import make_app
+from horizonrl.apps.viewer.server import make_app
 
 BABYAI_REPLIES = ["Action: turn left", "Thought: go.\nAction: move forward", "no action at all", "Action: turn right"]
 

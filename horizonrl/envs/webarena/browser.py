@@ -39,7 +39,8 @@ def find_browser(path: str | None = None) -> str:
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise FileNotFoundError(f"WebArena browser {path!r} (setting browser_path) is not an executable file")
         return path
-    for candidate in (os.environ.get("HORIZONRL_CHROMIUM"), *BROWSER_CANDIDATES, shutil.which("chromium-headless-shell")):
+    installed = shutil.which("chromium-headless-shell")
+    for candidate in (os.environ.get("HORIZONRL_CHROMIUM"), *BROWSER_CANDIDATES, installed):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     raise FileNotFoundError(

@@ -112,7 +112,8 @@ def url_match(eval_spec: dict[str, Any], current_url: str, urls: dict[str, str])
     pred_base, pred_query = _split_url(current_url)
     for alternative in fill_placeholders(reference, urls).split(" |OR| "):
         ref_base, ref_query = _split_url(alternative)
-        if ref_base and ref_base in pred_base and all(set(v) <= set(pred_query.get(k, [])) for k, v in ref_query.items()):
+        if ref_base and ref_base in pred_base and all(set(v) <= set(pred_query.get(k, []))
+                                                      for k, v in ref_query.items()):
             return 1.0
     return 0.0
 

@@ -42,9 +42,16 @@ def state(url: str, locator: str, must: list[str]) -> dict[str, Any]:
             "program_html": [{"url": url, "locator": locator, "required_contents": {"must_include": must}}]}
 
 
-def tasks() -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]]:
-    """(site, intent, eval, plan, logged in) for every task."""
-    out: list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]] = []
+Task = tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]  # (site, intent, eval, plan, logged in)
+
+
+def tasks() -> list[Task]:
+    """Every task, the shop's first."""
+    return shop_tasks() + forum_tasks()
+
+
+def shop_tasks() -> list[Task]:
+    out: list[Task] = []
     shop_login = [click("link", "My Account")]
     prices = [("Kitchen", "Steel Kettle", "$34.99"), ("Electronics", "Wireless Headphones", "$89.99"),
               ("Books", "Learning SQL", "$39.99"), ("Garden", "Pruning Shears", "$27.99"),
@@ -73,7 +80,8 @@ def tasks() -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]]
          info({"must_include": ["The Quiet Garden", "Bread at Home", "Wooden Puzzle"]}),
          shop_login + [click("link", "My Orders"), click("link", "Order #000105"),
                        stop("The Quiet Garden, Bread at Home, Wooden Puzzle")], True),
-        ("shopping", "Show me the Toys category.", nav(f"{SHOP}/category/toys"), [click("link", "Toys"), stop()], False),
+        ("shopping", "Show me the Toys category.", nav(f"{SHOP}/category/toys"), [click("link", "Toys"), stop()],
+         False),
         ("shopping", "Search the shop for lamps.", nav(f"{SHOP}/search?q=lamp"),
          [type_("textbox", "Search products", "lamp"), stop()], False),
         ("shopping", "Open the product page of the Bluetooth Speaker.", nav(f"{SHOP}/product/EL-202"),
@@ -99,6 +107,10 @@ def tasks() -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]]
           type_("textbox", "Review text", "Cuts tomatoes thin.", 0), type_("textbox", "Rating from 1 to 5", "5", 0),
           click("button", "Submit Review"), stop()], True),
     ]
+    return out
+
+
+def forum_tasks() -> list[Task]:
     posts = {"What are you reading this month?": ("books", 1), "Tomatoes splitting after rain": ("gardening", 4),
              "Easy weeknight curry": ("cooking", 6), "Cast iron care tips": ("cooking", 7),
              "Route around the lake": ("cycling", 8), "Tubeless tyres worth it?": ("cycling", 9)}
@@ -106,7 +118,7 @@ def tasks() -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]]
     def to_post(title: str) -> list[dict[str, Any]]:
         return [click("link", "Forums"), click("link", f"f/{posts[title][0]}"), click("link", title)]
 
-    out += [
+    return [
         ("reddit", "How many points does the post 'Easy weeknight curry' have?", info({"exact_match": "56"}),
          to_post("Easy weeknight curry") + [stop("56")], False),
         ("reddit", "Who submitted the post 'Tubeless tyres worth it?'?", info({"exact_match": "tom"}),
@@ -156,7 +168,6 @@ def tasks() -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]], bool]]
         ("reddit", "Go to the post 'Easy weeknight curry' and tell me who commented 'Add lime at the end.'",
          info({"exact_match": "tom"}), to_post("Easy weeknight curry") + [stop("tom")], False),
     ]
-    return out
 
 
 def build() -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:

@@ -119,7 +119,8 @@ class ForumApp:
 
     def _post(self, db: sqlite3.Connection, request: web.Request) -> sqlite3.Row:
         row = db.execute("SELECT posts.*, forums.name AS forum, users.username AS author FROM posts JOIN forums ON "
-                         "forums.id = forum_id JOIN users ON users.id = author_id WHERE posts.id = ? AND forums.name = ?",
+                         "forums.id = forum_id JOIN users ON users.id = author_id "
+                         "WHERE posts.id = ? AND forums.name = ?",
                          (int(request.match_info["post"]), request.match_info["forum"])).fetchone()
         if row is None:
             raise web.HTTPNotFound(text="no such post")
@@ -208,7 +209,8 @@ class ForumApp:
         old = db.execute("SELECT value FROM votes WHERE user_id = ? AND post_id = ?", (user["id"], p["id"])).fetchone()
         if old is None or old["value"] != value:
             db.execute("INSERT OR REPLACE INTO votes VALUES (?, ?, ?)", (user["id"], p["id"], value))
-            db.execute("UPDATE posts SET score = score + ? WHERE id = ?", (value - (old["value"] if old else 0), p["id"]))
+            change = value - (old["value"] if old else 0)
+            db.execute("UPDATE posts SET score = score + ? WHERE id = ?", (change, p["id"]))
             db.commit()
         raise web.HTTPFound(f"/f/{p['forum']}/{p['id']}")
 

@@ -1,0 +1,34 @@
+"""The scalars of one learner step: the learner's own metrics, and what the coordinator adds from the
+others — the actors' counters (every charted field of their structs, protocol/counters.py), the rollout
+window's rates, the turn budget, the fault ledger, the report socket's counts."""
+
+from __future__ import annotations
+
+from horizonrl.coordinator.health import ProcessHealth, RolloutWindow
+from horizonrl.protocol import FAILURE_ACTOR_LOST
+from horizonrl.protocol.counters import ActorCounters, DeliveryCounters, charted
+
+
+def actor_scalars(health: ProcessHealth, episodes_lost: float) -> dict[str, float]:
+    """The actors' cumulative counters, over every actor and incarnation: episode outcomes by kind
+    (failures, never trained on; the agent's own endings), weight updates (the stall, the receive, the load,
+    the wait for the engine's step), the engines' clocks, pauses and sends."""
+    actors = health.total(ActorCounters)
+    scalars = {**charted(actors), **charted(health.total(DeliveryCounters))}
+    # The episodes a dead actor was playing: infrastructure failures the fault ledger counted.
+    scalars[f"rollout/failures/{FAILURE_ACTOR_LOST}"] = episodes_lost
+    # The agent's own errors: turns whose reply named no valid action (the environment said so and went on).
+    if actors.completed_turns:
+        scalars["rollout/agent/invalid_action_rate"] = actors.invalid_actions / actors.completed_turns
+    return scalars
+
+
+def step_scalars(metrics: dict[str, float], window: RolloutWindow, health: ProcessHealth,
+                 *others: dict[str, float]) -> dict[str, float]:
+    """A learner step's scalars: the learner's ``metrics``, the rollout window's rates since the step before,
+    then the ``others`` (the schedule's, the actors', the faults', ...) in order."""
+    scalars = dict(metrics)
+    scalars.update(window.update(health))
+    for more in others:
+        scalars.update(more)
+    return scalars
