@@ -174,7 +174,8 @@ def summarise(played: list, k: int) -> dict:
         "mean_reward": sum(ep.reward for _, ep in played) / n,
         "mean_turns": sum(ep.num_turns for _, ep in played) / n,
         # replies that named no valid action, per turn: how well the model keeps the action format
-        "invalid_action_rate": sum(ep.invalid_actions for _, ep in played) / max(1, sum(ep.num_turns for _, ep in played)),
+        "invalid_action_rate": (sum(ep.invalid_actions for _, ep in played)
+                                / max(1, sum(ep.num_turns for _, ep in played))),
     }
     for kk in sorted({1, k}):
         values = [pass_at_k(len(s), sum(s), kk) for s in per_task.values() if len(s) >= kk]
