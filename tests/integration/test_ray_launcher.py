@@ -93,8 +93,10 @@ def test_a_killed_actor_is_restarted_by_ray_a_killed_learner_by_the_launcher_and
         wait_until(lambda: proc.poll() is not None
                    or any(f["event"] == "recovered" and f["name"] == "actor-0" for f in faults(run_dir)), 900,
                    "actor-0 to be restarted by Ray and rejoin the weight hub")
-        # A checkpoint (save_every=2) past the actor's death, then the learner's process dies.
-        wait_until(lambda: proc.poll() is not None or newest_step(run_dir) >= 4, 600, "learner step 4")
+        # A checkpoint (save_every=2) past the actor's death, then the learner's process dies. The checkpoint, not
+        # the step: step 4 is trained before its checkpoint is written.
+        wait_until(lambda: proc.poll() is not None or any(
+            e["step"] >= 4 for e in run_events(run_dir, RunEvent.CHECKPOINT_WRITTEN)), 600, "the checkpoint of step 4")
         learner_killed_after = newest_step(run_dir)
         learners = [p for p in run_processes(run_dir) if role_of(p) == "learner"]
         assert proc.poll() is None and len(learners) == 1, (
