@@ -72,10 +72,12 @@ SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_lon
 LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml",
                     "searchqa_multihop.yaml", "searchqa_multihop_names.yaml"]
 BENCH_CONFIGS = ["bench_heavy_tail.yaml"]  # the training benchmark's long-tailed workload
+PRETRAINED_CONFIGS = ["smollm2_babyai.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
-                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS])
+                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS,
+                                  *PRETRAINED_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -89,7 +91,14 @@ def test_shipped_configs_load(name):
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
-         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS])
+         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS])
+
+
+def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():
+    config = load_config(REPO / "configs" / "smollm2_babyai.yaml")
+    recipe = config.model.pretrained
+    assert recipe.packaged == "smollm2" and recipe.format_warmup.steps == 30
+    assert config.learner.compute_dtype == "bfloat16" and config.rollout.engine.dtype == "bfloat16"
 
 
 def test_scaling_inter_arms_differ_only_in_the_turn_schedule():

@@ -224,8 +224,8 @@ def freeze_a_broadcast(run_dir: Path, since: float, learners: list[psutil.Proces
     first waits for the previous version's send (each version is sent in the background while the next step
     trains); ``step_done`` comes once that wait has ended. So the learner trains the buffered batches until a
     step's publish waits on a send the frozen engines never take: that step is trained and its ``step_done``
-    never comes. It may be the step trained before the freeze (the learner was stopped inside that wait) or a
-    later one.
+    never comes until the hub drops the frozen member (after ``member_bound_s``: 20 s for the tiny model). It may
+    be the step trained before the freeze (the learner was stopped inside that wait) or a later one.
 
     Freezing the engines whenever a step came instead depended on timing: with a second test beside it, the
     learner always caught up with the actors between freezes. Waiting for a *new* buffer-full event depended on
@@ -236,8 +236,10 @@ def freeze_a_broadcast(run_dir: Path, since: float, learners: list[psutil.Proces
         _suspend(engines)
     finally:
         _resume(learners)
-    # A publish that can go on takes well under a second (a tiny model's gather, no wait on the engines); 30 s
-    # without the newest step's step_done, and without a newer step, is a wait that will not end.
+    # A publish that can go on takes well under a second (a tiny model's gather, no wait on the engines), a few
+    # on a loaded machine; 6 s without the newest step's step_done, and without a newer step, is a wait on the
+    # frozen engines, which lasts until the hub drops them (protocol/weights.py's member_bound_s, 20 s here): the
+    # Ctrl-C comes inside it.
     newest, seen_at = 0, time.monotonic()
 
     def blocked_step() -> int | None:
@@ -247,7 +249,7 @@ def freeze_a_broadcast(run_dir: Path, since: float, learners: list[psutil.Proces
             newest, seen_at = trained, time.monotonic()
             return None
         stuck = newest not in [e["step"] for e in run_events(run_dir, RunEvent.STEP_DONE, since=since)]
-        return newest if stuck and time.monotonic() - seen_at >= 30 else None
+        return newest if stuck and time.monotonic() - seen_at >= 6 else None
 
     return wait_until(blocked_step, 300, "a step whose weights wait on the frozen engines")
 
