@@ -23,28 +23,9 @@ from typing import Any
 
 import msgspec
 
-from horizonrl.protocol import (
-    EVENT_DIED,
-    Batch,
-    BatchRequest,
-    Control,
-    CudaIpcBuffer,
-    EpisodeSample,
-    EpisodeText,
-    Heartbeat,
-    HeldOutEval,
-    IpcBucketAck,
-    IpcBucketReady,
-    IpcWeights,
-    LearnerReport,
-    ProcessEvent,
-    Registration,
-    Trajectory,
-    TrajectoryAck,
-    WeightJoin,
-    WeightLayout,
-    encode,
-)
+from horizonrl.protocol import (EVENT_DIED, Batch, BatchRequest, Control, CudaIpcBuffer, EpisodeSample, EpisodeText,
+                                Heartbeat, HeldOutEval, IpcBucketAck, IpcBucketReady, IpcWeights, LearnerReport,
+                                ProcessEvent, Registration, Trajectory, TrajectoryAck, WeightJoin, WeightLayout, encode)
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 
 OTHER_RUN = "another-run"

@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -161,33 +160,18 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dty
 def ensure_imported(out_dir: str | os.PathLike, *, packaged: str = "", gguf_file: str = "",
                     dtype: str = "float32") -> Path:
     """``out_dir`` holding the import of a packaged model (``packaged``) or of ``gguf_file``; imported only
-    when it does not already hold that import. Built beside and renamed into place, under the same lock
-    as the tiny models, so concurrent callers (test workers, a demo) import once."""
-    from horizonrl.apps.tiny_model import build_lock
+    when it does not already hold that import (the tiny model's ``build_once_into``: built beside, renamed into
+    place, under a lock, so concurrent callers import once)."""
+    from horizonrl.apps.tiny_model import build_once_into
 
     if bool(packaged) == bool(gguf_file):
         raise ModelImportError("give exactly one of a packaged model name and a GGUF file")
     source = f"packaged:{packaged}" if packaged else str(Path(gguf_file).resolve())
     path = packaged_gguf(packaged) if packaged else Path(gguf_file)
-    out = Path(out_dir)
-    if _matches(out, source, dtype, path):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(out.parent / f".{out.name}.lock", f"the import of {source} into {out}"):
-        if _matches(out, source, dtype, path):
-            return out
-        if out.exists() and any(out.iterdir()) and read_import_spec(out) is None:
-            raise FileExistsError(f"{out} exists and holds something else than an import; choose another path")
-        staging = out.parent / f".{out.name}.importing-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            import_gguf(path, staging, dtype=dtype, source=source)
-            if out.exists():
-                shutil.rmtree(out)  # an import of something else, or of another dtype
-            staging.rename(out)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return build_once_into(Path(out_dir), built=lambda out: _matches(out, source, dtype, path),
+                           ours=lambda out: read_import_spec(out) is not None,
+                           build=lambda staging: import_gguf(path, staging, dtype=dtype, source=source),
+                           what=f"the import of {source}")
 
 
 def read_import_spec(out_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
@@ -557,33 +557,36 @@ NOT_IN_SPEC = ("progress", "device")
 
 
 def ensure_tiny_model(out_dir: str | os.PathLike, **kwargs: Any) -> Path:
-    """``out_dir`` built by :func:`make_tiny_model` with ``kwargs``; built only if it is not already.
-
-    Reuses the directory when its spec file matches the arguments. Otherwise builds into a
-    sibling temporary directory and renames it into place, so a half-built directory is
-    never seen. Builders of the same directory take turns on a lock file beside it: a second
-    one (a parallel test worker, a second ``horizonrl demo``) waits for the first build and
-    reuses it instead of building it again. A directory that holds something else (no spec
-    file) is never deleted.
-    """
-    out = Path(out_dir)
+    """``out_dir`` built by :func:`make_tiny_model` with ``kwargs``; built only if it is not already (its spec file
+    matches the arguments), as :func:`build_once_into` builds."""
     wanted = tiny_model_spec(**{k: v for k, v in kwargs.items() if k not in NOT_IN_SPEC})
-    existing = read_spec(out)
-    if existing is not None and existing.get("spec") == wanted:
+    return build_once_into(Path(out_dir), built=lambda out: (read_spec(out) or {}).get("spec") == wanted,
+                           ours=lambda out: read_spec(out) is not None, build=lambda staging: make_tiny_model(
+                               staging, **kwargs), what="the tiny model")
+
+
+def build_once_into(out: Path, *, built: Callable[[Path], bool], ours: Callable[[Path], bool],
+                    build: Callable[[Path], Any], what: str) -> Path:
+    """``out`` holding what ``build(directory)`` makes, unless ``built(out)`` says it already does.
+
+    Builds into a sibling temporary directory and renames it into place, so a half-built directory is never seen.
+    Builders of the same directory take turns on a lock file beside it: a second one (a parallel test worker, a
+    second ``horizonrl demo``) waits for the first build and reuses it instead of building it again. A directory
+    that holds something else (``ours(out)`` false, and not empty) is never deleted."""
+    if built(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(out.parent / f".{out.name}.lock", f"the tiny model {out}"):
-        existing = read_spec(out)
-        if existing is not None and existing.get("spec") == wanted:
+    with build_lock(out.parent / f".{out.name}.lock", f"{what} {out}"):
+        if built(out):
             return out  # built while we waited
-        if out.exists() and existing is None and any(out.iterdir()):
-            raise FileExistsError(f"{out} exists and is not a tiny-model directory; choose another path")
+        if out.exists() and not ours(out) and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and holds something else than {what}; choose another path")
         staging = out.parent / f".{out.name}.building-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            make_tiny_model(staging, **kwargs)
+            build(staging)
             if out.exists():
-                shutil.rmtree(out)  # ours, with a different spec
+                shutil.rmtree(out)  # ours, built from something else
             staging.rename(out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

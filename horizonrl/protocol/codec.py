@@ -13,27 +13,10 @@ from typing import TypeVar
 
 import msgspec
 
-from horizonrl.protocol.messages import (
-    MAX_CONTROL_BYTES,
-    SCHEMA_VERSION,
-    Batch,
-    BatchRequest,
-    Control,
-    EpisodeSample,
-    Heartbeat,
-    HeldOutEval,
-    IpcBucketAck,
-    IpcBucketReady,
-    IpcWeights,
-    LearnerReport,
-    Message,
-    ProcessEvent,
-    Registration,
-    Trajectory,
-    TrajectoryAck,
-    WeightJoin,
-    WeightLayout,
-)
+from horizonrl.protocol.messages import (MAX_CONTROL_BYTES, SCHEMA_VERSION, Batch, BatchRequest, Control, EpisodeSample,
+                                         Heartbeat, HeldOutEval, IpcBucketAck, IpcBucketReady, IpcWeights,
+                                         LearnerReport, Message, ProcessEvent, Registration, Trajectory, TrajectoryAck,
+                                         WeightJoin, WeightLayout)
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 

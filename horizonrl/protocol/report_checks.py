@@ -16,29 +16,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from horizonrl.protocol.messages import (
-    ENDPOINT_BATCHES,
-    ENDPOINT_LEARNER_RENDEZVOUS,
-    ENDPOINT_TRAJECTORIES,
-    ENDPOINT_WEIGHTS,
-    ENDPOINT_WEIGHTS_EPOCH,
-    EVENT_DIED,
-    EVENT_GAVE_UP,
-    EVENT_RECOVERED,
-    EVENT_RESTARTED,
-    FAILURE_KINDS,
-    MAX_SAMPLE_TEXT,
-    STOP_CONTEXT,
-    STOP_DONE,
-    STOP_FAILURE,
-    STOP_MAX_TURNS,
-    EpisodeSample,
-    Heartbeat,
-    HeldOutEval,
-    LearnerReport,
-    ProcessEvent,
-    Registration,
-)
+from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_RENDEZVOUS, ENDPOINT_TRAJECTORIES,
+                                         ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, EVENT_DIED, EVENT_GAVE_UP,
+                                         EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS, MAX_SAMPLE_TEXT, STOP_CONTEXT,
+                                         STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS, EpisodeSample, Heartbeat, HeldOutEval,
+                                         LearnerReport, ProcessEvent, Registration)
 
 # The kinds that change the run's state beyond counters: accepted only with the run's key.
 KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval)
