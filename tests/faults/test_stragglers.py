@@ -88,6 +88,8 @@ class HangingProxy(threading.Thread):
 # before the first episode reached its limit. Each test stops its run with Ctrl-C once it has seen
 # what it waits for.
 UNTIL_STOPPED = "learner.total_steps=10000"
+FREEZE_S = 90.0  # how long one engine stays frozen
+FROZEN_GAP_BOUND_S = 45.0  # the learner's longest gap between steps meanwhile: the hub's 20 s bound + a step, doubled
 
 
 def timeouts_of(run_dir: Path, what: str, actor: int | None = None, since: float = 0.0) -> list[dict]:
@@ -123,8 +125,9 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
         tiny_model, tmp_path):
     """One run, two actors, two stragglers. The environment (a real ``horizonrl env serve signpost`` behind the
     hanging proxy) holds some steps forever: those episodes end at ``rollout.episode_timeout_s``. Then the engine
-    core of the first actor playing is frozen until a generation in flight has run past ``rollout.turn_timeout_s``;
-    the other actor keeps the learner fed, and the run goes on after the thaw. Every timeout is counted, none is
+    core of the first actor playing is frozen for 90 s: its generations in flight end at ``rollout.turn_timeout_s``,
+    the weight hub drops it after its bound, the other actor keeps the learner fed — the learner's longest gap
+    between two steps meanwhile stays under FROZEN_GAP_BOUND_S — and the run goes on after the thaw. Every timeout is counted, none is
     trained on; Ctrl-C ends the run with nothing lost."""
     turn_limit = 3.0
     server = ServerProcess(["signpost"], "--settings", json.dumps({"signpost": {"length": 2}}))
@@ -172,7 +175,10 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
                 if attempt == 4:
                     raise
                 time.sleep(5)
-        time.sleep(turn_limit)
+        # Frozen for FREEZE_S in all: the hub drops the frozen member after its bound, and the learner goes on
+        # with the other actor's groups meanwhile.
+        time.sleep(max(turn_limit, frozen_at + FREEZE_S - time.time()))
+        thawed_at = time.time()
         frozen.resume()
         rc = go_on_then_stop(proc, run_dir, newest_step(run_dir))
     finally:
@@ -183,3 +189,11 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
         server.stop()
     assert proxy.held > 0  # some steps did hang
     assert_stopped_cleanly(rc, log, run_dir)
+    # While one engine was frozen, the learner's longest wait between two steps stayed far below the freeze:
+    # at most one frozen-member bound of the weight hub (protocol/weights.py's member_bound_s: 20 s for the tiny
+    # model) plus a step's own time.
+    steps = [e["time"] for e in run_events(run_dir, RunEvent.STEP_TRAINED) if frozen_at <= e["time"] <= thawed_at]
+    edges = [frozen_at, *steps, thawed_at]
+    longest = max(b - a for a, b in zip(edges, edges[1:]))
+    print(f"engine frozen {thawed_at - frozen_at:.0f} s: {len(steps)} learner steps, the longest gap {longest:.1f} s")
+    assert len(steps) >= 2 and longest < FROZEN_GAP_BOUND_S, (len(steps), longest)
