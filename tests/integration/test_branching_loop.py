@@ -60,7 +60,7 @@ def test_a_qwen3_style_template_trains_through_the_loop_token_exact(tiny_model, 
         f"learner.total_steps={STEPS}", "learner.groups_per_step=2", "buffer.capacity_groups=4",
         "buffer.max_staleness=0", "monitor.record_fraction=1.0", "eval.episodes=0"), log_path)
     try:
-        rc = proc.wait(timeout=400)
+        rc = proc.wait(timeout=600)
     finally:
         stop_process(proc)
     assert rc == 0, log_path.read_text()[-4000:]
