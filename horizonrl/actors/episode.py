@@ -135,8 +135,8 @@ class Episode:
 
     @property
     def sample_ids(self) -> list[int]:
-        """The current sample's ids: exactly what the engine is prompted with next."""
-        return self.token_ids[self.sample_start:]
+        """The current sample's ids: exactly what the engine is prompted with next (no copy for one sample)."""
+        return self.token_ids[self.sample_start:] if self.sample_starts else self.token_ids
 
     def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
         """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
