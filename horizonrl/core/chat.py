@@ -23,7 +23,7 @@ writes an empty one into the generation prompt when thinking is off) are not app
 prompt of turn k+1 is not the prompt of turn k plus what was generated. For them
 (``append_only`` is False) every next prompt is rendered in full (:meth:`ChatTokenizer.conversation_ids`);
 the episode compares it with the tokens it holds and, where they differ, starts a new *sample*
-whose prompt is that rendering (``actors/episode.py``, ``docs/episodes.md``). Either way the
+whose prompt is that rendering (``actors/episode.py``, ``docs/algorithms.md``). Either way the
 engine is prompted with exactly the ids the learner trains on.
 """
 
