@@ -279,6 +279,16 @@ class BufferConfig(_Frozen):
                                   "trajectories) when the log grows past this")
     future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard "
                                  "of yet waits this long for it, then is rejected as from the future")
+    on_budget_change: Literal["keep", "drop_previous_budget"] = Field(
+        "keep", description="when the turn budget rises (algorithm.rounds_ctrl), keep groups played under the previous "
+                            "budget, or drop them (counted as previous_budget): docs/horizon.md")
+    staleness_rule: Literal["oldest_token", "completion"] = Field(
+        "oldest_token", description="oldest_token: a group is as old as its oldest token (max_staleness bounds it); "
+                                    "completion: max_staleness bounds the group's newest token (how long it waited "
+                                    "once complete) and max_start_staleness its oldest (docs/horizon.md)")
+    max_start_staleness: int | None = Field(
+        None, ge=0, description="with staleness_rule=completion: the bound on a group's oldest token (None: 3 x "
+                                "max_staleness); the loss's off-policy correction carries the older turns")
 
 
 class NetworkConfig(_Frozen):
