@@ -191,6 +191,9 @@ class RolloutEngine:
         from horizonrl.core.precision import resolve_engine_dtype
 
         api = check_engine_api()  # before a minute of start-up, not in the first weight update
+        if engine.num_kv_blocks is not None and not api.has("kv_blocks_override"):
+            raise ConfigError(f"rollout.engine.num_kv_blocks needs vLLM's num_gpu_blocks_override, which vLLM "
+                              f"{api.version} lacks: {api.problems.get('kv_blocks_override')}")
         if v1_model_runner_needed(api, engine.on_weight_update):
             use_v1_model_runner(api, engine.on_weight_update)
         gpus = visible_gpus(os.environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -221,6 +224,7 @@ class RolloutEngine:
             enforce_eager=engine.enforce_eager,
             enable_prefix_caching=engine.enable_prefix_caching,
             **({"block_size": engine.block_size} if engine.block_size is not None else {}),
+            **({"num_gpu_blocks_override": engine.num_kv_blocks} if engine.num_kv_blocks is not None else {}),
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=VLLM_WORKER_EXTENSION,

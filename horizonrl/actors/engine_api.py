@@ -145,6 +145,8 @@ ENGINE_API: tuple[ApiEntry, ...] = (
     # The scheduler's KV-cache use and preemptions (rollout.concurrency.mode=adaptive; actors/concurrency.py): a
     # stat logger vLLM calls in the client process. Without them the engine reports nothing and the adaptive
     # number of groups in flight stays where it started.
+    _call("kv_blocks_override", "vllm.engine.arg_utils", "AsyncEngineArgs", "", ("num_gpu_blocks_override",),
+          "a KV cache of rollout.engine.num_kv_blocks blocks", needed=False),
     _call("stat_loggers", ASYNC_LLM, "AsyncLLM", "from_engine_args", ("engine_args", "stat_loggers"),
           "reporting the engine's KV-cache use and preemptions", needed=False),
     _call("stat_logger_record", "vllm.v1.metrics.loggers", "StatLoggerBase", "record",

@@ -90,6 +90,9 @@ class EnvSpec(_Frozen):
 
 class EngineConfig(_Frozen):
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="the engine's KV-cache blocks (vLLM's num_gpu_blocks_override), instead of what its "
+                                "memory gives: the benchmarks make a small cache to see preemptions (docs/horizon.md)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     enforce_eager: bool = True
     max_num_seqs: int = Field(128, ge=1)
