@@ -98,3 +98,16 @@ def test_the_stat_logger_keeps_the_latest_use_the_peak_and_the_preemptions():
     assert load.take_peak() == 0.9
     assert load.take_peak() == 0.4  # the next window starts at the current use
     logger.log_engine_initialized(), logger.log(), logger.record_sleep_state(1, 0)
+
+
+def test_the_benchmark_clocks_each_budget_stage_and_prints_both_modes_side_by_side():
+    from horizonrl.apps.bench.horizon import COLUMNS, stage_bounds, table
+
+    assert stage_bounds([6, 13, 20], 4, 12) == [("budget 6", 1, 4), ("budget 13", 4, 8), ("budget 20", 8, 12),
+                                                ("overall", 1, 12)]
+    figures = {name: 1.0 for name, _ in COLUMNS}
+    result = {"stages": ["budget 6"], "results": {"fixed": [{"budget 6": {**figures, "preemptions": 40.0}}],
+                                                   "adaptive": [{"budget 6": {**figures, "preemptions": 3.0}}]}}
+    header, _, row = table(result).splitlines()
+    assert header.startswith("| stage | preemptions fixed | preemptions adaptive |")
+    assert row.startswith("| budget 6 | 40 | 3 |")
