@@ -109,5 +109,5 @@ def test_the_benchmark_clocks_each_budget_stage_and_prints_both_modes_side_by_si
     result = {"stages": ["budget 6"], "results": {"fixed": [{"budget 6": {**figures, "preemptions": 40.0}}],
                                                    "adaptive": [{"budget 6": {**figures, "preemptions": 3.0}}]}}
     header, _, row = table(result).splitlines()
-    assert header.startswith("| stage | preemptions fixed | preemptions adaptive |")
-    assert row.startswith("| budget 6 | 40 | 3 |")
+    assert header.startswith("| stage (fixed / adaptive) | preemptions | tokens_per_s |")
+    assert row.startswith("| budget 6 | 40 / 3 | 1 / 1 |")

@@ -85,20 +85,22 @@ def run(out_dir: Path, *, model: str | None, repeats: int, extra: list[str]) -> 
 
 
 COLUMNS = (("preemptions", "{:.0f}"), ("tokens_per_s", "{:,.0f}"), ("steps_per_min", "{:.1f}"),
-           ("learner_idle_share", "{:.0%}"), ("groups_in_flight", "{:.1f}"), ("kv_cache_usage", "{:.0%}"),
+           ("learner_idle_share", "{:.1%}"), ("groups_in_flight", "{:.1f}"), ("kv_cache_usage", "{:.0%}"),
            ("turns_mean", "{:.1f}"))
 
 
 def table(result: dict) -> str:
-    """A markdown table: one row per stage, fixed | adaptive side by side (repeat medians)."""
-    head = ["stage"] + [f"{name} {mode}" for name, _ in COLUMNS for mode in MODES]
+    """A markdown table: one row per stage, each cell "fixed / adaptive" (medians over repeats)."""
+    head = ["stage (fixed / adaptive)"] + [name for name, _ in COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for stage in result["stages"]:
         cells = [stage]
         for name, fmt in COLUMNS:
+            pair = []
             for mode in MODES:
                 values = sorted(rep[stage][name] for rep in result["results"][mode])
-                cells.append(fmt.format(values[len(values) // 2]) if values else "-")
+                pair.append(fmt.format(values[len(values) // 2]) if values else "-")
+            cells.append(" / ".join(pair))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
