@@ -111,3 +111,11 @@ def test_the_benchmark_clocks_each_budget_stage_and_prints_both_modes_side_by_si
     header, _, row = table(result).splitlines()
     assert header.startswith("| stage (fixed / adaptive) | preemptions | tokens_per_s |")
     assert row.startswith("| budget 6 | 40 / 3 | 1 / 1 |")
+
+
+def test_after_a_decrease_it_waits_for_the_slots_above_to_finish_their_groups():
+    ctl = InFlightController(BAND, start=6)
+    assert decide(ctl, 0.0, 0.95).groups == 5
+    d = decide(ctl, 20.0, 0.95, preemptions=4, busy=6)  # the sixth group is still running: its context is the excess
+    assert (d.groups, d.changed, d.reason) == (5, False, "settling")
+    assert decide(ctl, 21.0, 0.95, busy=5).groups == 4  # settled, still full: cut again (the preemptions are old)
