@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -98,8 +99,8 @@ def table(result: dict) -> str:
         for name, fmt in COLUMNS:
             pair = []
             for mode in MODES:
-                values = sorted(rep[stage][name] for rep in result["results"][mode])
-                pair.append(fmt.format(values[len(values) // 2]) if values else "-")
+                values = [rep[stage][name] for rep in result["results"][mode]]
+                pair.append(fmt.format(statistics.median(values)) if values else "-")
             cells.append(" / ".join(pair))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
