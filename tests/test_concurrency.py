@@ -119,3 +119,19 @@ def test_after_a_decrease_it_waits_for_the_slots_above_to_finish_their_groups():
     d = decide(ctl, 20.0, 0.95, preemptions=4, busy=6)  # the sixth group is still running: its context is the excess
     assert (d.groups, d.changed, d.reason) == (5, False, "settling")
     assert decide(ctl, 21.0, 0.95, busy=5).groups == 4  # settled, still full: cut again (the preemptions are old)
+
+
+def test_the_coordinator_charts_the_groups_in_flight_of_all_actors_and_their_mean_kv_cache_use():
+    from horizonrl.coordinator.health import ProcessHealth
+    from horizonrl.coordinator.metrics import actor_scalars
+
+    health = ProcessHealth(current_pid={("actor", 0): 11, ("actor", 1): 12},
+                           counters={("actor", 0, 11): {"groups_in_flight": 3.0, "kv_cache_usage": 0.4,
+                                                        "engine_preemptions": 5.0},
+                                     ("actor", 0, 10): {"groups_in_flight": 9.0, "kv_cache_usage": 1.0,
+                                                        "engine_preemptions": 2.0},  # a dead incarnation
+                                     ("actor", 1, 12): {"groups_in_flight": 2.0, "kv_cache_usage": 0.8}})
+    scalars = actor_scalars(health, episodes_lost=0.0)
+    assert scalars["rollout/groups_in_flight"] == 5.0  # gauges: the current incarnations only
+    assert abs(scalars["rollout/kv_cache_usage"] - 0.6) < 1e-9
+    assert scalars["rollout/engine_preemptions"] == 7.0  # a counter: every incarnation's
