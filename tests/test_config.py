@@ -71,7 +71,8 @@ SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_lon
 
 LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml",
                     "searchqa_multihop.yaml", "searchqa_multihop_names.yaml"]
-BENCH_CONFIGS = ["bench_heavy_tail.yaml"]  # the training benchmark's long-tailed workload
+BENCH_CONFIGS = ["bench_heavy_tail.yaml",  # the training benchmark's long-tailed workload
+                 "bench_rising_budget.yaml"]  # adaptive vs fixed groups in flight under a rising budget
 PRETRAINED_CONFIGS = ["smollm2_babyai.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
 
 

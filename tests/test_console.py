@@ -208,3 +208,15 @@ def test_a_restarted_learner_keeps_the_last_scalars_on_screen_until_its_next_ste
     console.status(StepStatus(4, 8, {BUFFER_GROUPS: 0.0}, startup=True))  # resumed from the step-4 checkpoint
     lines = console.lines()
     assert "step 4/8" in lines[0] and "buffer 0/16 groups" in lines[2] and "actor died 1" in lines[3]
+
+
+def test_status_block_and_line_show_the_groups_in_flight_and_the_kv_cache():
+    scalars = {**SCALARS, "rollout/groups_in_flight": 6.0, "rollout/kv_cache_usage": 0.734,
+               "rollout/engine_preemptions": 12.0}
+    lines = status_lines(StepStatus(12, 80, scalars), title="run demo", phase="training", elapsed_s=151.0,
+                         eta_s=850.0, width=200)
+    assert lines[3] == "  in flight 6 groups | KV cache 73% | preempted 12"
+    assert len(lines) == 5 and lines[4].startswith("  faults:")
+    assert "| in flight 6 (KV 73%) |" in progress_line(StepStatus(12, 80, scalars))
+    record = parse_status_line(status_record_line(12, 80, scalars))
+    assert record.scalars["rollout/groups_in_flight"] == 6.0 and record.scalars["rollout/engine_preemptions"] == 12.0

@@ -16,7 +16,8 @@ CHARTED = {
     "rollout/weight_versions_skipped", "rollout/weight_stall_s", "rollout/weight_transfer_s", "rollout/weight_load_s",
     "rollout/weight_pause_wait_s", "rollout/continued_requests", "rollout/kept_requests",
     "rollout/lost_stage_messages", "rollout/engine_idle_s_total", "rollout/engine_wall_s_total",
-    "rollout/engine_request_s_total", "rollout/paused_s", "rollout/send_wait_s",
+    "rollout/engine_request_s_total", "rollout/paused_s", "rollout/send_wait_s", "rollout/engine_preemptions",
+    "rollout/in_flight_changes",
 }
 
 

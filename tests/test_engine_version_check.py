@@ -118,6 +118,9 @@ def test_every_entry_names_its_use_and_what_it_checks():
 # ------------------------------------------------------------------ RolloutEngine.start: the check, then the plan
 
 
+STARTED_WITH: list[dict] = []  # the keyword arguments of each AsyncLLM.from_engine_args of started_engine_args
+
+
 def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | None, **engine_settings):
     """The engine arguments RolloutEngine.start builds (AsyncLLM is replaced: nothing starts)."""
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -126,7 +129,8 @@ def started_engine_args(monkeypatch, tensor_parallel_size: int, visible: str | N
     from horizonrl.core.config import EngineConfig
 
     captured = []
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, args: captured.append(args) or object()))
+    monkeypatch.setattr(AsyncLLM, "from_engine_args",
+                        classmethod(lambda cls, args, **kw: captured.append(args) or STARTED_WITH.append(kw) or object()))
     # set, then deleted: monkeypatch then restores the variable as it was (a plain delenv of an unset variable
     # records nothing, and the engine's setdefault below would outlive the test)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
@@ -213,3 +217,23 @@ def test_the_matrix_script_reads_a_tree_on_disk(tmp_path):
     assert set(column["problems"]) == {entry.key for entry in ENGINE_API}
     assert all(problem is None for problem in column["problems"].values())
     assert column["runners"] == ["v1", "v2"] and column["v2_runner_decided_by_config"]
+
+
+def test_the_engine_reports_its_kv_cache_use_where_vllm_has_the_stat_loggers(monkeypatch):
+    """The installed vLLM (0.32) has what the stat logger reads: the engine gives vLLM one that fills its load."""
+    from types import SimpleNamespace
+
+    STARTED_WITH.clear()
+    engine, _ = started_engine_args(monkeypatch, 1, None)
+    (factory,) = STARTED_WITH[-1]["stat_loggers"]
+    factory(None, 0).record(SimpleNamespace(kv_cache_usage=0.7, num_running_reqs=4, num_waiting_reqs=1),
+                            SimpleNamespace(num_preempted_reqs=2))
+    assert (engine.load.kv_cache_usage, engine.load.preemptions, engine.load.reports) == (0.7, 2, 1)
+
+
+def test_without_the_stat_loggers_the_engine_starts_without_them(monkeypatch):
+    tree = resigned({"vllm.v1.metrics.stats": [(r"kv_cache_usage: float", "gpu_cache_usage: float")]})
+    monkeypatch.setattr(engine_api, "installed_source_tree", lambda: tree)
+    STARTED_WITH.clear()
+    engine, _ = started_engine_args(monkeypatch, 1, None)
+    assert "stat_loggers" not in STARTED_WITH[-1] and engine.load.reports == 0

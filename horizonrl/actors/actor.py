@@ -10,7 +10,10 @@ Coroutines on one event loop:
   dropped by the hub, or facing a restarted learner, it joins again.
 - ``_run_groups`` × ``groups_in_flight``: each runs GRPO groups back to back — ``n``
   episodes of one task (the next of the actor's task sequence, ``task_sequence.py``) under
-  one turn budget — and hands every finished episode to the delivery.
+  one turn budget — and hands every finished episode to the delivery. With
+  ``rollout.concurrency.mode=adaptive`` there are ``max_groups`` slots, of which the first
+  ``InFlightController.groups`` run: ``_adapt_in_flight`` moves that number with the engine's
+  KV-cache use (``concurrency.py``); a slot above it finishes its group, then waits.
 - ``delivery.run``: acknowledged, resent-until-acknowledged sends to the buffer, with an
   outbox on disk (``delivery.py``); too many unacknowledged trajectories hold the groups back.
 - ``_heartbeat``: liveness and cumulative counters to the coordinator.
@@ -38,6 +41,7 @@ from collections import defaultdict
 import zmq
 import zmq.asyncio
 
+from horizonrl.actors.concurrency import InFlightBand, InFlightController
 from horizonrl.actors.delivery import MAX_ACK_BYTES, TrajectoryDelivery
 from horizonrl.actors.engine import RolloutEngine
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
@@ -202,6 +206,12 @@ class Actor:
         self.gauges = ActorGauges()
         self._last_sample: dict[str, float] = {}  # env -> when its last episode sample was sent
         r = config.rollout
+        c = r.concurrency
+        # rollout.concurrency.mode=adaptive: how many of the group slots run (None: groups_in_flight, fixed)
+        self.in_flight = (InFlightController(InFlightBand(c.kv_cache_low, c.kv_cache_high, c.min_groups, c.max_groups,
+                                                          c.hold_s), start=r.groups_in_flight)
+                          if c.mode == "adaptive" else None)
+        self.groups_running = 0
         self.sampling = SamplingSettings(r.temperature, r.top_p, r.max_tokens_per_turn, r.max_context_tokens,
                                          r.system_prompt, r.turn_timeout_s, r.episode_timeout_s)
         net = config.network
@@ -255,8 +265,10 @@ class Actor:
         if self.config.rollout.synchronous:
             workers = [asyncio.create_task(self._run_synchronous(), name="synchronous")]
         else:
-            workers = [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}")
-                       for slot in range(self.config.rollout.groups_in_flight)]
+            slots = self.in_flight.band.max_groups if self.in_flight else self.config.rollout.groups_in_flight
+            workers = [asyncio.create_task(self._run_groups(slot), name=f"groups-{slot}") for slot in range(slots)]
+            if self.in_flight:
+                services.append(asyncio.create_task(self._adapt_in_flight(), name="in-flight"))
         try:
             while not self.stop and not (self.control and self.control.stop):
                 for t in services + workers:
@@ -461,8 +473,36 @@ class Actor:
         log.debug("weights %s: stall %.3f s (receive %.3f s, load %.3f s; before it, %.3f s to end a step)",
                   self.weights, update.stall_s, update.receive_s, update.load_s, update.pause_wait_s)
 
+    @property
+    def groups_in_flight(self) -> int:
+        """How many group slots run now: the controller's number, or rollout.groups_in_flight."""
+        return self.in_flight.groups if self.in_flight else self.config.rollout.groups_in_flight
+
+    async def _adapt_in_flight(self) -> None:
+        """rollout.concurrency.mode=adaptive: move the number of groups in flight with the engine's KV-cache use
+        (concurrency.py), and say so when it changes."""
+        load, interval = self.engine.load, self.config.rollout.concurrency.interval_s
+        warned, began = False, time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            decision = self.in_flight.decide(now=time.monotonic(), peak_usage=load.take_peak(),
+                                             preemptions=load.preemptions, busy_groups=self.groups_running,
+                                             reporting=load.reports > 0)
+            if decision.changed:
+                log.info("groups in flight: %d (%s; KV cache %.0f%% used, %d requests preempted so far)",
+                         decision.groups, decision.reason.replace("_", " "), 100 * load.kv_cache_usage,
+                         load.preemptions)
+            elif decision.reason == "no_report" and not warned and time.monotonic() - began > 60:
+                warned = True
+                log.warning("rollout.concurrency.mode=adaptive, but the engine reports no KV-cache use (vLLM %s): "
+                            "the groups in flight stay at %d", self.engine.api.version if self.engine.api else "?",
+                            decision.groups)
+
     async def _run_groups(self, slot: int) -> None:
         while not self.stop and not self.control.stop:
+            if slot >= self.groups_in_flight:  # adaptive: this slot is above the number in flight now
+                await asyncio.sleep(0.05)
+                continue
             if self.evaluating:
                 await asyncio.sleep(0.05)
                 continue
@@ -495,6 +535,13 @@ class Actor:
             self.counters.weights_wait_s += time.monotonic() - start
 
     async def _run_group(self) -> None:
+        self.groups_running += 1
+        try:
+            await self._play_group()
+        finally:
+            self.groups_running -= 1
+
+    async def _play_group(self) -> None:
         task = self.tasks.next()
         max_turns = self.control.max_turns  # one budget for the whole group
         n = self.config.rollout.n
@@ -638,6 +685,10 @@ class Actor:
         self.counters.lost_stage_messages = e.lost_stage_messages
         self.counters.engine_idle_s, self.counters.engine_wall_s = e.clock.idle_s, e.clock.wall_s
         self.counters.engine_request_s = e.clock.unit_s
+        self.counters.engine_preemptions = e.load.preemptions
+        self.counters.in_flight_changes = self.in_flight.changes if self.in_flight else 0
+        self.gauges.groups_in_flight = self.groups_in_flight
+        self.gauges.kv_cache_usage = e.load.kv_cache_usage
         self.gauges.unacknowledged = len(self.delivery.unacked)
         self.gauges.weight_epoch, self.gauges.weight_version = self.weights
         return self.counters, self.delivery.counters, self.gauges

@@ -18,7 +18,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from horizonrl.actors.engine_api import EngineApi, EngineVersionError, check_engine_api
+from horizonrl.actors.concurrency import EngineLoad, load_logger_factory
+from horizonrl.actors.engine_api import ENGINE_LOAD_KEYS, EngineApi, EngineVersionError, check_engine_api
 from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.programs import VLLM_WORKER_EXTENSION
 from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
@@ -130,8 +131,12 @@ class RolloutEngine:
     its first salt, so it reuses its own context's blocks as described above.
     """
 
-    def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep", api: EngineApi | None = None) -> None:
+    def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep", api: EngineApi | None = None,
+                 load: EngineLoad | None = None) -> None:
         self._llm = llm
+        # The scheduler's KV-cache use and preemptions (actors/concurrency.py), filled by the stat logger start()
+        # gives vLLM where the installed vLLM has it; ``load.reports`` stays 0 otherwise.
+        self.load = load or EngineLoad()
         self.on_gpu = on_gpu
         # rollout.engine.on_weight_update: keep | resubmit | recompute (the class docstring)
         self.on_weight_update = on_weight_update
@@ -186,6 +191,9 @@ class RolloutEngine:
         from horizonrl.core.precision import resolve_engine_dtype
 
         api = check_engine_api()  # before a minute of start-up, not in the first weight update
+        if engine.num_kv_blocks is not None and not api.has("kv_blocks_override"):
+            raise ConfigError(f"rollout.engine.num_kv_blocks needs vLLM's num_gpu_blocks_override, which vLLM "
+                              f"{api.version} lacks: {api.problems.get('kv_blocks_override')}")
         if v1_model_runner_needed(api, engine.on_weight_update):
             use_v1_model_runner(api, engine.on_weight_update)
         gpus = visible_gpus(os.environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -216,19 +224,23 @@ class RolloutEngine:
             enforce_eager=engine.enforce_eager,
             enable_prefix_caching=engine.enable_prefix_caching,
             **({"block_size": engine.block_size} if engine.block_size is not None else {}),
+            **({"num_gpu_blocks_override": engine.num_kv_blocks} if engine.num_kv_blocks is not None else {}),
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=VLLM_WORKER_EXTENSION,
             tensor_parallel_size=tp,
             # One worker process per shard; with one shard vLLM's default (a single worker) stays.
             distributed_executor_backend="mp" if tp > 1 else None,
-            disable_log_stats=True,
+            disable_log_stats=True,  # vLLM's own loggers off; the stat logger below still gets the scheduler's stats
         )
+        load = EngineLoad()
+        reports_load = all(api.has(key) for key in ENGINE_LOAD_KEYS)
+        stat_loggers = {"stat_loggers": [load_logger_factory(load)]} if reports_load else {}
         with starting_on_cpus(cpus):
             # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (likely an
             # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
             # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
-            return cls(AsyncLLM.from_engine_args(args), on_gpu, engine.on_weight_update, api)
+            return cls(AsyncLLM.from_engine_args(args, **stat_loggers), on_gpu, engine.on_weight_update, api, load)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:

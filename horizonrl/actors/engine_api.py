@@ -142,6 +142,19 @@ ENGINE_API: tuple[ApiEntry, ...] = (
           "loading received weights into the live engine", runner="v2"),
     _attr("v2_get_model", V2_RUNNER, "GPUModelRunner", "get_model", "the model a version is loaded into",
           runner="v2"),
+    # The scheduler's KV-cache use and preemptions (rollout.concurrency.mode=adaptive; actors/concurrency.py): a
+    # stat logger vLLM calls in the client process. Without them the engine reports nothing and the adaptive
+    # number of groups in flight stays where it started.
+    _call("kv_blocks_override", "vllm.engine.arg_utils", "AsyncEngineArgs", "", ("num_gpu_blocks_override",),
+          "a KV cache of rollout.engine.num_kv_blocks blocks", needed=False),
+    _call("stat_loggers", ASYNC_LLM, "AsyncLLM", "from_engine_args", ("engine_args", "stat_loggers"),
+          "reporting the engine's KV-cache use and preemptions", needed=False),
+    _call("stat_logger_record", "vllm.v1.metrics.loggers", "StatLoggerBase", "record",
+          ("scheduler_stats", "iteration_stats"), "reporting the engine's KV-cache use and preemptions", needed=False),
+    _call("scheduler_kv_usage", "vllm.v1.metrics.stats", "SchedulerStats", "",
+          ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs"), "the engine's KV-cache use", needed=False),
+    _attr("iteration_preemptions", "vllm.v1.metrics.stats", "IterationStats", "num_preempted_reqs",
+          "the engine's preemptions", needed=False),
     _attr("is_cpu", "vllm.platforms.interface", "Platform", "is_cpu", "choosing the CPU's in-place load",
           platform="cpu", needed=False),
     _call("cpu_process_weights", "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
@@ -151,6 +164,10 @@ ENGINE_API: tuple[ApiEntry, ...] = (
           ("layer", "remove_weight"), "repacking the CPU's linear layers after an in-place load",
           platform="cpu", needed=False),
 )
+
+
+# What RolloutEngine.load needs (all of them, or the engine does not report its load).
+ENGINE_LOAD_KEYS = ("stat_loggers", "stat_logger_record", "scheduler_kv_usage", "iteration_preemptions")
 
 
 @dataclass(frozen=True)

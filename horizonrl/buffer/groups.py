@@ -25,6 +25,24 @@ the step the next epoch of the lineage resumed from (or the current version, for
 epoch). A group with a turn that is not — its weights were discarded when the learner restarted
 from an earlier checkpoint — is dropped (``discarded_branch``); staleness counts only ancestors.
 Version 0, the starting model, is the same weights in every epoch.
+
+Staleness (``staleness_rule``). ``oldest_token``: a group is as old as its oldest token, and
+``learner_version - oldest > max_staleness`` drops it. A group is complete only when its longest episode
+ends, so under that rule the age of a group grows with its length and a tight bound drops the long
+episodes first (docs/benchmarks.md: 408 of 960 at ``max_staleness`` 2). ``completion``: ``max_staleness``
+bounds the group's *newest* token — how long the group has waited since its last turn was generated,
+which the buffer and the learner control — and ``max_start_staleness`` (default 3 × ``max_staleness``)
+bounds its oldest, the episode's start: the tokens in between are corrected by the loss's ratio to the
+behaviour logprobs each trajectory carries (``learner/policy_loss.py``: clipped, or truncated importance
+weights with the decoupled loss), which is what that correction is for; the start bound keeps the
+share of tokens it has to clip small.
+
+The turn budget (``on_budget_change``). Every trajectory carries the budget it was played under
+(``Trajectory.max_turns``); the budget a batch trains under is ``budget.budget_after(learner_version)``
+(``core/schedule.py``), a pure function of the learner version, so a replay decides the same way.
+``keep`` trains on groups of an earlier budget; ``drop_previous_budget`` drops a group with a member
+played under a smaller budget than the batch's (``previous_budget``), so each stage trains only on
+episodes that could use its whole budget (a group a step ahead of the learner's stage is kept).
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import FAILURE_NONE, Trajectory
 from horizonrl.protocol.counters import BufferGauges, heartbeat_counters
 
@@ -45,6 +64,13 @@ DROP_TIMEOUT = "group_timeout"
 DROP_TOO_SMALL = "group_too_small"
 DROP_DISCARDED_BRANCH = "discarded_branch"
 DROP_FUTURE = "future_version"
+DROP_PREVIOUS_BUDGET = "previous_budget"
+
+# buffer.staleness_rule and buffer.on_budget_change (the module docstring)
+STALENESS_OLDEST_TOKEN = "oldest_token"
+STALENESS_COMPLETION = "completion"
+BUDGET_KEEP = "keep"
+BUDGET_DROP_PREVIOUS = "drop_previous_budget"
 
 # Rejections the group state decides (the rest: protocol/validation.py).
 REJECT_GROUP_MISMATCH = "group_mismatch"
@@ -86,9 +112,17 @@ class GroupBuffer:
         skip_equal_reward_groups: bool,
         group_timeout_s: float,
         clock=time.monotonic,
+        staleness_rule: str = STALENESS_OLDEST_TOKEN,
+        max_start_staleness: int | None = None,
+        on_budget_change: str = BUDGET_KEEP,
+        budget: TurnBudgetSchedule | None = None,
     ) -> None:
         self.capacity_groups = capacity_groups
         self.max_staleness = max_staleness
+        self.staleness_rule = staleness_rule
+        self.max_start_staleness = max_start_staleness
+        self.on_budget_change = on_budget_change
+        self.budget = budget  # None: the buffer does not know the schedule (no budget rule applies)
         self.skip_equal_reward_groups = skip_equal_reward_groups
         self.group_timeout_s = group_timeout_s
         self._clock = clock
@@ -252,7 +286,7 @@ class GroupBuffer:
             if reason is None:
                 kept.append((gid, members))
             else:
-                self._drop(members, DROP_EQUAL_REWARDS if reason == DROP_STALE else reason)
+                self._drop(members, DROP_EQUAL_REWARDS if reason in (DROP_STALE, DROP_PREVIOUS_BUDGET) else reason)
         self._equal = kept
 
     def _unusable_reason(self, members: list[Trajectory], learner_version: int) -> str | None:
@@ -260,14 +294,28 @@ class GroupBuffer:
         current_epoch = self.lineage[-1][0]
         limits = {epoch: (self.lineage[i + 1][1] if i + 1 < len(self.lineage) else learner_version)
                   for i, (epoch, _) in enumerate(self.lineage)}
-        oldest = learner_version
+        oldest, newest = learner_version, 0
         for t in members:
             for epoch, version in t.weight_keys():
                 # version 0 is the starting model: the same weights in every epoch
                 if version != 0 and (epoch not in limits or version > limits[epoch]):
                     return DROP_FUTURE if epoch == current_epoch or epoch > current_epoch else DROP_DISCARDED_BRANCH
-                oldest = min(oldest, version)
-        return DROP_STALE if learner_version - oldest > self.max_staleness else None
+                oldest, newest = min(oldest, version), max(newest, version)
+        if self._stale(learner_version - oldest, learner_version - newest):
+            return DROP_STALE
+        if self.on_budget_change == BUDGET_DROP_PREVIOUS and self.budget is not None:
+            batch_budget = self.budget.budget_after(learner_version)
+            if any(t.max_turns < batch_budget for t in members):
+                return DROP_PREVIOUS_BUDGET
+        return None
+
+    def _stale(self, start_age: int, completion_age: int) -> bool:
+        """Whether a group whose oldest token is ``start_age`` versions old and newest ``completion_age`` is
+        too stale under ``staleness_rule`` (the module docstring)."""
+        if self.staleness_rule == STALENESS_OLDEST_TOKEN:
+            return start_age > self.max_staleness
+        start_bound = self.max_start_staleness if self.max_start_staleness is not None else 3 * self.max_staleness
+        return completion_age > self.max_staleness or start_age > start_bound
 
     def _drop(self, members: list[Trajectory], reason: str) -> None:
         self.dropped[reason] += len(members)

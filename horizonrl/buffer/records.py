@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from horizonrl.buffer.groups import GroupBuffer
+from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.protocol import Trajectory
 
 
@@ -56,6 +57,22 @@ class Settings(msgspec.Struct, tag="settings"):
     capacity_groups: int
     max_staleness: int
     skip_equal_reward_groups: bool
+    # Added with issue 42 (defaults: what a log written before decided by).
+    staleness_rule: str = "oldest_token"
+    max_start_staleness: int | None = None
+    on_budget_change: str = "keep"
+    budget_kind: str = ""  # the turn-budget schedule (core/schedule.py); "" none
+    budget_rounds: list[int] = []
+    budget_steps_per_stage: int = 1
+
+
+def settings_of(buffer: GroupBuffer) -> Settings:
+    """The decision settings ``buffer`` holds now, as a record (to compare with a start's)."""
+    budget = buffer.budget
+    return Settings(buffer.capacity_groups, buffer.max_staleness, buffer.skip_equal_reward_groups,
+                    buffer.staleness_rule, buffer.max_start_staleness, buffer.on_budget_change,
+                    budget.kind if budget else "", list(budget.rounds) if budget else [],
+                    budget.steps_per_stage if budget else 1)
 
 
 class Resolved(msgspec.Struct, tag="resolved"):
@@ -121,6 +138,10 @@ def apply(buffer: GroupBuffer, record: Record):
         buffer.capacity_groups = record.capacity_groups
         buffer.max_staleness = record.max_staleness
         buffer.skip_equal_reward_groups = record.skip_equal_reward_groups
+        buffer.staleness_rule, buffer.max_start_staleness = record.staleness_rule, record.max_start_staleness
+        buffer.on_budget_change = record.on_budget_change
+        buffer.budget = (TurnBudgetSchedule(record.budget_kind, tuple(record.budget_rounds),
+                                            record.budget_steps_per_stage) if record.budget_kind else None)
     elif isinstance(record, Resolved):
         buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate)
     elif isinstance(record, Rejected):

@@ -29,7 +29,6 @@ import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from horizonrl.buffer.groups import GroupBuffer
@@ -46,12 +45,14 @@ from horizonrl.buffer.records import (
     compacted,
     decode_record,
     encode_record,
+    settings_of,
 )
 from horizonrl.buffer.wal import WriteAheadLog
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
+from horizonrl.core.schedule import TurnBudgetSchedule
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (
     ACK_ACCEPTED,
@@ -107,12 +108,14 @@ class BufferServer:
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
+        budget = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
         self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
-        settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups)
-        replayed = (self.groups.capacity_groups, self.groups.max_staleness, self.groups.skip_equal_reward_groups)
-        if self.recovered_records == 0 or replayed != tuple(msgspec.structs.astuple(settings)):
+        settings = Settings(cfg.capacity_groups, cfg.max_staleness, cfg.skip_equal_reward_groups, cfg.staleness_rule,
+                            cfg.max_start_staleness, cfg.on_budget_change, budget.kind, list(budget.rounds),
+                            budget.steps_per_stage)
+        if self.recovered_records == 0 or settings_of(self.groups) != settings:
             self._log(settings)
         self.bad_messages: Counter[str] = Counter()
         self.messages_read: Counter[str] = Counter()  # per socket: every message is read once and counted

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from horizonrl.coordinator.health import ProcessHealth, RolloutWindow
 from horizonrl.protocol import FAILURE_ACTOR_LOST
-from horizonrl.protocol.counters import ActorCounters, DeliveryCounters, charted
+from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, charted
 
 
 def actor_scalars(health: ProcessHealth, episodes_lost: float) -> dict[str, float]:
@@ -17,6 +17,13 @@ def actor_scalars(health: ProcessHealth, episodes_lost: float) -> dict[str, floa
     scalars = {**charted(actors), **charted(health.total(DeliveryCounters))}
     # The episodes a dead actor was playing: infrastructure failures the fault ledger counted.
     scalars[f"rollout/failures/{FAILURE_ACTOR_LOST}"] = episodes_lost
+    # The groups the actors keep in flight now (rollout.concurrency: fixed, or adapted to the engines' KV-cache use)
+    # and the engines' mean KV-cache use.
+    gauges = health.gauges(ActorGauges)
+    live = sum(1 for role, _ in health.current_pid if role == ActorGauges.role)
+    scalars["rollout/groups_in_flight"] = gauges.groups_in_flight
+    if live:
+        scalars["rollout/kv_cache_usage"] = gauges.kv_cache_usage / live
     # The agent's own errors: turns whose reply named no valid action (the environment said so and went on).
     if actors.completed_turns:
         scalars["rollout/agent/invalid_action_rate"] = actors.invalid_actions / actors.completed_turns

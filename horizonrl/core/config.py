@@ -90,6 +90,9 @@ class EnvSpec(_Frozen):
 
 class EngineConfig(_Frozen):
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="the engine's KV-cache blocks (vLLM's num_gpu_blocks_override), instead of what its "
+                                "memory gives: the benchmarks make a small cache to see preemptions (docs/horizon.md)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     enforce_eager: bool = True
     max_num_seqs: int = Field(128, ge=1)
@@ -134,6 +137,34 @@ class EngineConfig(_Frozen):
         return data
 
 
+class ConcurrencyConfig(_Frozen):
+    """How many groups each actor keeps in flight (actors/concurrency.py, docs/horizon.md)."""
+
+    mode: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: rollout.groups_in_flight; adaptive: start there and keep the engine's KV-cache "
+                             "use between kv_cache_low and kv_cache_high, within min_groups..max_groups (fewer "
+                             "groups when the engine preempts), as a rising turn budget lengthens the contexts")
+    kv_cache_low: float = Field(0.6, ge=0, lt=1, description="adaptive: below this share of KV blocks in use, add a "
+                                "group (when every slot is busy)")
+    kv_cache_high: float = Field(0.9, gt=0, le=1, description="adaptive: above this, or on a preemption, remove a "
+                                 "quarter of the groups")
+    min_groups: int = Field(1, ge=1)
+    max_groups: int = Field(16, ge=1)
+    hold_s: float = Field(5.0, ge=0, description="adaptive: seconds after a change before the next one (the cache "
+                          "fills turns after a group starts)")
+    interval_s: float = Field(0.5, gt=0, description="adaptive: seconds between two decisions")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ConcurrencyConfig":
+        if self.kv_cache_low >= self.kv_cache_high:
+            raise ValueError(f"rollout.concurrency.kv_cache_low ({self.kv_cache_low}) must be below kv_cache_high "
+                             f"({self.kv_cache_high})")
+        if self.min_groups > self.max_groups:
+            raise ValueError(f"rollout.concurrency.min_groups ({self.min_groups}) must be at most max_groups "
+                             f"({self.max_groups})")
+        return self
+
+
 class RolloutConfig(_Frozen):
     num_actors: int = Field(2, ge=1)
     n: int = Field(8, ge=1, description="episodes per task: the GRPO group size (AgentGym-RL: rollout.n)")
@@ -162,6 +193,7 @@ class RolloutConfig(_Frozen):
     weight_sync_every: int = Field(1, ge=1, description="the learner sends its weights to the engines every N "
                                    "learner steps (and after its last); buffer.max_staleness must be at least N - 1")
     engine: EngineConfig = EngineConfig()
+    concurrency: ConcurrencyConfig = ConcurrencyConfig()
 
 
 class RoundsCtrlConfig(_Frozen):
@@ -279,6 +311,16 @@ class BufferConfig(_Frozen):
                                   "trajectories) when the log grows past this")
     future_hold_s: float = Field(60.0, gt=0, description="a trajectory whose weight version the buffer has not heard "
                                  "of yet waits this long for it, then is rejected as from the future")
+    on_budget_change: Literal["keep", "drop_previous_budget"] = Field(
+        "keep", description="when the turn budget rises (algorithm.rounds_ctrl), keep groups played under the previous "
+                            "budget, or drop them (counted as previous_budget): docs/horizon.md")
+    staleness_rule: Literal["oldest_token", "completion"] = Field(
+        "oldest_token", description="oldest_token: a group is as old as its oldest token (max_staleness bounds it); "
+                                    "completion: max_staleness bounds the group's newest token (how long it waited "
+                                    "once complete) and max_start_staleness its oldest (docs/horizon.md)")
+    max_start_staleness: int | None = Field(
+        None, ge=0, description="with staleness_rule=completion: the bound on a group's oldest token (None: 3 x "
+                                "max_staleness); the loss's off-policy correction carries the older turns")
 
 
 class NetworkConfig(_Frozen):

@@ -108,20 +108,23 @@ def _fault_count(scalars: Mapping[str, float]) -> float:
 def progress_line(status: StepStatus, *, eta_s: float | None = None) -> str:
     """One plain line for a learner step (no cursor codes): it starts with ``step N/TOTAL |``."""
     s = status.scalars
+    in_flight = (f" | in flight {_value(s, 'rollout/groups_in_flight', '{:.0f}')} (KV "
+                 f"{_value(s, 'rollout/kv_cache_usage', '{:.0%}')})" if "rollout/groups_in_flight" in s else "")
     return (
         f"step {status.step}/{status.total} | reward {_value(s, 'batch/reward_mean')} | success {_success(s)}"
         f" | turns {_value(s, 'batch/turns_mean', '{:.1f}')} | max_turns {_value(s, 'schedule/max_turns', '{:.0f}')}"
         f" | staleness {_value(s, 'batch/staleness_mean')}"
         f" | rollout {_value(s, 'rollout/tokens_per_s', '{:.0f}')} tok/s"
         f" | learner {_value(s, 'throughput/learner_tokens_per_s', '{:.0f}')} tok/s | step {_value(s, 'time/step_s')} s"
-        f" | buffer {_buffer(s)} | dropped {_value(s, 'buffer/dropped_total', '{:.0f}')}"
+        f" | buffer {_buffer(s)} | dropped {_value(s, 'buffer/dropped_total', '{:.0f}')}{in_flight}"
         f" | died {_fault_count(s):.0f} | eta {format_duration(eta_s)}"
     )
 
 
 def status_lines(status: StepStatus, *, title: str, phase: str, elapsed_s: float, eta_s: float | None,
                  width: int = 100) -> list[str]:
-    """The live block: four lines, none longer than ``width`` (a wrapped line would break the redraw)."""
+    """The live block: four lines (five with the actors' groups in flight), none longer than ``width`` (a
+    wrapped line would break the redraw)."""
     s = status.scalars
     done = min(1.0, status.step / status.total) if status.total > 0 else 0.0
     filled = int(done * BAR_WIDTH)
@@ -137,6 +140,10 @@ def status_lines(status: StepStatus, *, title: str, phase: str, elapsed_s: float
         f"buffer {_buffer(s)} groups, dropped {_value(s, 'buffer/dropped_total', '{:.0f}')}",
         f"  faults: {fault_summary(s)}",
     ]
+    if "rollout/groups_in_flight" in s:  # the actors' concurrency (rollout.concurrency), before the faults
+        lines.insert(3, f"  in flight {_value(s, 'rollout/groups_in_flight', '{:.0f}')} groups | KV cache "
+                        f"{_value(s, 'rollout/kv_cache_usage', '{:.0%}')} | preempted "
+                        f"{_value(s, 'rollout/engine_preemptions', '{:.0f}')}")
     width = max(MIN_WIDTH, width)
     return [line if len(line) <= width else line[:width - 3] + "..." for line in lines]
 

@@ -85,6 +85,10 @@ class ActorCounters(msgspec.Struct, kw_only=True):
     engine_wall_s: Annotated[float, scalar("rollout/engine_wall_s_total")] = 0.0
     engine_request_s: Annotated[float, scalar("rollout/engine_request_s_total")] = 0.0
     paused_s: Annotated[float, scalar("rollout/paused_s")] = 0.0  # the coordinator paused the rollout
+    # the engine's KV cache (rollout.concurrency, actors/concurrency.py): requests it preempted (dropped their KV
+    # blocks to recompute them later), and how often the adaptive number of groups in flight changed
+    engine_preemptions: Annotated[float, scalar("rollout/engine_preemptions")] = 0.0
+    in_flight_changes: Annotated[float, scalar("rollout/in_flight_changes")] = 0.0
     # held-out evaluations during training (eval.every)
     eval_runs: float = 0.0
     eval_episodes: float = 0.0
@@ -138,6 +142,8 @@ class ActorGauges(msgspec.Struct, kw_only=True):
     unacknowledged: float = 0.0  # trajectories sent that the buffer has not acknowledged
     weight_epoch: float = 0.0  # the weights its engine holds
     weight_version: float = 0.0
+    groups_in_flight: float = 0.0  # group slots running (rollout.concurrency)
+    kv_cache_usage: float = 0.0  # the engine's share of KV blocks in use, 0-1 (0 where it does not report it)
 
 
 class BufferGauges(msgspec.Struct, kw_only=True):

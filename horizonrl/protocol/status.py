@@ -15,7 +15,8 @@ STATUS_PREFIX = "status "
 STATUS_KEYS = (
     "batch/reward_mean", "rollout/success_rate", "batch/success_mean", "batch/turns_mean", "schedule/max_turns",
     "schedule/next_max_turns", "batch/staleness_mean", "rollout/tokens_per_s", "throughput/learner_tokens_per_s",
-    "time/step_s", "buffer/dropped_total",
+    "time/step_s", "buffer/dropped_total", "rollout/groups_in_flight", "rollout/kv_cache_usage",
+    "rollout/engine_preemptions",
 )
 STATUS_KEY_PREFIXES = ("faults/", "rollout/failures/")
 BUFFER_GROUPS = "status/buffer_groups"  # ready groups in the buffer when the step was reported
