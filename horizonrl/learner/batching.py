@@ -17,7 +17,8 @@ What enters the step (``samples_from_batch``), and why the rest does not:
   a batch selected for having no signal. Such groups are left out of the step entirely — DAPO's
   dynamic-sampling rule (arXiv 2503.14476, §3.2), applied where the buffer's equal-reward
   fallback lets them through. The token-level estimators (reinforce_plus_plus, gae) keep them:
-  their advantages are not zero.
+  their advantages are not zero. With the turn-level estimator (gigpo) a group is left out on the
+  same ground only when every turn's advantage is 0: equal returns may still differ turn by turn.
 Each exclusion is counted (:class:`BatchAccounting`).
 """
 
@@ -29,6 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from horizonrl.learner.advantages import OUTCOME_ESTIMATORS, outcome_advantages, place_token_rewards, token_advantages
+from horizonrl.learner.turn_advantages import (
+    TURN_ESTIMATORS,
+    GiGPOSettings,
+    episode_turns,
+    gigpo_turn_advantages,
+    turn_token_advantages,
+)
 from horizonrl.protocol import FAILURE_NONE, Batch, Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
 
@@ -40,7 +48,8 @@ class Sample:
     """One trajectory as tensors. token_ids/loss_mask/behaviour_logprobs/token_rewards: (L,).
 
     ``advantage`` is the outcome estimators' A_i (grpo, rloo); the token-level estimators
-    (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0.
+    (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0; the turn-level
+    estimator (gigpo) puts each turn's A_{i,k} on that turn's tokens in ``token_advantages``.
     """
 
     token_ids: torch.Tensor
@@ -49,6 +58,7 @@ class Sample:
     advantage: float
     token_rewards: torch.Tensor | None = None
     group: int = 0  # index of its group among the step's groups that train (for mini-batches)
+    token_advantages: torch.Tensor | None = None  # (L,) per-turn A_t (gigpo); replaces ``advantage`` when set
 
     @property
     def num_tokens(self) -> int:
@@ -113,11 +123,12 @@ class BatchAccounting:
         return out
 
 
-def samples_from_batch(batch: Batch, norm_adv_by_std: bool,
-                       estimator: str = "grpo") -> tuple[list[Sample], BatchAccounting]:
+def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo",
+                       gigpo: GiGPOSettings | None = None) -> tuple[list[Sample], BatchAccounting]:
     """One Sample per trajectory that trains (see the module docstring for what does not), with its
-    group's outcome advantage (grpo, rloo) or 0 (the token-level estimators start from the
-    per-token rewards every Sample carries)."""
+    group's outcome advantage (grpo, rloo), its per-turn advantages (gigpo, with ``gigpo`` or the
+    paper's defaults) or 0 (the token-level estimators start from the per-token rewards every Sample
+    carries)."""
     samples: list[Sample] = []
     accounting = BatchAccounting()
     for group in batch.groups:
@@ -133,18 +144,24 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool,
                 members.append(trajectory)
         if not members:
             continue
-        if estimator in OUTCOME_ESTIMATORS:
-            if len({t.reward for t in members}) == 1:  # a single member, or all rewards equal: A = 0 everywhere
-                accounting.zero_signal += len(members)
-                for trajectory in members:
-                    accounting.note("zero_signal", trajectory)
-                continue
+        if estimator in TURN_ESTIMATORS:
+            group_samples = _turn_level_samples(members, gigpo or GiGPOSettings(norm_by_std=norm_adv_by_std),
+                                                accounting.groups_trained)
+        elif estimator in OUTCOME_ESTIMATORS and len({t.reward for t in members}) > 1:
             rewards = torch.tensor([t.reward for t in members])
             advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
+            group_samples = [_sample(t, a, accounting.groups_trained) for t, a in zip(members, advantages)]
+        elif estimator in OUTCOME_ESTIMATORS:
+            group_samples = []  # a single member, or all rewards equal: A = 0 everywhere
         else:
-            advantages = [0.0] * len(members)
-        for trajectory, advantage in zip(members, advantages):
-            samples.append(_sample(trajectory, advantage, accounting.groups_trained))
+            group_samples = [_sample(t, 0.0, accounting.groups_trained) for t in members]
+        if not group_samples:
+            accounting.zero_signal += len(members)
+            for trajectory in members:
+                accounting.note("zero_signal", trajectory)
+            continue
+        samples += group_samples
+        for trajectory in members:
             accounting.note("trained", trajectory)
         accounting.groups_trained += 1
         accounting.trained += len(members)
@@ -164,6 +181,19 @@ def mini_batches(samples: list[Sample], groups_per_mini_batch: int | None) -> li
     for sample in samples:
         cuts.setdefault(sample.group // groups_per_mini_batch, []).append(sample)
     return [cuts[k] for k in sorted(cuts)]
+
+
+def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings, group: int) -> list[Sample]:
+    """The group's Samples with GiGPO's per-turn advantages on their tokens; none when every advantage is 0."""
+    episodes = [episode_turns(unpack(t.token_ids, TOKEN_DTYPE), t.turn_spans, t.turn_rewards, t.reward)
+                for t in members]
+    per_turn = gigpo_turn_advantages(episodes, settings)
+    if all(not bool(a.any()) for a in per_turn):
+        return []
+    samples = [_sample(t, 0.0, group) for t in members]
+    for sample, trajectory, advantages in zip(samples, members, per_turn):
+        sample.token_advantages = turn_token_advantages(sample.loss_mask, trajectory.turn_spans, advantages)
+    return samples
 
 
 def _sample(trajectory: Trajectory, advantage: float, group: int) -> Sample:
@@ -246,6 +276,9 @@ def collate(samples: list[Sample]) -> MicroBatch:
             rewards[row, :n] = sample.token_rewards
     loss_mask[:, 0] = 0  # the first token has no prediction
     advantages = token_advantages(torch.tensor([s.advantage for s in samples]), loss_mask)
+    for row, sample in enumerate(samples):
+        if sample.token_advantages is not None:  # turn-level: A_t per token instead of one A_i per row
+            advantages[row, :sample.num_tokens] = sample.token_advantages * loss_mask[row, :sample.num_tokens]
     return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards)
 
 

@@ -35,6 +35,7 @@ from horizonrl.core.placement import (choose_backends, is_colocated, learner_dev
 from horizonrl.core.run_dirs import RunDir, read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.learner.batching import samples_from_batch
+from horizonrl.learner.turn_advantages import GiGPOSettings
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
                                     run_training)
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
@@ -322,7 +323,7 @@ def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, de
 
     def train(batch: Batch) -> StepOutcome:
         samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
-                                                 config.algorithm.adv_estimator)
+                                                 config.algorithm.adv_estimator, GiGPOSettings.from_config(config))
         steps[0] += 1
         with watchdog.step(steps[0]) if watchdog is not None else nullcontext():
             metrics = train_on_batch(
