@@ -36,6 +36,7 @@ from horizonrl.learner.turn_advantages import (
     episode_turns,
     gigpo_turn_advantages,
     turn_token_advantages,
+    turns_sharing_a_state,
 )
 from horizonrl.protocol import FAILURE_NONE, Batch, Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
@@ -106,6 +107,8 @@ class BatchAccounting:
     no_generated_tokens: int = 0
     zero_signal: int = 0  # in groups whose rewards are all equal (outcome estimators)
     groups_trained: int = 0
+    turns: int = 0  # gigpo: turns of the groups that train, and those sharing their anchor state with another turn
+    turns_in_step_groups: int = 0
     ids: dict[str, list[str]] = field(default_factory=dict)  # "trained" or the reason left out -> trajectory ids
 
     def note(self, outcome: str, trajectory: Trajectory) -> None:
@@ -120,6 +123,8 @@ class BatchAccounting:
             "batch/zero_signal_skipped": float(self.zero_signal),
         }
         out.update({f"batch/failed_skipped_{kind}": float(n) for kind, n in self.failed.items()})
+        if self.turns:
+            out["batch/turns_in_step_groups"] = self.turns_in_step_groups / self.turns
         return out
 
 
@@ -146,7 +151,7 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "gr
             continue
         if estimator in TURN_ESTIMATORS:
             group_samples = _turn_level_samples(members, gigpo or GiGPOSettings(norm_by_std=norm_adv_by_std),
-                                                accounting.groups_trained)
+                                                accounting)
         elif estimator in OUTCOME_ESTIMATORS and len({t.reward for t in members}) > 1:
             rewards = torch.tensor([t.reward for t in members])
             advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
@@ -183,14 +188,17 @@ def mini_batches(samples: list[Sample], groups_per_mini_batch: int | None) -> li
     return [cuts[k] for k in sorted(cuts)]
 
 
-def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings, group: int) -> list[Sample]:
+def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings,
+                        accounting: BatchAccounting) -> list[Sample]:
     """The group's Samples with GiGPO's per-turn advantages on their tokens; none when every advantage is 0."""
     episodes = [episode_turns(unpack(t.token_ids, TOKEN_DTYPE), t.turn_spans, t.turn_rewards, t.reward)
                 for t in members]
     per_turn = gigpo_turn_advantages(episodes, settings)
     if all(not bool(a.any()) for a in per_turn):
         return []
-    samples = [_sample(t, 0.0, group) for t in members]
+    accounting.turns += sum(len(e.state_keys) for e in episodes)
+    accounting.turns_in_step_groups += turns_sharing_a_state([e.state_keys for e in episodes])
+    samples = [_sample(t, 0.0, accounting.groups_trained) for t in members]
     for sample, trajectory, advantages in zip(samples, members, per_turn):
         sample.token_advantages = turn_token_advantages(sample.loss_mask, trajectory.turn_spans, advantages)
     return samples

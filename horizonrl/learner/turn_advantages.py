@@ -32,6 +32,7 @@ describes in the same words are one state (Signpost's "A sign points left." at t
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +119,12 @@ def step_group_advantages(turn_returns: list[torch.Tensor], state_keys: list[lis
         for (i, k), advantage in zip(turns, advantages.tolist()):
             out[i][k] = advantage
     return out
+
+
+def turns_sharing_a_state(state_keys: list[list[bytes]]) -> int:
+    """How many turns of a group are in a step group of two or more (the rest get A^S = 0)."""
+    counts = Counter(key for keys in state_keys for key in keys)
+    return sum(n for n in counts.values() if n > 1)
 
 
 def gigpo_turn_advantages(episodes: list[EpisodeTurns], settings: GiGPOSettings) -> list[torch.Tensor]:

@@ -101,6 +101,8 @@ def test_each_turn_carries_its_advantage_on_its_generated_tokens_only():
     samples, accounting = samples_from_batch(batch, norm_adv_by_std=False, estimator="gigpo",
                                              gigpo=GiGPOSettings(gamma=0.5, step_weight=1.0, norm_by_std=False))
     assert accounting.trained == 3 and accounting.zero_signal == 0
+    # 8 turns: state A 6 times, B twice, so every turn has a step group of two or more
+    assert accounting.metrics()["batch/turns_in_step_groups"] == 1.0
     micro = collate(samples)
     for row, (trajectory, expected) in enumerate(zip(batch.groups[0], HAND_ADVANTAGES)):
         want = torch.zeros(micro.advantages.shape[1])
@@ -126,6 +128,7 @@ def test_equal_returns_keep_a_group_with_turn_level_signal_and_drop_one_without(
                                                           [episode_trajectory(i, t) for i, t in enumerate(nothing)]])
     samples, accounting = samples_from_batch(batch, True, "gigpo", GiGPOSettings(gamma=0.5))
     assert (accounting.trained, accounting.zero_signal, accounting.groups_trained) == (2, 2, 1)
+    assert accounting.metrics()["batch/turns_in_step_groups"] == 3 / 4  # the kept group: A 3 times, B once
     assert all(bool(s.token_advantages.any()) for s in samples)
 
 
