@@ -9,7 +9,7 @@ actors' own success per learner step (``rollout/success_rate``), and reports the
 which each reaches ``--threshold`` (the rollout curve as a running mean over ``--smooth`` steps).
 
     python scripts/compare_turn_credit.py --config configs/signpost_long.yaml --model .cache/tiny-signpost \
-        --seeds 0,1 --steps 60 --out runs/turn-credit
+        --seeds 0,1 --steps 40 --threshold 0.3 --out runs/turn-credit
 
 Appends one JSON line per run to ``<out>/runs.jsonl`` (a rerun skips what the file already holds) and
 writes the markdown table to ``<out>/table.md``.
@@ -102,10 +102,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=Path("configs/signpost_long.yaml"))
     p.add_argument("--model", default=".cache/tiny-signpost")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--estimators", default="grpo,gigpo")
-    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--threshold", type=float, default=0.3)
     p.add_argument("--smooth", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("runs/turn-credit"))
     p.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
