@@ -254,7 +254,7 @@ class TextCraftEnv:
         self._success = False
         ingredients = {i.item_tag.name for recipe in needed for i in recipe.input_items}
         self._milestones = {name for name in ingredients
-                            if self.tree.itemid_recipes.get(name) or self.tree.tag_recipes.get(name)}
+                            if self.tree.itemid_recipes.get(name) or self.tree.tag_recipes.get(name)} - {self.goal}
         self._reached, self._earned = set(), 0.0
         return self._show("Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_name(self.goal)))
 
