@@ -78,6 +78,17 @@ def one_run(args, common: list[str], estimator: str, seed: int) -> dict:
     return row
 
 
+def progress(row: dict, out: Path) -> dict:
+    """The row plus the mean episode return (Signpost: the share of crossroads passed) of the held-out
+    evaluations during training and of the actors' episodes, first and last 5 steps, read from TensorBoard."""
+    run_dir = out / f"{row['estimator']}-s{row['seed']}"
+    rollout = [v for _, v in scalars(run_dir, "rollout/reward_mean")]
+    held_out = scalars(run_dir, "eval/signpost/mean_reward")
+    return row | {"held_out_return_during": [[s, round(v, 3)] for s, v in held_out],
+                  "rollout_return_first5": round(sum(rollout[:5]) / max(1, len(rollout[:5])), 3),
+                  "rollout_return_last5": round(sum(rollout[-5:]) / max(1, len(rollout[-5:])), 3)}
+
+
 def table(rows: list[dict], before: dict[int, float], threshold: float) -> str:
     lines = ["| estimator | seed | held-out before → after | during training (held-out, every eval) | "
              f"first step ≥ {threshold} (held-out / rollout) | rollout success first → last 5 steps | "
@@ -92,6 +103,14 @@ def table(rows: list[dict], before: dict[int, float], threshold: float) -> str:
         lines.append(f"| {r['estimator']} | {r['seed']} | {before.get(r['seed'], float('nan')):.3f} → "
                      f"**{r['held_out_after']:.3f}** | {during} | {reach} | {r['rollout_first5']:.2f} → "
                      f"{r['rollout_last5']:.2f} | {r['learner_steps']} | {r['train_wall_s'] / 60:.1f} min |")
+    if any("held_out_return_during" in r for r in rows):
+        lines += ["", "| estimator | seed | held-out return during training (every eval) | "
+                  "rollout return first → last 5 steps |", "| --- | --- | --- | --- |"]
+        for r in sorted(rows, key=lambda r: (r["estimator"], r["seed"])):
+            if "held_out_return_during" in r:
+                during = " ".join(f"{v:.2f}" for _, v in r["held_out_return_during"])
+                lines.append(f"| {r['estimator']} | {r['seed']} | {during} | {r['rollout_return_first5']:.2f} → "
+                             f"{r['rollout_return_last5']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,6 +127,8 @@ def main() -> int:
     p.add_argument("--threshold", type=float, default=0.3)
     p.add_argument("--smooth", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("runs/turn-credit"))
+    p.add_argument("--report-only", action="store_true", help="train nothing: the table of the finished runs, "
+                   "with the mean returns read from their TensorBoard")
     p.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     args = p.parse_args()
 
@@ -118,6 +139,11 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     before_path = args.out / "before.json"
     before = {int(k): v for k, v in json.loads(before_path.read_text()).items()} if before_path.exists() else {}
+    if args.report_only:
+        report = table([progress(r, args.out) if "held_out_after" in r else r for r in rows], before, args.threshold)
+        (args.out / "table.md").write_text(report)
+        print(report, flush=True)
+        return 0
     for seed in seeds:
         if seed not in before:  # the starting policy on the same tasks with the same sampling seed
             config = load_config(args.config, [*common, f"run.seed={seed}"])
