@@ -90,25 +90,25 @@ def progress(row: dict, out: Path) -> dict:
 
 
 def table(rows: list[dict], before: dict[int, float], threshold: float) -> str:
-    lines = ["| estimator | seed | held-out before → after | during training (held-out, every eval) | "
+    lines = ["| estimator | seed | held-out before → after | held-out during training (step: success) | "
              f"first step ≥ {threshold} (held-out / rollout) | rollout success first → last 5 steps | "
              "learner steps | training wall |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["estimator"], r["seed"])):
         if "held_out_after" not in r:
             lines.append(f"| {r['estimator']} | {r['seed']} | failed (exit {r['exit_code']}) | | | | | |")
             continue
-        during = " ".join(f"{v:.2f}" for _, v in r["held_out_during"])
+        during = " ".join(f"{s}: {v:.2f}" for s, v in r["held_out_during"])
         reach = " / ".join("not reached" if r[key] is None else str(r[key])
                            for key in ("steps_to_threshold_held_out", "steps_to_threshold_rollout"))
         lines.append(f"| {r['estimator']} | {r['seed']} | {before.get(r['seed'], float('nan')):.3f} → "
                      f"**{r['held_out_after']:.3f}** | {during} | {reach} | {r['rollout_first5']:.2f} → "
                      f"{r['rollout_last5']:.2f} | {r['learner_steps']} | {r['train_wall_s'] / 60:.1f} min |")
     if any("held_out_return_during" in r for r in rows):
-        lines += ["", "| estimator | seed | held-out return during training (every eval) | "
+        lines += ["", "| estimator | seed | held-out return during training (step: return) | "
                   "rollout return first → last 5 steps |", "| --- | --- | --- | --- |"]
         for r in sorted(rows, key=lambda r: (r["estimator"], r["seed"])):
             if "held_out_return_during" in r:
-                during = " ".join(f"{v:.2f}" for _, v in r["held_out_return_during"])
+                during = " ".join(f"{s}: {v:.2f}" for s, v in r["held_out_return_during"])
                 lines.append(f"| {r['estimator']} | {r['seed']} | {during} | {r['rollout_return_first5']:.2f} → "
                              f"{r['rollout_return_last5']:.2f} |")
     return "\n".join(lines) + "\n"
