@@ -1,4 +1,5 @@
-"""ChatTokenizer builds an episode's ids append-only and equal to the template's full render."""
+"""ChatTokenizer builds an episode's ids append-only and equal to the template's full render, and tells templates
+that rewrite history (rendered in full each turn) from those that do not."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import pytest
 
 from horizonrl.core.chat import ChatTemplateError, ChatTokenizer
-from horizonrl.apps.tiny_model import CHATML_TEMPLATE, build_tokenizer
+from horizonrl.apps.tiny_model import CHATML_TEMPLATE, THINKING_CHAT_TEMPLATE, build_tokenizer
 
 # Qwen2.5-Instruct's rendering without tools: ChatML with a default system message.
 QWEN25_STYLE_TEMPLATE = (
@@ -185,21 +186,41 @@ def test_decode_drops_special_tokens(base_tokenizer):
     assert chat.decode(chat.assistant_ids("Action: go left"), skip_special_tokens=False) == "Action: go left<|im_end|>"
 
 
-def test_template_that_rewrites_history_is_rejected(base_tokenizer):
+REWRITING_TEMPLATES = {"counting": COUNTING_TEMPLATE, "rewrites-old-replies": REWRITES_OLD_REPLIES_TEMPLATE,
+                       "thinking-prompt": THINKING_PROMPT_TEMPLATE, "qwen3-style": THINKING_CHAT_TEMPLATE}
+
+
+@pytest.mark.parametrize("name", list(REWRITING_TEMPLATES))
+def test_a_template_that_rewrites_history_is_detected_and_rendered_in_full(base_tokenizer, name):
+    tokenizer = _with_template(base_tokenizer, REWRITING_TEMPLATES[name])
+    chat = ChatTokenizer(tokenizer)
+    assert chat.append_only is False
     with pytest.raises(ChatTemplateError, match="not append-only"):
-        chat = ChatTokenizer(_with_template(base_tokenizer, COUNTING_TEMPLATE))
         chat.continuation_ids("A sign points left.", chat.assistant_ids("Action: go left"))
+    conversation = CONVERSATIONS[1][1:]  # without the system message: passed apart
+    observations = [c for r, c in conversation if r == "user"]
+    replies = [c for r, c in conversation if r == "assistant"]
+    assert chat.conversation_ids(observations, replies, CONVERSATIONS[1][0][1]) == _full_render_ids(
+        tokenizer, CONVERSATIONS[1])
+    with pytest.raises(ValueError, match="expected one more"):
+        chat.conversation_ids(observations[:-1], replies)
 
 
-def test_template_that_rewrites_old_replies_is_rejected(base_tokenizer):
-    chat = ChatTokenizer(_with_template(base_tokenizer, REWRITES_OLD_REPLIES_TEMPLATE))
-    with pytest.raises(ChatTemplateError, match="adding a user message changed"):
-        chat.continuation_ids("A sign points left.", chat.assistant_ids("Action: go left"))
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, QWEN25_STYLE_TEMPLATE])
+def test_append_only_templates_are_detected_as_such(base_tokenizer, template):
+    assert ChatTokenizer(_with_template(base_tokenizer, template)).append_only is True
+    assert ChatTokenizer(_llama3_tokenizer(base_tokenizer)).append_only is True
 
 
-def test_generation_prompt_that_differs_from_history_is_rejected(base_tokenizer):
-    with pytest.raises(ChatTemplateError, match="not append-only"):
-        ChatTokenizer(_with_template(base_tokenizer, THINKING_PROMPT_TEMPLATE))
+def test_the_qwen3_style_template_drops_earlier_think_blocks(base_tokenizer):
+    """The template the tests train with rewrites history as Qwen3 does: a reply's think block is gone once a
+    new user turn follows, and the generation prompt holds an empty one the history never shows."""
+    chat = ChatTokenizer(_with_template(base_tokenizer, THINKING_CHAT_TEMPLATE))
+    text = chat.decode(chat.conversation_ids(["A sign points left.", "Dead end."],
+                                             ["<think>\nleft it is\n</think>\n\nAction: go left"]),
+                       skip_special_tokens=False)
+    assert text == ("<|im_start|>user\nA sign points left.<|im_end|>\n<|im_start|>assistant\nAction: go left"
+                    "<|im_end|>\n<|im_start|>user\nDead end.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_tokenizer_without_template_is_rejected(base_tokenizer):

@@ -102,6 +102,7 @@ def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str
         turn_versions=ep.turn_versions,
         turn_epochs=ep.turn_epochs,
         version_spans=ep.version_spans,
+        sample_starts=ep.sample_starts,
         turn_rewards=ep.turn_rewards,
         reward=ep.reward,
         success=ep.success,

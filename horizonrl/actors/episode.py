@@ -4,6 +4,12 @@ The sequence the learner trains on is built here, incrementally, exactly as the 
 saw it: the prompt ids, then for each turn the generated ids (loss mask 1, with their
 behaviour logprobs) and the observation's ids (loss mask 0). Model output is never
 re-tokenized, so an episode's tokens cannot drift from what was sampled.
+
+A chat template that rewrites history (``chat.append_only`` False, e.g. Qwen3's) renders each next
+prompt in full. Where that rendering does not extend the tokens the current sample holds, the
+episode *branches*: the current sample ends and a new one starts, whose prompt is the rendering.
+The episode's arrays are then its samples one after another (``sample_starts`` says where each
+after the first begins); the engine is always prompted with the current sample only.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ class Episode:
     replies: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)  # the action each reply names ("" when none), for people
     observations: list[str] = field(default_factory=list)  # the first (the task), then one per turn
+    # Where each sample after the first begins (a template that rewrites history: see the module docstring).
+    sample_starts: list[int] = field(default_factory=list)
+    system_prompt: str | None = None  # what the episode's conversation starts with (rendered prompts need it)
 
     def transcript(self) -> list[tuple[str, str]]:
         """What the agent saw and said, in order: ("observation", text) and ("reply", text) pairs."""
@@ -119,11 +128,21 @@ class Episode:
         self.turn_epochs.append(runs[0][1])
         self.turn_versions.append(runs[0][2])
 
+    @property
+    def sample_start(self) -> int:
+        """Where the current sample (the one the engine is prompted with) begins."""
+        return self.sample_starts[-1] if self.sample_starts else 0
+
+    @property
+    def sample_ids(self) -> list[int]:
+        """The current sample's ids: exactly what the engine is prompted with next (no copy for one sample)."""
+        return self.token_ids[self.sample_start:] if self.sample_starts else self.token_ids
+
     def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
         """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
         if self.num_turns >= max_turns:
             self.stop_reason = STOP_MAX_TURNS
-        elif max_context_tokens - len(self.token_ids) < 1:
+        elif max_context_tokens - (len(self.token_ids) - self.sample_start) < 1:
             self.stop_reason = STOP_CONTEXT
         return bool(self.stop_reason)
 
@@ -136,12 +155,32 @@ class Episode:
         if result.done:
             self.success, self.stop_reason = bool(result.success), STOP_DONE
             return False
-        continuation = chat.continuation_ids(result.observation, generated_ids)
-        if len(self.token_ids) + len(continuation) >= max_context_tokens:
+        if getattr(chat, "append_only", True):
+            continuation, branch = chat.continuation_ids(result.observation, generated_ids), False
+        else:
+            continuation, branch = self._rendered_next(chat)
+        if (0 if branch else len(self.token_ids) - self.sample_start) + len(continuation) >= max_context_tokens:
             self.stop_reason = STOP_CONTEXT
             return False
+        if branch:
+            self.sample_starts.append(len(self.token_ids))
         self.append_context(continuation)
         return True
+
+    def drop_unplayed_sample(self) -> None:
+        """A sample started for a turn that was never played (the turn budget ran out, a failure) is only a
+        prompt: nothing to train, so it is not sent."""
+        if self.sample_starts and self.sample_starts[-1] >= (self.turn_spans[-1][1] if self.turn_spans else 0):
+            self.cut_to(self.sample_starts.pop())
+
+    def _rendered_next(self, chat) -> tuple[list[int], bool]:
+        """The next prompt rendered in full: (the ids that extend the current sample to it, False) when the
+        sample is a prefix of it, else (the whole rendering, True): a new sample starts there."""
+        rendered = chat.conversation_ids(self.observations, self.replies, self.system_prompt)
+        current = self.sample_ids
+        if rendered[:len(current)] == current:
+            return rendered[len(current):], False
+        return rendered, True
 
     @property
     def reward(self) -> float:
@@ -181,7 +220,7 @@ async def run_episode(
       actor crashes loudly rather than fill the buffer with episodes it cannot vouch for.
     A failed episode is returned so it can be counted, but it is never trained on.
     """
-    ep = Episode()
+    ep = Episode(system_prompt=sampling.system_prompt)
     clock = _Deadline(sampling.episode_timeout_s)
     try:
         observation = await _timed_env(ep, env.reset(task_id), clock.left())
@@ -195,10 +234,11 @@ async def run_episode(
             ep.cut_to(sampling.max_context_tokens)
             return ep
         while not ep.stop_before_turn(max_turns, sampling.max_context_tokens):
-            room = sampling.max_context_tokens - len(ep.token_ids)
+            prompt = ep.sample_ids
+            room = sampling.max_context_tokens - len(prompt)
             turn_weights = weights()
             gen = await _timed_generate(ep, engine.generate(
-                ep.token_ids,
+                prompt,
                 max_tokens=min(sampling.max_tokens_per_turn, room),
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -213,6 +253,7 @@ async def run_episode(
                 break
     except _EpisodeFailed as failed:
         ep.failure, ep.failure_message, ep.stop_reason = failed.kind, failed.message[:500], STOP_FAILURE
+    ep.drop_unplayed_sample()
     return ep
 
 

@@ -55,6 +55,20 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's rewriting of history, on the same ChatML markup: the generation prompt opens an empty think block
+# (Qwen3 with enable_thinking=False), and an earlier assistant turn is rendered without its think block. So the
+# prompt of turn k+1 is never the prompt of turn k plus the reply: episodes with it branch (core/chat.py). Used by
+# the tests; put it in a tiny model's tokenizer_config.json to train through the loop with such a template.
+THINKING_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
 # Qwen2's pre-tokenization regex (transformers' Qwen2Tokenizer): single digits, words with
 # at most one leading non-letter, newlines kept apart from the words after them.
 QWEN2_PRETOKENIZE_REGEX = (

@@ -16,9 +16,15 @@ So the sequence grows by appending only::
 ``continuation_ids`` is derived from the chat template itself: a probe conversation is
 rendered with and without the new user message and the difference is taken after the
 assistant's end-of-turn token. For a ChatML template (Qwen2.5-Instruct) that is
-``"\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n"``. A template that is
-not append-only (one that rewrites earlier turns when a new one is added) raises
-:class:`ChatTemplateError` instead of producing a sequence the engine never saw.
+``"\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n"``.
+
+Templates that rewrite history (Qwen3 drops the ``<think>`` blocks of earlier assistant turns, and
+writes an empty one into the generation prompt when thinking is off) are not append-only: the
+prompt of turn k+1 is not the prompt of turn k plus what was generated. For them
+(``append_only`` is False) every next prompt is rendered in full (:meth:`ChatTokenizer.conversation_ids`);
+the episode compares it with the tokens it holds and, where they differ, starts a new *sample*
+whose prompt is that rendering (``actors/episode.py``, ``docs/algorithms.md``). Either way the
+engine is prompted with exactly the ids the learner trains on.
 """
 
 from __future__ import annotations
@@ -30,19 +36,23 @@ from typing import Any, Sequence
 # renders them unchanged (some templates trim or escape content).
 _PROBE_USER = "horizonrlprobeuser"
 _PROBE_ASSISTANT = "horizonrlprobeassistant"
+# A reply with a reasoning block: templates that strip or reformat reasoning in history show it only with one.
+_PROBE_THINKING = "<think>\nhorizonrlprobethought\n</think>\n\nhorizonrlprobeassistant"
 CONTINUATION_CACHE_SIZE = 4096  # observations whose ids are kept, per kind (most recently used first)
 
 
 class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot be used to build sequences append-only."""
+    """The tokenizer's chat template cannot be used to build an episode's sequences."""
 
 
 class ChatTokenizer:
-    """A Hugging Face tokenizer with a chat template, used to build an episode's ids append-only.
+    """A Hugging Face tokenizer with a chat template, used to build an episode's ids.
 
-    Invariant: for assistant turns whose ids are ``assistant_ids(text)``,
+    Invariant, when ``append_only``: for assistant turns whose ids are ``assistant_ids(text)``,
     ``prompt_ids(o1) + a1 + continuation_ids(o2, a1) + a2 + ...`` equals
-    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``. When the template
+    rewrites history (``append_only`` False), ``continuation_ids`` refuses and the episode renders
+    each prompt with ``conversation_ids`` instead.
 
     ``end_of_turn_token`` defaults to the first token the template writes after an
     assistant message's content (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3).
@@ -83,7 +93,8 @@ class ChatTokenizer:
         self._backend = self._same_ids_backend(history_text)
         self._continuations: OrderedDict[str, list[int]] = OrderedDict()
         self._prompts: OrderedDict[tuple[str, str | None], list[int]] = OrderedDict()
-        self._check_prompt_is_prefix()
+        # Probed once: whether a conversation's rendering only ever grows at its end.
+        self.append_only: bool = all(self._renders_append_only(reply) for reply in (_PROBE_ASSISTANT, _PROBE_THINKING))
 
     # ------------------------------------------------------------------ public API
 
@@ -125,6 +136,20 @@ class ChatTokenizer:
         ids = [] if generated_ids and generated_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]
         return ids + self._observation_ids(observation)
 
+    def conversation_ids(self, observations: Sequence[str], replies: Sequence[str],
+                         system_prompt: str | None = None) -> list[int]:
+        """The template's full rendering of [system?, user(o0), assistant(r0), user(o1), ...] plus the
+        generation prompt: the next prompt of a conversation whose template is not append-only.
+        ``observations`` has one entry more than ``replies`` (the conversation ends with a user turn)."""
+        if len(observations) != len(replies) + 1:
+            raise ValueError(f"{len(observations)} observations for {len(replies)} replies; expected one more")
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        for i, observation in enumerate(observations):
+            messages.append({"role": "user", "content": observation})
+            if i < len(replies):
+                messages.append({"role": "assistant", "content": replies[i]})
+        return self.encode(self._render(messages, add_generation_prompt=True))
+
     def _observation_ids(self, observation: str) -> list[int]:
         cached = self._continuations.get(observation)
         if cached is not None:
@@ -133,10 +158,11 @@ class ChatTokenizer:
         full = self._render(
             [*self._probe_history, {"role": "user", "content": observation}], add_generation_prompt=True
         )
-        if not full.startswith(self._history_text):
+        if not self.append_only or not full.startswith(self._history_text):
             raise ChatTemplateError(
                 "the chat template is not append-only: adding a user message changed the rendering "
-                "of the earlier turns, so the sequence cannot be built incrementally"
+                "of the earlier turns, so the sequence cannot be built incrementally (render it with "
+                "conversation_ids)"
             )
         ids = self.encode(self._turn_close_text + full[len(self._history_text):])
         self._continuations[observation] = ids
@@ -197,13 +223,13 @@ class ChatTokenizer:
             "assistant content, which does not start with a special token; pass end_of_turn_token="
         )
 
-    def _check_prompt_is_prefix(self) -> None:
-        # The generation prompt must be exactly what precedes the assistant content once the
-        # reply is in the history; otherwise the ids we generate after differ from the ids we
-        # would train on.
+    def _renders_append_only(self, reply: str) -> bool:
+        """Whether, with ``reply`` as the assistant's turn, the generation prompt followed by the reply is
+        how the history renders that turn, and adding a user message leaves the earlier turns as they were.
+        Either failing means the ids generated after a prompt differ from the ids the next prompt holds."""
         prompt = self._render(self._probe_history[:1], add_generation_prompt=True)
-        if not self._history_text.startswith(prompt + _PROBE_ASSISTANT):
-            raise ChatTemplateError(
-                "the chat template is not append-only: the generation prompt followed by the reply "
-                "differs from the rendered assistant turn"
-            )
+        history = self._render([self._probe_history[0], {"role": "assistant", "content": reply}],
+                               add_generation_prompt=False)
+        grown = self._render([self._probe_history[0], {"role": "assistant", "content": reply},
+                              {"role": "user", "content": _PROBE_USER}], add_generation_prompt=True)
+        return history.startswith(prompt + reply) and grown.startswith(history)

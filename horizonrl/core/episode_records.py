@@ -14,7 +14,9 @@ The files are JSON Lines, append-only, readable with nothing but the standard li
   (the task), and ``turns``: one object per turn with ``reply`` (the model's text), ``action``
   (what the reply names, "" when nothing), ``observation`` (the environment's answer; null when
   the episode failed before it came), ``reward`` (null likewise), ``version`` and ``epoch`` (the
-  weights that generated the reply).
+  weights that generated the reply), ``sample`` (which of the episode's samples the turn is in:
+  0 unless the chat template rewrites history, ``Trajectory.sample_starts``); ``samples``: how
+  many samples the episode was trained as (1 unless the template rewrites history).
 - ``"trained"``: ``learner_step`` and the ``group_ids`` of the batch that step trained on
   (written when the batch is handed to the learner; a batch handed out again after a learner
   restart gets a newer line, and the last one holds).
@@ -46,6 +48,7 @@ def episode_record(t: Trajectory, evaluation: bool = False) -> dict[str, Any]:
         raise ValueError(f"trajectory {t.trajectory_id} carries no text to record")
     text = t.text
     turns = []
+    sample_of_turn = [sum(start <= turn_start for start in t.sample_starts) for turn_start, _ in t.turn_spans]
     for i, reply in enumerate(text.replies):
         turns.append({
             "reply": reply,
@@ -54,6 +57,7 @@ def episode_record(t: Trajectory, evaluation: bool = False) -> dict[str, Any]:
             "reward": t.turn_rewards[i] if i < len(t.turn_rewards) else None,
             "version": t.turn_versions[i],
             "epoch": t.turn_epochs[i],
+            "sample": sample_of_turn[i] if i < len(sample_of_turn) else 0,
         })
     return {
         "kind": "episode", "schema": SCHEMA, "time": round(time.time(), 3), "run_id": t.run_id,
@@ -61,7 +65,7 @@ def episode_record(t: Trajectory, evaluation: bool = False) -> dict[str, Any]:
         "category": t.category, "actor_id": t.actor_id, "success": t.success, "score": t.score, "reward": t.reward,
         "num_turns": t.num_turns, "max_turns": t.max_turns, "stop_reason": t.stop_reason, "failure": t.failure,
         "failure_message": t.failure_message, "evaluation": evaluation, "first_observation": text.first_observation,
-        "turns": turns,
+        "turns": turns, "samples": len(t.sample_starts) + 1,
     }
 
 

@@ -20,6 +20,11 @@ What enters the step (``samples_from_batch``), and why the rest does not:
   their advantages are not zero. With the turn-level estimator (gigpo) a group is left out on the
   same ground only when every turn's advantage is 0: equal returns may still differ turn by turn.
 Each exclusion is counted (:class:`BatchAccounting`).
+
+An episode of several samples (a chat template that rewrites history: ``Trajectory.sample_starts``)
+enters as one :class:`Sample` per sample — each a sequence of its own, exactly as the engine was
+prompted — all carrying the episode's advantage (docs/algorithms.md, "Episodes of several samples").
+Selection, baselines and accounting stay per episode.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from horizonrl.learner.advantages import OUTCOME_ESTIMATORS, outcome_advantages, place_token_rewards, token_advantages
+from horizonrl.learner.advantages import (
+    OUTCOME_ESTIMATORS,
+    discounted_returns,
+    outcome_advantages,
+    place_token_rewards,
+    token_advantages,
+)
 from horizonrl.learner.turn_advantages import (
     TURN_ESTIMATORS,
     GiGPOSettings,
@@ -46,7 +57,8 @@ PAD_TOKEN_ID = 0  # right padding: with causal attention it never influences rea
 
 @dataclass
 class Sample:
-    """One trajectory as tensors. token_ids/loss_mask/behaviour_logprobs/token_rewards: (L,).
+    """One sequence of a trajectory (the whole trajectory unless it has several samples) as tensors.
+    token_ids/loss_mask/behaviour_logprobs/token_rewards/turn_of_token: (L,).
 
     ``advantage`` is the outcome estimators' A_i (grpo, rloo); the token-level estimators
     (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0; the turn-level
@@ -60,6 +72,9 @@ class Sample:
     token_rewards: torch.Tensor | None = None
     group: int = 0  # index of its group among the step's groups that train (for mini-batches)
     token_advantages: torch.Tensor | None = None  # (L,) per-turn A_t (gigpo); replaces ``advantage`` when set
+    # The turn (1-based) of each generated token the learner's current weights produced, −1 elsewhere: where the
+    # trainer–engine log-probability mismatch is measured (other tokens differ by policy lag too).
+    turn_of_token: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +97,7 @@ class MicroBatch:
     token_rewards: torch.Tensor | None = None  # (B, T): r_t on the last generated token of each turn
     returns: torch.Tensor | None = None  # (B, T): the critic's target (gae)
     proximal_logprobs: torch.Tensor | None = None  # (B, T): log π_prox before the step's first update
+    turn_of_token: torch.Tensor | None = None  # (B, T): Sample.turn_of_token, −1 on padding
 
     def to(self, device: torch.device) -> "MicroBatch":
         def move(x):
@@ -90,7 +106,7 @@ class MicroBatch:
         return MicroBatch(
             self.input_ids.to(device), self.loss_mask.to(device), self.behaviour_logprobs.to(device),
             self.advantages.to(device), self.num_sequences, move(self.token_rewards), move(self.returns),
-            move(self.proximal_logprobs),
+            move(self.proximal_logprobs), move(self.turn_of_token),
         )
 
 
@@ -103,6 +119,7 @@ class BatchAccounting:
     """What happened to every trajectory of a batch: trained on, or left out for a counted reason."""
 
     trained: int = 0
+    samples_trained: int = 0  # sequences: more than ``trained`` when an episode branched into several samples
     failed: Counter = field(default_factory=Counter)  # failure kind -> trajectories
     no_generated_tokens: int = 0
     zero_signal: int = 0  # in groups whose rewards are all equal (outcome estimators)
@@ -117,6 +134,7 @@ class BatchAccounting:
     def metrics(self) -> dict[str, float]:
         out = {
             "batch/trajectories_trained": float(self.trained),
+            "batch/samples_trained": float(self.samples_trained),
             "batch/groups_trained": float(self.groups_trained),
             "batch/failed_skipped": float(sum(self.failed.values())),
             "batch/no_generated_tokens_skipped": float(self.no_generated_tokens),
@@ -128,12 +146,14 @@ class BatchAccounting:
         return out
 
 
-def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo",
+def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo", gamma: float = 1.0,
+                       current_weights: tuple[int, int] | None = None,
                        gigpo: GiGPOSettings | None = None) -> tuple[list[Sample], BatchAccounting]:
-    """One Sample per trajectory that trains (see the module docstring for what does not), with its
-    group's outcome advantage (grpo, rloo), its per-turn advantages (gigpo, with ``gigpo`` or the
+    """One Sample per sample of each trajectory that trains (see the module docstring for what does not),
+    with its episode's outcome advantage (grpo, rloo), its per-turn advantages (gigpo, with ``gigpo`` or the
     paper's defaults) or 0 (the token-level estimators start from the per-token rewards every Sample
-    carries)."""
+    carries; ``gamma`` carries later samples' return into earlier ones).
+    ``current_weights``: the learner's (epoch, version), whose tokens the mismatch metric measures."""
     samples: list[Sample] = []
     accounting = BatchAccounting()
     for group in batch.groups:
@@ -151,22 +171,25 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "gr
             continue
         if estimator in TURN_ESTIMATORS:
             group_samples = _turn_level_samples(members, gigpo or GiGPOSettings(norm_by_std=norm_adv_by_std),
-                                                accounting)
-        elif estimator in OUTCOME_ESTIMATORS and len({t.reward for t in members}) > 1:
-            rewards = torch.tensor([t.reward for t in members])
-            advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
-            group_samples = [_sample(t, a, accounting.groups_trained) for t, a in zip(members, advantages)]
-        elif estimator in OUTCOME_ESTIMATORS:
+                                                accounting, gamma, current_weights)
+        elif estimator in OUTCOME_ESTIMATORS and len({t.reward for t in members}) == 1:
             group_samples = []  # a single member, or all rewards equal: A = 0 everywhere
         else:
-            group_samples = [_sample(t, 0.0, accounting.groups_trained) for t in members]
+            if estimator in OUTCOME_ESTIMATORS:
+                rewards = torch.tensor([t.reward for t in members])
+                advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
+            else:
+                advantages = [0.0] * len(members)
+            group_samples = [trajectory_samples(t, a, accounting.groups_trained, gamma, current_weights)
+                             for t, a in zip(members, advantages)]
         if not group_samples:
             accounting.zero_signal += len(members)
             for trajectory in members:
                 accounting.note("zero_signal", trajectory)
             continue
-        samples += group_samples
-        for trajectory in members:
+        for trajectory, pieces in zip(members, group_samples):
+            samples += pieces
+            accounting.samples_trained += len(pieces)
             accounting.note("trained", trajectory)
         accounting.groups_trained += 1
         accounting.trained += len(members)
@@ -188,9 +211,9 @@ def mini_batches(samples: list[Sample], groups_per_mini_batch: int | None) -> li
     return [cuts[k] for k in sorted(cuts)]
 
 
-def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings,
-                        accounting: BatchAccounting) -> list[Sample]:
-    """The group's Samples with GiGPO's per-turn advantages on their tokens; none when every advantage is 0."""
+def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings, accounting: BatchAccounting,
+                        gamma: float, current_weights: tuple[int, int] | None) -> list[list[Sample]]:
+    """Each member's Samples with GiGPO's per-turn advantages on their tokens; none when every advantage is 0."""
     episodes = [episode_turns(unpack(t.token_ids, TOKEN_DTYPE), t.turn_spans, t.turn_rewards, t.reward)
                 for t in members]
     per_turn = gigpo_turn_advantages(episodes, settings)
@@ -198,13 +221,26 @@ def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings,
         return []
     accounting.turns += sum(len(e.state_keys) for e in episodes)
     accounting.turns_in_step_groups += turns_sharing_a_state([e.state_keys for e in episodes])
-    samples = [_sample(t, 0.0, accounting.groups_trained) for t in members]
-    for sample, trajectory, advantages in zip(samples, members, per_turn):
-        sample.token_advantages = turn_token_advantages(sample.loss_mask, trajectory.turn_spans, advantages)
-    return samples
+    out = []
+    for trajectory, advantages in zip(members, per_turn):
+        pieces = trajectory_samples(trajectory, 0.0, accounting.groups_trained, gamma, current_weights)
+        mask = torch.from_numpy(unpack(trajectory.loss_mask, MASK_DTYPE).astype("float32"))
+        episode = turn_token_advantages(mask, trajectory.turn_spans, advantages)  # (L,) over the whole episode
+        for piece, (start, end) in zip(pieces, trajectory.sample_bounds()):
+            piece.token_advantages = episode[start:end] * piece.loss_mask
+        out.append(pieces)
+    return out
 
 
-def _sample(trajectory: Trajectory, advantage: float, group: int) -> Sample:
+def trajectory_samples(trajectory: Trajectory, advantage: float, group: int, gamma: float = 1.0,
+                       current_weights: tuple[int, int] | None = None) -> list[Sample]:
+    """The trajectory's samples (one unless it has ``sample_starts``), each with the episode's ``advantage``.
+
+    Token rewards are placed on the whole episode, then cut with it. So that a token-level estimator's
+    return does not stop at a cut, each sample's last generated token also gets γ·G of the next sample's
+    first generated token (G: the episode's discounted return, as ``discounted_returns`` computes it):
+    REINFORCE++'s returns are then those of the whole episode, exactly.
+    """
     token_ids = unpack(trajectory.token_ids, TOKEN_DTYPE)
     loss_mask = unpack(trajectory.loss_mask, MASK_DTYPE)
     logprobs = unpack(trajectory.logprobs, LOGPROB_DTYPE)
@@ -214,15 +250,41 @@ def _sample(trajectory: Trajectory, advantage: float, group: int) -> Sample:
             f"{len(logprobs)} logprobs"
         )
     mask = torch.from_numpy(loss_mask.astype("float32"))
-    mask[0] = 0  # the first token has no prediction
-    return Sample(
-        token_ids=torch.from_numpy(token_ids.astype("int64")),
-        loss_mask=mask,
-        behaviour_logprobs=torch.from_numpy(logprobs.copy()),
-        advantage=advantage,
-        token_rewards=place_token_rewards(mask, trajectory.turn_spans, trajectory.turn_rewards, trajectory.reward),
-        group=group,
-    )
+    mask[0] = 0  # the first token has no prediction (nor has any sample's: a sample starts with its prompt)
+    rewards = place_token_rewards(mask, trajectory.turn_spans, trajectory.turn_rewards, trajectory.reward)
+    bounds = trajectory.sample_bounds()
+    if len(bounds) > 1:
+        returns = discounted_returns(rewards[None], mask[None], gamma)[0]
+        for (start, end), (next_start, next_end) in zip(bounds, bounds[1:]):
+            mine = torch.nonzero(mask[start:end] > 0).flatten()
+            later = torch.nonzero(mask[next_start:next_end] > 0).flatten()
+            if mine.numel() and later.numel():
+                rewards[start + mine[-1]] += gamma * returns[next_start + later[0]]
+    turns = _turn_of_token(trajectory, len(token_ids), current_weights)
+    samples = []
+    for start, end in bounds:
+        piece = mask[start:end].clone()
+        piece[0] = 0  # the first token of a sequence has no prediction
+        samples.append(Sample(
+            token_ids=torch.from_numpy(token_ids[start:end].astype("int64")), loss_mask=piece,
+            behaviour_logprobs=torch.from_numpy(logprobs[start:end].copy()), advantage=advantage,
+            token_rewards=rewards[start:end].clone(), group=group, turn_of_token=turns[start:end].clone()))
+    return samples
+
+
+def _turn_of_token(trajectory: Trajectory, length: int, current_weights: tuple[int, int] | None) -> torch.Tensor:
+    """(L,) the 1-based turn of each generated token whose weights are ``current_weights``, −1 elsewhere."""
+    turns = torch.full((length,), -1, dtype=torch.int64)
+    if current_weights is None:
+        return turns
+    spans = trajectory.version_spans or [
+        (s, e, epoch, version)
+        for (s, e), epoch, version in zip(trajectory.turn_spans, trajectory.turn_epochs, trajectory.turn_versions)]
+    turn_ends = [end for _, end in trajectory.turn_spans]
+    for start, end, epoch, version in spans:
+        if (epoch, version) == tuple(current_weights):
+            turns[start:end] = 1 + next(k for k, turn_end in enumerate(turn_ends) if end <= turn_end)
+    return turns
 
 
 def split_across_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
@@ -275,6 +337,7 @@ def collate(samples: list[Sample]) -> MicroBatch:
     loss_mask = torch.zeros(len(samples), length)
     logprobs = torch.zeros(len(samples), length)
     rewards = torch.zeros(len(samples), length)
+    turns = torch.full((len(samples), length), -1, dtype=torch.int64)
     for row, sample in enumerate(samples):
         n = sample.num_tokens
         input_ids[row, :n] = sample.token_ids
@@ -282,12 +345,15 @@ def collate(samples: list[Sample]) -> MicroBatch:
         logprobs[row, :n] = sample.behaviour_logprobs
         if sample.token_rewards is not None:
             rewards[row, :n] = sample.token_rewards
+        if sample.turn_of_token is not None:
+            turns[row, :n] = sample.turn_of_token
     loss_mask[:, 0] = 0  # the first token has no prediction
     advantages = token_advantages(torch.tensor([s.advantage for s in samples]), loss_mask)
     for row, sample in enumerate(samples):
         if sample.token_advantages is not None:  # turn-level: A_t per token instead of one A_i per row
             advantages[row, :sample.num_tokens] = sample.token_advantages * loss_mask[row, :sample.num_tokens]
-    return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards)
+    return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards,
+                      turn_of_token=turns)
 
 
 def empty_micro_batch() -> MicroBatch:

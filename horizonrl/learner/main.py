@@ -244,7 +244,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop) if is_main
                    else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype)),
         checkpointer=TrainStateCheckpointer(config, tr, res, ranks),
-        train=train_step_function(config, tr, ranks, device, res.step_watchdog, first_step=step + 1),
+        train=train_step_function(config, tr, ranks, device, res.step_watchdog, first_step=step + 1, epoch=epoch),
     )
     state = LoopState(step=step, epoch=epoch, lineage=lineage, saved_step=step, published=step, counters=counters)
     res.events.emit(RunEvent.LEARNER_STARTED, ranks=ranks.world_size, backend=backend, device=device.type,
@@ -314,7 +314,7 @@ def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: i
 
 
 def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, device: torch.device,
-                        watchdog: StepWatchdog | None = None, first_step: int = 1):
+                        watchdog: StepWatchdog | None = None, first_step: int = 1, epoch: int = 0):
     """One optimizer step on a batch (every rank, its share of the samples): advantages, ppo_epochs x mini-batches
     of updates, then the LR schedule; bounded in time by ``watchdog`` (step_watchdog.py)."""
     loss_settings, adv_settings = LossSettings.from_config(config), AdvantageSettings.from_config(config)
@@ -322,9 +322,12 @@ def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, de
     steps = [first_step - 1]  # the watchdog names the step it ends
 
     def train(batch: Batch) -> StepOutcome:
-        samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
-                                                 config.algorithm.adv_estimator, GiGPOSettings.from_config(config))
         steps[0] += 1
+        # The weights being trained are version steps[0] − 1 of this epoch: the engine's, where it has caught up.
+        samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
+                                                 config.algorithm.adv_estimator, config.algorithm.gamma,
+                                                 current_weights=(epoch, steps[0] - 1),
+                                                 gigpo=GiGPOSettings.from_config(config))
         with watchdog.step(steps[0]) if watchdog is not None else nullcontext():
             metrics = train_on_batch(
                 tr.model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,

@@ -411,9 +411,12 @@ def _fmt(metrics: dict[str, float]) -> str:
 def load_data(config: OfflineConfig, paradigm: str) -> SFTData | DPOData:
     from transformers import AutoTokenizer
 
-    from horizonrl.core.chat import ChatTokenizer
+    from horizonrl.core.chat import ChatTemplateError, ChatTokenizer
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(config.model.path))
+    if not chat.append_only:  # RL episodes branch at a rewrite (docs/algorithms.md); offline data does not (yet)
+        raise ChatTemplateError("the model's chat template rewrites earlier turns (it is not append-only); offline "
+                                "training lays conversations out append-only and cannot use it")
     load = load_sft_data if paradigm == "sft" else load_dpo_data
     data = load(config.data, chat, config.max_length, config.system_prompt)
     if len(data) == 0:

@@ -9,6 +9,7 @@
                  per micro-batch the clipped policy loss − β·entropy + kl_coef·KL(π‖π_ref)
                  (+ vf_coef·½(V − R)² for the critic), aggregated with the mini-batch's global
                  weights; grad clip and AdamW step for the policy (and the critic)
+    mismatch     per-turn |log π_θ − log π_behaviour| in the first update (learner/mismatch.py)
 The LR schedule steps once per learner step (the caller does it).
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from horizonrl.learner.advantages import discounted_returns, gae_advantages, masked_moments, whiten
 from horizonrl.learner.batching import MicroBatch, Sample, micro_batches_for_rank, mini_batches
+from horizonrl.learner.mismatch import TurnMismatch
 from horizonrl.learner.policy_loss import (
     ClipSettings,
     PolicyLossStats,
@@ -154,8 +156,10 @@ def micro_batch_loss(
     num_sequences: int,
     reference: nn.Module | None = None,
     critic: nn.Module | None = None,
+    mismatch: TurnMismatch | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Forward on the full token sequences; the loss at generated tokens only.
+    """Forward on the full token sequences; the loss at generated tokens only. With ``mismatch``, the
+    per-turn |log π_θ − log π_behaviour| of the measured tokens is added to it (``learner/mismatch.py``).
 
     Logits at position t-1 predict token t, so the targets are input_ids[:, 1:] and only the
     (N_mb, V) rows where loss_mask[:, 1:] = 1 are ever normalised (memory: N_mb·V, not B·T·V).
@@ -177,6 +181,9 @@ def micro_batch_loss(
     loss = (w * pg).sum() - settings.entropy_coeff * (w * entropy).sum()
     stats = PolicyLossStats.from_tokens(pg, diag["ratio"], diag["clipped"])
     stats.entropy_sum = float(entropy.detach().sum())
+    if mismatch is not None and micro_batch.turn_of_token is not None:
+        mismatch.add(micro_batch.turn_of_token[:, 1:][selected], logprobs,
+                     micro_batch.behaviour_logprobs[:, 1:][selected])
 
     if reference is not None:
         with torch.no_grad():
@@ -231,17 +238,21 @@ def train_on_batch(
         for _, micro in plan:
             fill_proximal_logprobs(model, micro, settings, device)
     stats, grad_norms, critic_norms = PolicyLossStats(), [], []
+    # Measured in the step's first update only: its log π_θ are those of the weights the engine has.
+    mismatch = TurnMismatch()
     for _ in range(update.ppo_epochs):
         for cut, micro in plan:
             update_stats, norms = optimizer_step(
                 model, optimizer, micro, settings=settings, grad_clip=update.grad_clip,
                 num_loss_tokens=sum(s.num_loss_tokens for s in cut), num_sequences=len(cut), device=device,
-                reference=reference, critic=critic, critic_optimizer=critic_optimizer)
+                reference=reference, critic=critic, critic_optimizer=critic_optimizer,
+                mismatch=mismatch if not grad_norms else None)
             stats.add(update_stats)
             grad_norms.append(norms["grad/norm"])
             if "grad/critic_norm" in norms:
                 critic_norms.append(norms["grad/critic_norm"])
     metrics = all_reduce_stats(stats).metrics()
+    metrics.update(mismatch.all_reduce().metrics())
     metrics["learner/updates"] = float(len(grad_norms))
     if grad_norms:
         metrics["grad/norm"] = sum(grad_norms) / len(grad_norms)
@@ -277,6 +288,7 @@ def optimizer_step(
     reference: nn.Module | None = None,
     critic: nn.Module | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
+    mismatch: TurnMismatch | None = None,
 ) -> tuple[PolicyLossStats, dict[str, float]]:
     """One optimizer update: accumulate the gradient over this rank's micro-batches, clip it, step.
 
@@ -292,7 +304,7 @@ def optimizer_step(
     stats = PolicyLossStats()
     for micro_batch in micro_batches:
         loss, mb_stats = micro_batch_loss(model, micro_batch.to(device), settings, num_loss_tokens, num_sequences,
-                                          reference, critic)
+                                          reference, critic, mismatch)
         (loss * world_size).backward()
         stats.add(mb_stats)
     norms = {"grad/norm": _clip(model, grad_clip)}

@@ -72,6 +72,13 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     ``turn_rewards[i]`` is the environment's reward for the action of turn ``i``.
     ``trajectory_id`` is unique in the run: the buffer acknowledges each id once and
     de-duplicates resends.
+
+    An episode played with a chat template that rewrites history is several *samples*, one
+    after another in the arrays: ``sample_starts`` lists where each sample after the first
+    begins (empty: one sample). Each sample is a sequence of its own — its first tokens are
+    the prompt the engine was given (loss mask 0), no turn span crosses a start, and no sample
+    is longer than the context. The trajectory is still one episode: one reward, one member
+    of its group, one advantage shared by its samples (``docs/algorithms.md``).
     """
 
     v: int = SCHEMA_VERSION
@@ -102,10 +109,16 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     timings: dict[str, float] = {}
     text: EpisodeText | None = None  # on the episodes the actor samples for recording (monitor.record_*)
     version_spans: list[tuple[int, int, int, int]] = []
+    sample_starts: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) // 4
+
+    def sample_bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each sample, in order (one sample: the whole trajectory)."""
+        starts = [0, *self.sample_starts]
+        return list(zip(starts, [*starts[1:], self.num_tokens]))
 
     @property
     def oldest_version(self) -> int:

@@ -34,6 +34,8 @@ REJECT_TURNS = "turns"
 REJECT_SPANS = "turn_spans"
 REJECT_FIELDS = "fields"
 REJECT_TOO_LONG = "too_long"
+REJECT_SAMPLES = "sample_starts"
+MAX_SAMPLES = 4096  # samples of one episode (one per turn at most)
 
 
 def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_tokens: int | None = None,
@@ -44,6 +46,11 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
     if not t.trajectory_id or not t.group_id or max(len(t.trajectory_id), len(t.group_id)) > MAX_ID_CHARS:
         return REJECT_IDS, f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters"
     longest = max(len(t.token_ids) // TOKEN_DTYPE.itemsize, len(t.loss_mask), len(t.logprobs) // LOGPROB_DTYPE.itemsize)
+    problem = _sample_starts_problem(t, longest)
+    if problem:
+        return REJECT_SAMPLES, problem
+    if t.sample_starts:  # each sample is a sequence of its own; the context bounds each
+        longest = max(end - start for start, end in zip([0, *t.sample_starts], [*t.sample_starts, longest]))
     if max_tokens is not None and longest > max_tokens:
         return REJECT_TOO_LONG, f"{longest} tokens; the run's context holds {max_tokens}"
     if (t.group_size < 1 or (max_group_size is not None and t.group_size > max_group_size) or t.task_id < 0
@@ -89,6 +96,9 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
         previous_end = end
     if not np.array_equal(in_spans, generated):
         return REJECT_SPANS, "the loss mask is not 1 exactly on the turn spans"
+    for start in t.sample_starts:  # a sample starts with its prompt: never inside or right at a generated turn
+        if generated[start] or any(s < start < e for s, e in t.turn_spans):
+            return REJECT_SAMPLES, f"sample start {start} is inside a generated turn"
     if t.version_spans:
         problem = _version_spans_problem(t)
         if problem:
@@ -101,6 +111,18 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
         if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
                                                    *text.observations)):
             return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
+    return None
+
+
+def _sample_starts_problem(t: Trajectory, n: int) -> str | None:
+    """``sample_starts`` must increase strictly, after the first prompt and inside the arrays."""
+    if len(t.sample_starts) > MAX_SAMPLES:
+        return f"{len(t.sample_starts) + 1} samples; at most {MAX_SAMPLES + 1}"
+    previous = t.prompt_length
+    for start in t.sample_starts:
+        if not previous < start < n:
+            return f"sample start {start} is not inside ({previous}, {n}) after the previous one"
+        previous = start
     return None
 
 

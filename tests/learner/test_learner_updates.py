@@ -95,3 +95,38 @@ def test_a_batch_without_signal_makes_no_update(process_group, model_dir):
     assert metrics["learner/updates"] == 0
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_the_mismatch_metric_measures_each_turn_of_the_current_weights(process_group, model_dir):
+    """Behaviour log-probs equal to the model's own on turn 1 and 0.3 below on turn 2: the per-turn mismatch reads
+    ~0 and 0.3; tokens of other weights are not measured (their gap is policy lag, not mismatch)."""
+    import msgspec
+
+    from horizonrl.learner.policy_loss import token_logprobs
+    from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack, unpack
+
+    model = _model(model_dir)
+    groups = _groups(3, 1)
+    for k, t in enumerate(groups[0]):
+        ids = torch.from_numpy(unpack(t.token_ids, TOKEN_DTYPE).astype("int64"))[None]
+        mask = unpack(t.loss_mask, MASK_DTYPE).astype(bool)
+        with torch.no_grad():
+            own = torch.zeros(ids.shape[1])
+            own[1:] = token_logprobs(model(input_ids=ids).logits[0, :-1], ids[0, 1:], 1.0)
+        start, end = t.turn_spans[1]
+        own[start:end] -= 0.3
+        groups[0][k] = msgspec.structs.replace(t, logprobs=pack(np.where(mask, own.numpy(), 0.0), LOGPROB_DTYPE))
+
+    def step(current_weights):
+        samples, _ = samples_from_batch(Batch(run_id="test-run", request_id=1, groups=groups), True,
+                                        current_weights=current_weights)
+        fresh = _model(model_dir)  # the weights the behaviour log-probs were taken from
+        return train_on_batch(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), samples, rank=0, world_size=1,
+                              settings=LossSettings(), update=UpdateSettings(), device=torch.device("cpu"))
+
+    metrics = step((0, 0))
+    assert metrics["mismatch/turn_1_mean"] < 1e-5 and metrics["mismatch/turn_1_max"] < 1e-5
+    assert metrics["mismatch/turn_2_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert metrics["mismatch/turn_2_max"] == pytest.approx(0.3, abs=1e-4)
+    assert metrics["mismatch/tokens"] == sum(int(unpack(t.loss_mask, MASK_DTYPE)[1:].sum()) for t in groups[0])
+    assert not any(key.startswith("mismatch/") for key in step((0, 1)))

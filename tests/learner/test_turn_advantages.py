@@ -3,6 +3,7 @@
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_each_turn_carries_its_advantage_on_its_generated_tokens_only():
 
 def test_step_weight_zero_is_grpo():
     batch = Batch(run_id="test-run", request_id=1, groups=[[episode_trajectory(i, t) for i, t in enumerate(HAND)]])
-    turn_level, _ = samples_from_batch(batch, True, "gigpo", GiGPOSettings(gamma=0.5, step_weight=0.0))
+    turn_level, _ = samples_from_batch(batch, True, "gigpo", gigpo=GiGPOSettings(gamma=0.5, step_weight=0.0))
     outcome, _ = samples_from_batch(batch, True, "grpo")
     torch.testing.assert_close(collate(turn_level).advantages, collate(outcome).advantages)
 
@@ -126,7 +127,7 @@ def test_equal_returns_keep_a_group_with_turn_level_signal_and_drop_one_without(
     nothing = [[(A, 0.0), (B, 0.0)], [(A, 0.0), (A, 0.0)]]
     batch = Batch(run_id="test-run", request_id=1, groups=[[episode_trajectory(i, t) for i, t in enumerate(timing)],
                                                           [episode_trajectory(i, t) for i, t in enumerate(nothing)]])
-    samples, accounting = samples_from_batch(batch, True, "gigpo", GiGPOSettings(gamma=0.5))
+    samples, accounting = samples_from_batch(batch, True, "gigpo", gigpo=GiGPOSettings(gamma=0.5))
     assert (accounting.trained, accounting.zero_signal, accounting.groups_trained) == (2, 2, 1)
     assert accounting.metrics()["batch/turns_in_step_groups"] == 3 / 4  # the kept group: A 3 times, B once
     assert all(bool(s.token_advantages.any()) for s in samples)
@@ -142,3 +143,20 @@ def test_config_selects_gigpo_and_names_the_estimators_on_a_typo():
         load_config(CONFIG, ["algorithm.gigpo_gamma=1.5"])
     with pytest.raises(ConfigError, match="gigpo_step_weight"):
         load_config(CONFIG, ["algorithm.gigpo_step_weight=-1"])
+
+
+def test_an_episode_of_several_samples_keeps_each_turns_advantage():
+    # Episode 2 of the hand example, cut into two samples where the observation before its last turn begins:
+    # the pieces carry [2/12, 11/12] and [4/12] on their turns' tokens, as the uncut episode does.
+    episodes = [episode_trajectory(i, t) for i, t in enumerate(HAND)]
+    cut = episodes[1].turn_spans[1][1]
+    episodes[1] = msgspec.structs.replace(episodes[1], sample_starts=[cut])
+    batch = Batch(run_id="test-run", request_id=1, groups=[episodes])
+    samples, accounting = samples_from_batch(batch, False, "gigpo",
+                                             gigpo=GiGPOSettings(gamma=0.5, step_weight=1.0, norm_by_std=False))
+    assert accounting.samples_trained == 4 and len(samples) == 4
+    joined = torch.cat([samples[1].token_advantages, samples[2].token_advantages])
+    want = torch.zeros(joined.numel())
+    for (start, end), advantage in zip(episodes[1].turn_spans, HAND_ADVANTAGES[1]):
+        want[start:end] = advantage
+    torch.testing.assert_close(joined, want)

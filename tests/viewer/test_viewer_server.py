@@ -12,13 +12,17 @@ import signal
 import subprocess
 import time
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import BABYAI_SETTINGS, horizonrl_cmd, start_process, stop_process, wait_until
+from helpers import BABYAI_SETTINGS, horizonrl_cmd, make_trajectory, start_process, stop_process, wait_until
 from PIL import Image
 from viewer_records import played_record, synthetic_record
 
-from horizonrl.core.episode_records import EpisodeRecordWriter, trained_record
+from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record, trained_record
+from horizonrl.protocol import EpisodeText
+from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
+from horizonrl.protocol.validation import trajectory_problem
 from horizonrl.apps.viewer.server import make_app
 
 BABYAI_REPLIES = ["Action: turn left", "Thought: go.\nAction: move forward", "no action at all", "Action: turn right"]
@@ -207,3 +211,24 @@ def test_view_serves_on_loopback_and_stops_cleanly(records, tmp_path, stop_signa
         assert proc.wait(timeout=15) == 0
     finally:
         stop_process(proc)
+
+
+
+async def test_an_episode_of_several_samples_is_one_episode_that_says_so(client, records):
+    """A chat template that rewrites history trains an episode as several samples: the viewer lists it once and
+    its page says how many, and each turn's record says which sample it is in."""
+    _, writer = records
+    mask = [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]  # sample 0: prompt + turn 1; sample 1 (from 6): prompt + turn 2
+    trajectory = msgspec.structs.replace(
+        make_trajectory("g8", 0), token_ids=pack(list(range(12)), TOKEN_DTYPE), loss_mask=pack(mask, MASK_DTYPE),
+        logprobs=pack([-0.5 * m for m in mask], LOGPROB_DTYPE), prompt_length=3, turn_spans=[(3, 6), (10, 12)],
+        turn_versions=[0, 0], turn_epochs=[0, 0], turn_rewards=[0.0, 1.0], reward=1.0, num_turns=2,
+        sample_starts=[6], text=EpisodeText(first_observation="Find the exit.", replies=["a", "b"],
+                                            actions=["", ""], observations=["o1", "o2"]))
+    assert trajectory_problem(trajectory, 100) is None
+    record = episode_record(trajectory)
+    assert record["samples"] == 2 and [t["sample"] for t in record["turns"]] == [0, 1]
+    writer.write(record)
+    await wait_for_episodes(client, "/api/episodes?q=g8&format=rows")
+    assert row_keys(await text_of(client, "/?q=g8")) == ["g8-0"]
+    assert "trained as 2 samples" in await text_of(client, "/episode/g8-0")

@@ -206,13 +206,16 @@ def _facts(entry: Entry, index: EpisodeIndex) -> str:
         failure = (f'<dt>failure</dt><dd><span class="bad">{esc(r["failure"])}</span> '
                    f'<span class="small">{esc(r.get("failure_message"))}</span></dd>')
     _, full = when(r)
+    samples = r.get("samples", 1)
+    # An episode whose chat template rewrites history trains as several sequences (docs/episodes.md).
+    branched = f" · trained as {esc(samples)} samples (the template rewrites history)" if samples > 1 else ""
     return f"""<dl class="facts">
 <dt>environment</dt><dd>{esc(r.get("env"))}</dd>
 <dt>task</dt><dd>{esc(r.get("task_id"))} <span class="small">{esc(r.get("category"))}</span>
   · <a href="{esc(list_url(env=r.get("env"), task=r.get("task_id")))}">all episodes of this task</a></dd>
 <dt>outcome</dt><dd>{outcome_html(r)} · score {_number(r.get("score"))} · reward {_number(r.get("reward"))}</dd>
 <dt>turns</dt><dd>{esc(r.get("num_turns"))} of at most {esc(r.get("max_turns"))}
-  · stopped: {esc(r.get("stop_reason"))}</dd>
+  · stopped: {esc(r.get("stop_reason"))}{branched}</dd>
 {failure}<dt>policy</dt><dd>{versions_text(entry)}</dd>
 <dt>trained at</dt><dd>{step_link(step, r)}</dd>
 <dt>group</dt><dd><a href="{esc(list_url(q=group))}">{esc(group)}</a></dd>
