@@ -74,11 +74,12 @@ LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml",
 BENCH_CONFIGS = ["bench_heavy_tail.yaml",  # the training benchmark's long-tailed workload
                  "bench_rising_budget.yaml"]  # adaptive vs fixed groups in flight under a rising budget
 PRETRAINED_CONFIGS = ["smollm2_babyai.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
+TURN_CREDIT_CONFIGS = ["signpost_long.yaml"]  # outcome-only GRPO against GiGPO (scripts/compare_turn_credit.py)
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
                                   "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS,
-                                  *PRETRAINED_CONFIGS])
+                                  *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -92,7 +93,7 @@ def test_shipped_configs_load(name):
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
-         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS])
+         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
 
 
 def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():

@@ -212,15 +212,19 @@ class RoundsCtrlConfig(_Frozen):
 
 
 class AlgorithmConfig(_Frozen):
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae", "gigpo"] = Field(
         "grpo", description="grpo: group-normalised outcome; rloo: leave-one-out baseline; reinforce_plus_plus: "
-        "discounted return whitened over the batch; gae: GAE with a critic (docs/algorithms.md)")
+        "discounted return whitened over the batch; gae: GAE with a critic; gigpo: GRPO plus turn-level groups "
+        "of identical environment states (docs/algorithms.md)")
     norm_adv_by_std_in_grpo: bool = Field(True, description="grpo: divide by the group's std (False: Dr. GRPO)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount per generated token (reinforce_plus_plus, gae)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae)")
     whiten_gae_advantages: bool = Field(True, description="gae: whiten advantages over the batch, as verl does")
     critic_lr: float | None = Field(None, gt=0, description="gae: the critic's learning rate (default: learner.lr)")
     vf_coef: float = Field(0.5, gt=0, description="gae: weight of the critic's squared error ½(V − R)²")
+    gigpo_gamma: float = Field(0.95, ge=0, le=1, description="gigpo: discount per turn of the step-level return")
+    gigpo_step_weight: float = Field(1.0, ge=0, description="gigpo: weight ω of the step-level advantage "
+                                     "(A = A_episode + ω A_step; 0 gives GRPO)")
     rounds_ctrl: RoundsCtrlConfig = RoundsCtrlConfig()
 
 

@@ -14,6 +14,13 @@ Replies are the package's: ``Got 1 oak log``, ``Crafted 4 minecraft:oak_planks``
 ``Inventory: [oak planks] (4)``, ``Could not find ...``. Reward 1 (and success) when the goal
 item is obtained, which ends the episode; otherwise 0.
 
+``progress_reward: true`` (default false) adds per-turn credit for turn-level estimators (``adv_estimator=gigpo``):
+the craftable ingredients of every recipe on the way to the goal (alternative recipes included) are milestones (a
+tag such as ``planks`` is one milestone, reached by any of its items), and the turn that first brings one into the
+inventory earns ``1 / (M + 1)`` for each new one (M milestones). The turn that obtains the goal earns
+the rest of 1, so a successful episode's rewards still sum to 1 and a failed one's to the share of milestones
+reached; ``score`` is that running sum.
+
 ``renamed_variants: V`` (default 0: the package's names) turns each goal into V tasks that show every
 item under other names (task ``v * G + g`` is goal ``g`` under renaming ``v``; the split still goes by the
 goal, so held-out goals stay unseen), in the observations and in the actions read back. ``rename`` says how:
@@ -112,7 +119,7 @@ class TextCraftEnv:
     name = "textcraft"
 
     def __init__(self, max_distractors: int = MAX_DISTRACTORS, max_depth: int | None = None,
-                 renamed_variants: int = 0, rename: str = "words") -> None:
+                 renamed_variants: int = 0, rename: str = "words", progress_reward: bool = False) -> None:
         if max_depth is not None and max_depth < 1:
             raise ValueError("max_depth must be >= 1 (crafting depths are 1-4)")
         if not isinstance(renamed_variants, int) or isinstance(renamed_variants, bool) or renamed_variants < 0:
@@ -133,6 +140,10 @@ class TextCraftEnv:
             self.goals = [(item, depth) for item, depth in self.goals if depth <= max_depth]
         self.renamed_variants = renamed_variants
         self.rename = rename
+        self.progress_reward = bool(progress_reward)
+        self._milestones: set[str] = set()  # item ids or tags on the way to the goal (progress_reward)
+        self._reached: set[str] = set()
+        self._earned = 0.0
         # what each renaming draws from, built only for the one in use
         words = renamed_variants and rename == "words"
         self._name_words = sorted(self._all_name_words() - _FIXED_WORDS) if words else []
@@ -241,6 +252,10 @@ class TextCraftEnv:
         self.inventory = {}
         self._done = False
         self._success = False
+        ingredients = {i.item_tag.name for recipe in needed for i in recipe.input_items}
+        self._milestones = {name for name in ingredients
+                            if self.tree.itemid_recipes.get(name) or self.tree.tag_recipes.get(name)} - {self.goal}
+        self._reached, self._earned = set(), 0.0
         return self._show("Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_name(self.goal)))
 
     async def step(self, action_text: str) -> StepResult:
@@ -255,8 +270,18 @@ class TextCraftEnv:
         observation = self._show(observation)
         if self.goal in self.inventory:
             self._done = self._success = True
-            return StepResult(observation, 1.0, True, True, 1.0, {"invalid_action": False})
-        return StepResult(observation, 0.0, False, info={"invalid_action": not valid})
+            return StepResult(observation, 1.0 - self._earned, True, True, 1.0, {"invalid_action": False})
+        reward = self._milestone_reward() if self.progress_reward else 0.0
+        return StepResult(observation, reward, False, score=self._earned, info={"invalid_action": not valid})
+
+    def _milestone_reward(self) -> float:
+        """``1 / (M + 1)`` for each milestone the inventory holds for the first time (see the module docstring)."""
+        held = set(self.inventory) | {self.tree.item_id_to_tag.get(i) for i in self.inventory}
+        new = (self._milestones & held) - self._reached
+        self._reached |= new
+        reward = len(new) / (len(self._milestones) + 1)
+        self._earned += reward
+        return reward
 
     async def close(self) -> None:
         self._done = True

@@ -17,7 +17,8 @@ What enters the step (``samples_from_batch``), and why the rest does not:
   a batch selected for having no signal. Such groups are left out of the step entirely — DAPO's
   dynamic-sampling rule (arXiv 2503.14476, §3.2), applied where the buffer's equal-reward
   fallback lets them through. The token-level estimators (reinforce_plus_plus, gae) keep them:
-  their advantages are not zero.
+  their advantages are not zero. With the turn-level estimator (gigpo) a group is left out on the
+  same ground only when every turn's advantage is 0: equal returns may still differ turn by turn.
 Each exclusion is counted (:class:`BatchAccounting`).
 
 An episode of several samples (a chat template that rewrites history: ``Trajectory.sample_starts``)
@@ -40,6 +41,14 @@ from horizonrl.learner.advantages import (
     place_token_rewards,
     token_advantages,
 )
+from horizonrl.learner.turn_advantages import (
+    TURN_ESTIMATORS,
+    GiGPOSettings,
+    episode_turns,
+    gigpo_turn_advantages,
+    turn_token_advantages,
+    turns_sharing_a_state,
+)
 from horizonrl.protocol import FAILURE_NONE, Batch, Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
 
@@ -52,7 +61,8 @@ class Sample:
     token_ids/loss_mask/behaviour_logprobs/token_rewards/turn_of_token: (L,).
 
     ``advantage`` is the outcome estimators' A_i (grpo, rloo); the token-level estimators
-    (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0.
+    (reinforce_plus_plus, gae) start from ``token_rewards`` instead and leave it 0; the turn-level
+    estimator (gigpo) puts each turn's A_{i,k} on that turn's tokens in ``token_advantages``.
     """
 
     token_ids: torch.Tensor
@@ -61,6 +71,7 @@ class Sample:
     advantage: float
     token_rewards: torch.Tensor | None = None
     group: int = 0  # index of its group among the step's groups that train (for mini-batches)
+    token_advantages: torch.Tensor | None = None  # (L,) per-turn A_t (gigpo); replaces ``advantage`` when set
     # The turn (1-based) of each generated token the learner's current weights produced, −1 elsewhere: where the
     # trainer–engine log-probability mismatch is measured (other tokens differ by policy lag too).
     turn_of_token: torch.Tensor | None = None
@@ -113,6 +124,8 @@ class BatchAccounting:
     no_generated_tokens: int = 0
     zero_signal: int = 0  # in groups whose rewards are all equal (outcome estimators)
     groups_trained: int = 0
+    turns: int = 0  # gigpo: turns of the groups that train, and those sharing their anchor state with another turn
+    turns_in_step_groups: int = 0
     ids: dict[str, list[str]] = field(default_factory=dict)  # "trained" or the reason left out -> trajectory ids
 
     def note(self, outcome: str, trajectory: Trajectory) -> None:
@@ -128,14 +141,18 @@ class BatchAccounting:
             "batch/zero_signal_skipped": float(self.zero_signal),
         }
         out.update({f"batch/failed_skipped_{kind}": float(n) for kind, n in self.failed.items()})
+        if self.turns:
+            out["batch/turns_in_step_groups"] = self.turns_in_step_groups / self.turns
         return out
 
 
 def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "grpo", gamma: float = 1.0,
-                       current_weights: tuple[int, int] | None = None) -> tuple[list[Sample], BatchAccounting]:
+                       current_weights: tuple[int, int] | None = None,
+                       gigpo: GiGPOSettings | None = None) -> tuple[list[Sample], BatchAccounting]:
     """One Sample per sample of each trajectory that trains (see the module docstring for what does not),
-    with its episode's outcome advantage (grpo, rloo) or 0 (the token-level estimators start from the
-    per-token rewards every Sample carries; ``gamma`` carries later samples' return into earlier ones).
+    with its episode's outcome advantage (grpo, rloo), its per-turn advantages (gigpo, with ``gigpo`` or the
+    paper's defaults) or 0 (the token-level estimators start from the per-token rewards every Sample
+    carries; ``gamma`` carries later samples' return into earlier ones).
     ``current_weights``: the learner's (epoch, version), whose tokens the mismatch metric measures."""
     samples: list[Sample] = []
     accounting = BatchAccounting()
@@ -152,18 +169,25 @@ def samples_from_batch(batch: Batch, norm_adv_by_std: bool, estimator: str = "gr
                 members.append(trajectory)
         if not members:
             continue
-        if estimator in OUTCOME_ESTIMATORS:
-            if len({t.reward for t in members}) == 1:  # a single member, or all rewards equal: A = 0 everywhere
-                accounting.zero_signal += len(members)
-                for trajectory in members:
-                    accounting.note("zero_signal", trajectory)
-                continue
-            rewards = torch.tensor([t.reward for t in members])
-            advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
+        if estimator in TURN_ESTIMATORS:
+            group_samples = _turn_level_samples(members, gigpo or GiGPOSettings(norm_by_std=norm_adv_by_std),
+                                                accounting, gamma, current_weights)
+        elif estimator in OUTCOME_ESTIMATORS and len({t.reward for t in members}) == 1:
+            group_samples = []  # a single member, or all rewards equal: A = 0 everywhere
         else:
-            advantages = [0.0] * len(members)
-        for trajectory, advantage in zip(members, advantages):
-            pieces = trajectory_samples(trajectory, advantage, accounting.groups_trained, gamma, current_weights)
+            if estimator in OUTCOME_ESTIMATORS:
+                rewards = torch.tensor([t.reward for t in members])
+                advantages = outcome_advantages(rewards, estimator, norm_adv_by_std).tolist()
+            else:
+                advantages = [0.0] * len(members)
+            group_samples = [trajectory_samples(t, a, accounting.groups_trained, gamma, current_weights)
+                             for t, a in zip(members, advantages)]
+        if not group_samples:
+            accounting.zero_signal += len(members)
+            for trajectory in members:
+                accounting.note("zero_signal", trajectory)
+            continue
+        for trajectory, pieces in zip(members, group_samples):
             samples += pieces
             accounting.samples_trained += len(pieces)
             accounting.note("trained", trajectory)
@@ -185,6 +209,27 @@ def mini_batches(samples: list[Sample], groups_per_mini_batch: int | None) -> li
     for sample in samples:
         cuts.setdefault(sample.group // groups_per_mini_batch, []).append(sample)
     return [cuts[k] for k in sorted(cuts)]
+
+
+def _turn_level_samples(members: list[Trajectory], settings: GiGPOSettings, accounting: BatchAccounting,
+                        gamma: float, current_weights: tuple[int, int] | None) -> list[list[Sample]]:
+    """Each member's Samples with GiGPO's per-turn advantages on their tokens; none when every advantage is 0."""
+    episodes = [episode_turns(unpack(t.token_ids, TOKEN_DTYPE), t.turn_spans, t.turn_rewards, t.reward)
+                for t in members]
+    per_turn = gigpo_turn_advantages(episodes, settings)
+    if all(not bool(a.any()) for a in per_turn):
+        return []
+    accounting.turns += sum(len(e.state_keys) for e in episodes)
+    accounting.turns_in_step_groups += turns_sharing_a_state([e.state_keys for e in episodes])
+    out = []
+    for trajectory, advantages in zip(members, per_turn):
+        pieces = trajectory_samples(trajectory, 0.0, accounting.groups_trained, gamma, current_weights)
+        mask = torch.from_numpy(unpack(trajectory.loss_mask, MASK_DTYPE).astype("float32"))
+        episode = turn_token_advantages(mask, trajectory.turn_spans, advantages)  # (L,) over the whole episode
+        for piece, (start, end) in zip(pieces, trajectory.sample_bounds()):
+            piece.token_advantages = episode[start:end] * piece.loss_mask
+        out.append(pieces)
+    return out
 
 
 def trajectory_samples(trajectory: Trajectory, advantage: float, group: int, gamma: float = 1.0,
@@ -304,6 +349,9 @@ def collate(samples: list[Sample]) -> MicroBatch:
             turns[row, :n] = sample.turn_of_token
     loss_mask[:, 0] = 0  # the first token has no prediction
     advantages = token_advantages(torch.tensor([s.advantage for s in samples]), loss_mask)
+    for row, sample in enumerate(samples):
+        if sample.token_advantages is not None:  # turn-level: A_t per token instead of one A_i per row
+            advantages[row, :sample.num_tokens] = sample.token_advantages * loss_mask[row, :sample.num_tokens]
     return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards,
                       turn_of_token=turns)
 

@@ -35,6 +35,7 @@ from horizonrl.core.placement import (choose_backends, is_colocated, learner_dev
 from horizonrl.core.run_dirs import RunDir, read_run_key
 from horizonrl.core.run_events import EventLog, NullEventLog, RunEvent
 from horizonrl.learner.batching import samples_from_batch
+from horizonrl.learner.turn_advantages import GiGPOSettings
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
                                     run_training)
 from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
@@ -325,7 +326,8 @@ def train_step_function(config: TrainConfig, tr: Trainables, ranks: RankInfo, de
         # The weights being trained are version steps[0] − 1 of this epoch: the engine's, where it has caught up.
         samples, accounting = samples_from_batch(batch, config.algorithm.norm_adv_by_std_in_grpo,
                                                  config.algorithm.adv_estimator, config.algorithm.gamma,
-                                                 current_weights=(epoch, steps[0] - 1))
+                                                 current_weights=(epoch, steps[0] - 1),
+                                                 gigpo=GiGPOSettings.from_config(config))
         with watchdog.step(steps[0]) if watchdog is not None else nullcontext():
             metrics = train_on_batch(
                 tr.model, tr.optimizer, samples, rank=ranks.rank, world_size=ranks.world_size, settings=loss_settings,

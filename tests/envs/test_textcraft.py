@@ -232,3 +232,29 @@ def test_deterministic_across_processes():
                              check=True, env=environ)
         digests.add(out.stdout.strip())
     assert len(digests) == 1
+
+
+async def play_expert(env: TextCraftEnv, task_id: int) -> list:
+    await env.reset(task_id)
+    results = []
+    for action in env.expert_plan():
+        results.append(await env.step(action))
+        if results[-1].done:
+            break
+    return results
+
+
+async def test_progress_reward_pays_each_milestone_once_and_sums_to_one():
+    # polished andesite stairs (task 540): milestones andesite, diorite, polished andesite (M = 3), each worth
+    # 1 / (M + 1) = 0.25 on the turn that first crafts it; obtaining the goal pays the remaining 0.25.
+    env = TextCraftEnv(progress_reward=True)
+    results = await play_expert(env, 540)
+    assert [r.reward for r in results] == [0.0, 0.0, 0.25, 0.0, 0.0, 0.25, 0.0, 0.0, 0.0, 0.25, 0.0, 0.25]
+    assert results[-1].success and [r.score for r in results if not r.done][-1] == 0.75
+    # the same milestone again (get quartz, get cobblestone, craft diorite, twice) earns nothing more
+    await env.reset(540)
+    first = [await env.step(a) for a in env.expert_plan()[:3]]
+    again = [await env.step(a) for a in env.expert_plan()[:3]]
+    assert [r.reward for r in first] == [0.0, 0.0, 0.25] and [r.reward for r in again] == [0.0, 0.0, 0.0]
+    # off (the default): the outcome only
+    assert [r.reward for r in await play_expert(TextCraftEnv(), 540)] == [0.0] * 11 + [1.0]

@@ -102,7 +102,7 @@ def _kl_loss_type(value: Any) -> str:
 def _adv_estimator(value: Any) -> Any:
     if value == "remax":
         raise ConfigError("algorithm.adv_estimator=remax: horizonrl has no ReMax estimator (it has grpo, rloo, "
-                          "reinforce_plus_plus, gae)")
+                          "reinforce_plus_plus, gae, gigpo)")
     return value
 
 
