@@ -1,4 +1,4 @@
-"""Which episodes a staleness rule lets the learner train on, by length (issue 42, docs/horizon.md).
+"""Which episodes a staleness rule lets the learner train on, by length (docs/horizon.md).
 
 Runs the heavy-tail training workload (configs/bench_heavy_tail.yaml: log-normal turns, median 3, up to 24)
 once per ``buffer.staleness_rule`` with a tight ``buffer.max_staleness`` (2, Signpost's), one after the other,

@@ -57,7 +57,7 @@ class Settings(msgspec.Struct, tag="settings"):
     capacity_groups: int
     max_staleness: int
     skip_equal_reward_groups: bool
-    # Added with issue 42 (defaults: what a log written before decided by).
+    # Settings a log written before they existed lacks: their defaults are what such a log decided by.
     staleness_rule: str = "oldest_token"
     max_start_staleness: int | None = None
     on_budget_change: str = "keep"

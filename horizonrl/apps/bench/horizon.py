@@ -1,4 +1,4 @@
-"""Adaptive vs fixed groups in flight under a rising turn budget (issue 42; docs/benchmarks.md, docs/horizon.md).
+"""Adaptive vs fixed groups in flight under a rising turn budget (docs/benchmarks.md, docs/horizon.md).
 
 Two ``horizonrl train`` runs of ``configs/bench_rising_budget.yaml`` (budget 6 -> 13 -> 20, a KV cache that fits
 the episodes in flight at 6 turns but not at 20), identical except ``rollout.concurrency.mode``: ``fixed``
@@ -108,9 +108,10 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-horizon"))
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-horizon"),
+                        help="where the runs and results.json go")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the table shows medians")
+    parser.add_argument("--model", default=None, help="a model directory (default: the tiny model, built once)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--report", action="store_true", help="print the table of --out's results.json only")
     args = parser.parse_args()
