@@ -124,13 +124,14 @@ def test_the_console_shows_the_status_block_and_what_went_wrong_and_the_logs_kee
     assert rc == 0 and killed, shown
 
     # The status block, left on the screen at the end: the last step, with every field.
-    block = screen[-4:]
+    block = screen[-5:]
     assert block[0].startswith(f"run signpost-test | finished | step {TOTAL}/{TOTAL} [") and "ETA" in block[0], shown
     assert re.match(r"  reward \d\.\d\d \| success \d\.\d\d \| turns \d\.\d of budget 2 \| staleness \d\.\d\d$",
                     block[1]), shown
     assert re.match(r"  tokens/s rollout [\d,]+ learner [\d,]+ \| step [\d.]+ s \| buffer \d+/16 groups, dropped \d+$",
                     block[2]), shown
-    assert block[3].startswith("  faults: actor died 1"), shown
+    assert re.match(r"  in flight \d+ groups \| KV cache \d+% \| preempted \d+$", block[3]), shown
+    assert block[4].startswith("  faults: actor died 1"), shown
     # Each learner step shows once, in the block; the learner's own step lines stay in its log.
     assert [line for line in screen if re.search(rf"step \d+/{TOTAL}", line)] == [block[0]], shown
     assert not re.search(r"step \d+: loss", raw), shown
@@ -143,7 +144,7 @@ def test_the_console_shows_the_status_block_and_what_went_wrong_and_the_logs_kee
     assert screen[0].startswith("run signpost-test: 2 actors"), shown
     problem = re.compile(r"\d\d:\d\d:\d\d \[[\w-]+\] (WARNING |ERROR |CRITICAL |vLLM ERROR |vLLM CRITICAL |error: "
                          r"|[\w.]*(Error|Exception|Exit|Interrupt)\b)")
-    assert all(problem.match(line) for line in screen[1:-4]), shown
+    assert all(problem.match(line) for line in screen[1:-5]), shown
 
     logs = run_dir / "logs"
     assert VLLM_RECORD.search((logs / "actor-0.log").read_text(errors="replace"))  # vLLM's lines went to the log
