@@ -79,12 +79,7 @@ def run(tmp_path):
 def watch_once(supervisor: Supervisor) -> int | None:
     """One pass of the watch loop: due restarts, then the exits the backend has; None: it goes on."""
     supervisor._start_due()
-    for name, rc in supervisor.backend.poll(0):
-        supervisor.exited[name] = rc
-        outcome = supervisor.on_exit(supervisor.specs[name], rc)
-        if outcome is not None:
-            return outcome
-    return None
+    return supervisor.handle_exits(supervisor.backend.poll(0))
 
 
 def test_a_dead_process_is_restarted_until_its_limit(run):
@@ -110,6 +105,19 @@ def test_a_dead_learner_rank_restarts_the_whole_gang_from_its_checkpoint(run):
     assert reported == [("learner-1", EVENT_DIED), ("learner", EVENT_RESTARTED)]
     backend.exit("learner-0", 1)  # past supervision.max_learner_restarts
     assert watch_once(supervisor) == 1 and reported[-1] == ("learner", EVENT_GAVE_UP)
+
+
+def test_two_learner_ranks_dying_in_one_poll_restart_the_gang_once(run):
+    # A rank killed and its peer failing on the broken collective a moment later: both exits can arrive in
+    # the same poll, after the first has already stopped the gang and forgotten its members.
+    supervisor, backend, reported = run
+    backend.exit("learner-0", 1)
+    backend.exit("learner-1", -9)
+    assert watch_once(supervisor) is None
+    assert reported == [("learner-0", EVENT_DIED)]
+    assert watch_once(supervisor) is None  # the new gang starts, once
+    assert backend.gangs == 2 and reported[-1] == ("learner", EVENT_RESTARTED)
+    assert supervisor.specs["learner-1"].argv == ["learner", "--resume", "auto"]
 
 
 def test_a_dead_coordinator_is_restarted_and_a_finished_one_let_go(run):

@@ -68,6 +68,13 @@ def test_a_failed_episode_may_lack_the_reward_of_its_last_turn():
     assert trajectory_problem(broken(failure="environment", turn_rewards=[])) is None
 
 
+def test_an_episode_that_failed_at_reset_passes_with_no_tokens_and_a_played_one_does_not():
+    empty = dict(token_ids=b"", loss_mask=b"", logprobs=b"", prompt_length=0, turn_spans=[], turn_versions=[],
+                 turn_epochs=[], turn_rewards=[], num_turns=0, version_spans=[])
+    assert trajectory_problem(broken(failure="environment", **empty), vocab_size=12) is None
+    assert trajectory_problem(broken(**empty), vocab_size=12)[0] == "array_lengths"
+
+
 def test_a_turn_cut_by_a_weight_update_passes():
     assert trajectory_problem(broken(version_spans=[(6, 9, 0, 0), (9, 12, 0, 1)]), vocab_size=12) is None
     assert trajectory_problem(broken(version_spans=[(6, 12, 0, 0)]), vocab_size=12) is None

@@ -199,18 +199,30 @@ class Supervisor:
                 return 130
             self._start_due()
             self._check_servers_recovered()
-            # Every exit of this poll is known before any is dealt with (a learner that finished beside a
-            # buffer that failed: the run is over, and the buffer is not restarted).
-            exits = [(name, rc) for name, rc in self.backend.poll(POLL_S) if name in self.specs]
-            self.exited.update(exits)  # names not watched any more: a gang stopped on purpose
-            for name, rc in exits:
-                outcome = self.on_exit(self.specs[name], rc)
-                if outcome is not None:
-                    return outcome
+            outcome = self.handle_exits(self.backend.poll(POLL_S))
+            if outcome is not None:
+                return outcome
             essential = [n for n, spec in self.specs.items() if spec.essential]
             if not self.due and essential and all(self.exited.get(n, -1) == 0 for n in essential):
                 return 0
             tick()
+
+    def handle_exits(self, exits: list[tuple[str, int | None]]) -> int | None:
+        """Deal with the exits of one poll; a return value ends the watch with it."""
+        # Every exit of this poll is known before any is dealt with (a learner that finished beside a
+        # buffer that failed: the run is over, and the buffer is not restarted).
+        exits = [(name, rc) for name, rc in exits if name in self.specs]  # others: a gang stopped on purpose
+        self.exited.update(exits)
+        for name, rc in exits:
+            spec = self.specs.get(name)
+            if spec is None:
+                # Both ranks of a gang died in one poll: the first one's exit already stopped the gang and
+                # forgot its members, so this one is expected, not a second death to deal with.
+                continue
+            outcome = self.on_exit(spec, rc)
+            if outcome is not None:
+                return outcome
+        return None
 
     def on_exit(self, spec: ProcessSpec, rc: int | None) -> int | None:
         """Deal with one exit (``rc`` None: its host died with it); a return value ends the watch with it."""

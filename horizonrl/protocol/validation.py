@@ -65,11 +65,13 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
     n = len(tokens)
     if not n == len(mask) == len(logprobs):
         return REJECT_ARRAYS, f"{n} tokens, {len(mask)} mask entries, {len(logprobs)} logprobs"
-    if n == 0 or not 0 <= t.prompt_length <= n:
+    # An episode whose environment failed at reset played nothing: it has no tokens, and still counts for
+    # its group (which completes without it).
+    if (n == 0 and t.failure == FAILURE_NONE) or not 0 <= t.prompt_length <= n:
         return REJECT_ARRAYS, f"{n} tokens with prompt_length {t.prompt_length}"
     if mask.size and mask.max() > 1:
         return REJECT_MASK, "loss_mask holds values other than 0 and 1"
-    if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
+    if n and (tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size)):
         return REJECT_VOCAB, f"token ids span [{tokens.min()}, {tokens.max()}]; the vocabulary has {vocab_size}"
     if not np.isfinite(logprobs).all():
         return REJECT_LOGPROBS, "a logprob is NaN or infinite"
