@@ -56,3 +56,19 @@ def test_the_tiny_model_recipe_comes_from_the_config_and_defaults_to_the_tests_r
                                                                   "device": "cpu"}
     config = load_config(CONFIGS / "demo.yaml", ["model.tiny.warmup_steps=50"])
     assert config.model.tiny.warmup_steps == 50 and config.model.tiny.episodes_per_env == 1500
+
+
+def test_the_model_is_built_in_a_child_process_and_its_failure_is_an_error(tmp_path):
+    """The demo builds a pretrained model's warm-up in a child process (its memory goes back to the system before
+    training): what the child makes is there afterwards, and a child that fails is an error here."""
+    import os
+
+    import pytest
+
+    from horizonrl.apps.demo import build_in_child
+
+    made = tmp_path / "made"
+    build_in_child(Path.touch, made)
+    assert made.exists()
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        build_in_child(os.remove, tmp_path / "missing")

@@ -85,7 +85,7 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
         print(f"[demo] {recipe.packaged} in {model_dir}" + (
             f" (imported and format-warmed: {recipe.format_warmup.steps} SFT steps on random-policy episodes; "
             "built once, then reused)" if recipe.format_warmup else " (imported once, then reused)"), flush=True)
-        ensure_pretrained(config)
+        build_in_child(ensure_pretrained, config)
     else:
         print(f"[demo] tiny model in {model_dir} (built once, then reused)", flush=True)
         ensure_tiny_model(model_dir, envs=tuple(s.name for s in config.envs),
@@ -134,6 +134,25 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     print(f"[demo] training took {train_s / 60:.1f} min; TensorBoard: tensorboard --logdir "
           f"{config.output_dir / 'tensorboard'}; summary: {config.output_dir / 'demo_summary.json'}")
     return 0
+
+
+def build_in_child(build, *args) -> None:
+    """``build(*args)`` in a child process, so that what building takes goes back to the system before training
+    starts. A format warm-up of SmolLM2 in this process left ~10 GB here (the model, its optimizer and
+    activations, kept by the allocator) beside the run's own learner and engine, and the kernel's OOM killer
+    ended the demo on a 24 GiB machine."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=build, args=args, name="demo-model-build")
+    child.start()
+    try:
+        child.join()
+    finally:
+        if child.is_alive():  # interrupted (Ctrl-C reaches the child too): do not leave it behind
+            child.terminate()
+            child.join(30)
+    if child.exitcode != 0:
+        raise RuntimeError(f"building the model failed (exit code {child.exitcode}): the error is above")
 
 
 def before_after_table(before: dict[str, dict], after: dict[str, dict]) -> str:
