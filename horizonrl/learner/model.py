@@ -91,6 +91,20 @@ def load_model(path: str, dtype: str | None, device: torch.device) -> nn.Module:
     return model
 
 
+def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """The (N, V) logits predicting the N loss tokens: ``logits[:, :-1][selected]`` for ``selected`` (B, T-1), rows in
+    the same order, but the output layer runs only at the K positions where some sequence has a loss token.
+
+    The full (B, T, V) logits are most of a step's memory with a large vocabulary (SmolLM2's 49,152: 1.6 GB in
+    float32 for 8 × 1024 tokens, and their gradient as much again) and a fifth of its arithmetic, while an agent's
+    replies are a small part of each sequence (BabyAI: ~24 of ~500 tokens). Hugging Face causal LMs take the
+    positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks where they are.
+    """
+    positions = selected.any(0).nonzero().squeeze(-1)  # (K,) ascending: the rows come in the same order
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)
+    return logits[selected[:, positions]]
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks (``model.model.layers`` in Qwen2/Llama/Mistral-style models)."""
     inner = getattr(model, "model", None)

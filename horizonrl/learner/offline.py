@@ -57,8 +57,8 @@ from torch import nn
 
 from horizonrl.learner.batching import PAD_TOKEN_ID  # right padding: causal attention never looks right
 from horizonrl.learner.main import RankInfo
-from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict, resolve_backend,
-                                     save_hf_checkpoint)
+from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict,
+                                     loss_token_logits, resolve_backend, save_hf_checkpoint)
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
 from horizonrl.learner.train_step import lr_multiplier
 from horizonrl.core.config import ConfigError
@@ -104,11 +104,10 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor,
     """(B, T) ids and mask -> (per-token log π of the N loss tokens (N,), per-sequence sums (B,)).
 
     Logits at t−1 predict token t, so only the (N, V) rows where ``loss_mask[:, 1:]`` is 1 are
-    normalised (memory N·V, not B·T·V).
+    computed (``loss_token_logits``: memory about N·V, not B·T·V).
     """
-    logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
     selected = loss_mask[:, 1:].bool()
-    logprobs = token_logprobs(logits[:, :-1][selected], input_ids[:, 1:][selected])  # (N,)
+    logprobs = token_logprobs(loss_token_logits(model, input_ids, selected), input_ids[:, 1:][selected])  # (N,)
     rows = selected.nonzero()[:, 0]
     sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
     return logprobs, sums

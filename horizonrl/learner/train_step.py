@@ -25,6 +25,7 @@ from torch import nn
 from horizonrl.learner.advantages import discounted_returns, gae_advantages, masked_moments, whiten
 from horizonrl.learner.batching import MicroBatch, Sample, micro_batches_for_rank, mini_batches
 from horizonrl.learner.mismatch import TurnMismatch
+from horizonrl.learner.model import loss_token_logits
 from horizonrl.learner.policy_loss import (
     ClipSettings,
     PolicyLossStats,
@@ -165,10 +166,10 @@ def micro_batch_loss(
     (N_mb, V) rows where loss_mask[:, 1:] = 1 are ever normalised (memory: N_mb·V, not B·T·V).
     No attention mask: padding is on the right, and causal attention never looks right.
     """
-    logits = model(input_ids=micro_batch.input_ids, use_cache=False).logits  # (B, T, V)
     selected = micro_batch.loss_mask[:, 1:].bool()  # (B, T-1)
     targets = micro_batch.input_ids[:, 1:][selected]
-    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1][selected], targets, settings.temperature,
+    logits = loss_token_logits(model, micro_batch.input_ids, selected)  # (N_mb, V)
+    logprobs, entropy = token_logprobs_and_entropy(logits, targets, settings.temperature,
                                                    settings.top_p)  # (N_mb,)
     weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences)
     w = weights[:, 1:][selected]  # (N_mb,)
@@ -187,13 +188,12 @@ def micro_batch_loss(
 
     if reference is not None:
         with torch.no_grad():
-            ref_logits = reference(input_ids=micro_batch.input_ids, use_cache=False).logits
-            ref_logprobs = token_logprobs(ref_logits[:, :-1][selected], targets, settings.temperature)
+            ref_logprobs = token_logprobs(loss_token_logits(reference, micro_batch.input_ids, selected), targets,
+                                          settings.temperature)
         # KL(π_θ ‖ π_ref) between the untruncated distributions, both sides: with top_p < 1 the
         # nucleus log π_θ is not comparable with the full log π_ref, and is −inf outside the nucleus
         # (k3 = e^∞ − ∞ = NaN)
-        full_logprobs = logprobs if settings.top_p >= 1.0 else token_logprobs(logits[:, :-1][selected], targets,
-                                                                               settings.temperature)
+        full_logprobs = logprobs if settings.top_p >= 1.0 else token_logprobs(logits, targets, settings.temperature)
         kl = kl_penalty(full_logprobs, ref_logprobs, settings.kl_loss_type)
         loss = loss + settings.kl_loss_coef * (w * kl).sum()
         stats.kl_ref_sum = float(kl.detach().sum())
@@ -266,9 +266,9 @@ def fill_proximal_logprobs(model: nn.Module, micro_batches: list[MicroBatch], se
                            device: torch.device) -> None:
     """Set each micro-batch's ``proximal_logprobs`` (B, T): log π_θ of its tokens now, 0 off the loss tokens."""
     for mb in micro_batches:
-        logits = model(input_ids=mb.input_ids.to(device), use_cache=False).logits
+        input_ids = mb.input_ids.to(device)
         selected = mb.loss_mask[:, 1:].bool().to(device)
-        logprobs = token_logprobs(logits[:, :-1][selected], mb.input_ids.to(device)[:, 1:][selected],
+        logprobs = token_logprobs(loss_token_logits(model, input_ids, selected), input_ids[:, 1:][selected],
                                   settings.temperature, settings.top_p)
         proximal = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=device)
         proximal[:, 1:][selected] = logprobs

@@ -19,8 +19,10 @@ class FixedLogits(nn.Module):
         super().__init__()
         self.logits = nn.Parameter(torch.tensor(logits, dtype=torch.float32))
 
-    def forward(self, input_ids, use_cache=False):
-        return SimpleNamespace(logits=self.logits)
+    def forward(self, input_ids, use_cache=False, logits_to_keep=0):
+        # as Hugging Face causal LMs: 0 keeps every position, a tensor the positions it lists
+        return SimpleNamespace(logits=self.logits if isinstance(logits_to_keep, int) and logits_to_keep == 0
+                               else self.logits[:, logits_to_keep])
 
 
 def _problem(seed=0, b=3, t=7, v=11):
@@ -188,3 +190,36 @@ def test_entropy_gradient_survives_probabilities_that_underflow():
     assert torch.isfinite(logits.grad).all()
     p = torch.softmax(logits.detach() / 0.2, -1)
     assert entropy.item() == pytest.approx(float(-(p[p > 0] * p[p > 0].log()).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_logits_at_the_loss_positions_only_equal_the_full_logits_rows_and_gradients(architecture):
+    """``loss_token_logits`` runs the output layer only where some sequence has a loss token; its rows, and the
+    gradients of a loss on them, are those of the full (B, T, V) logits, in the same order — on real Hugging Face
+    causal LMs (random weights; the tiny model is a Qwen2, SmolLM2 a Llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from horizonrl.learner.model import loss_token_logits
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if architecture == "qwen2"
+             else LlamaForCausalLM(LlamaConfig(**shape))).float()
+    rng = np.random.default_rng(1)
+    ids = torch.tensor(rng.integers(0, 97, size=(3, 20)))
+    mask = torch.zeros(3, 20)
+    mask[0, 5:9], mask[1, 12:15], mask[2, 5:7], mask[2, 17:20] = 1, 1, 1, 1  # replies at different places
+    selected = mask[:, 1:].bool()
+    full = model(input_ids=ids, use_cache=False).logits[:, :-1][selected]
+    (full.float().log_softmax(-1)[:, 0].sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    kept = loss_token_logits(model, ids, selected)
+    (kept.float().log_softmax(-1)[:, 0].sum()).backward()
+    assert kept.shape == full.shape == (int(selected.sum()), 97)
+    torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-5)
+    for before, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, before, rtol=1e-4, atol=1e-6)
+    # a micro-batch with no loss token at all (a rank's padding row) gives no rows, and no error
+    assert loss_token_logits(model, ids[:1], torch.zeros(1, 19, dtype=torch.bool)).shape == (0, 97)
