@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write the check, every measurement and the ratios here")
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -166,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     ratios_m = [f["extra_gb"] / max(k["extra_gb"], 1e-3) for f, k in zip(runs["full"], runs["kept"])]
     print(f"full / kept: time {statistics.median(ratios_s):.2f}x [{min(ratios_s):.2f}-{max(ratios_s):.2f}], "
           f"memory above the model {statistics.median(ratios_m):.2f}x [{min(ratios_m):.2f}-{max(ratios_m):.2f}]")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "settings": {k: v for k, v in vars(args).items() if k not in ("child", "check", "json")},
+            "output_layer_positions": selected, "check": check, "runs": runs,
+            "ratios": {"time_full_over_kept": ratios_s, "memory_full_over_kept": ratios_m}}, indent=1) + "\n")
     return 0
 
 
