@@ -95,10 +95,11 @@ def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch
     """The (N, V) logits predicting the N loss tokens: ``logits[:, :-1][selected]`` for ``selected`` (B, T-1), rows in
     the same order, but the output layer runs only at the K positions where some sequence has a loss token.
 
-    The full (B, T, V) logits are most of a step's memory with a large vocabulary (SmolLM2's 49,152: 1.6 GB in
-    float32 for 8 × 1024 tokens, and their gradient as much again) and a fifth of its arithmetic, while an agent's
-    replies are a small part of each sequence (BabyAI: ~24 of ~500 tokens). Hugging Face causal LMs take the
-    positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks where they are.
+    An agent's replies are a small part of each sequence (BabyAI: ~24 of ~500 tokens), and with a large vocabulary
+    the output layer at every position costs time and memory no loss reads: with SmolLM2's 49,152 tokens, a
+    micro-batch of 8 × 1,024 took 1.39× as long and ~1.4 GB more (scripts/bench_learner_logits.py). Hugging Face
+    causal LMs take the positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks
+    where they are.
     """
     positions = selected.any(0).nonzero().squeeze(-1)  # (K,) ascending: the rows come in the same order
     logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)

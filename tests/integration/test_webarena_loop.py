@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.system]  # Chromium
 REPO = Path(__file__).resolve().parents[2]
 # Compact observations (the first 500 characters of the tree, no link URLs) keep contexts short.
 WEBARENA_SETTINGS = {"instructions": "short", "link_urls": False, "max_observation_chars": 500}
-# A smoke test's model: it must only reply, not act well, so its warm-up is short (12 steps, loss ~3.5; 40 steps,
-# loss ~0.9, cost a minute more of the suite for nothing this test checks).
+# A smoke test's model: it must only reply, not act well, so its warm-up is short (its loss is ~4 after 12 steps;
+# 40 steps, loss ~0.9, cost about a minute more of the suite for nothing this test checks).
 WEBARENA_TINY_RECIPE = dict(envs=("webarena",), env_settings={"webarena": WEBARENA_SETTINGS}, episodes_per_env=48,
                             warmup_steps=12, max_turns=3)
 
