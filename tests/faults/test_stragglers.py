@@ -88,7 +88,7 @@ class HangingProxy(threading.Thread):
 # before the first episode reached its limit. Each test stops its run with Ctrl-C once it has seen
 # what it waits for.
 UNTIL_STOPPED = "learner.total_steps=10000"
-FREEZE_S = 90.0  # how long one engine stays frozen
+FREEZE_S = 60.0  # how long one engine stays frozen: well over FROZEN_GAP_BOUND_S, or the bound says nothing
 FROZEN_GAP_BOUND_S = 45.0  # the learner's longest gap between steps meanwhile: the hub's 20 s bound + a step, doubled
 
 
@@ -125,7 +125,7 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
         tiny_model, tmp_path):
     """One run, two actors, two stragglers. The environment (a real ``horizonrl env serve signpost`` behind the
     hanging proxy) holds some steps forever: those episodes end at ``rollout.episode_timeout_s``. Then the engine
-    core of the first actor playing is frozen for 90 s: its generations in flight end at ``rollout.turn_timeout_s``,
+    core of the first actor playing is frozen for FREEZE_S (60 s): its generations in flight end at ``rollout.turn_timeout_s``,
     the weight hub drops it after its bound, the other actor keeps the learner fed — the learner's longest gap
     between two steps meanwhile stays under FROZEN_GAP_BOUND_S — and the run goes on after the thaw. Every timeout is counted, none is
     trained on; Ctrl-C ends the run with nothing lost."""
@@ -151,12 +151,13 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
         def playing() -> list[int]:
             return [e["actor"] for e in run_events(run_dir, RunEvent.ENGINE_READY)]
 
-        # The victim's engine must be up and playing before the freeze, or the freeze only stalls its start-up
-        # (no generation in flight to time out); joining the weight hub is not enough (the engine_ready event
-        # comes once the first version is loaded). It is whichever actor plays first: an engine that starts while
-        # the other actor and the learner hold both cores can take minutes, and freezing the one playing gives
-        # the other the cores it needs.
-        victim = wait_until(playing, 600, "an actor to start playing")[0]
+        # Both engines must be up and playing before the freeze: the victim's, or the freeze only stalls its
+        # start-up (no generation in flight to time out; joining the weight hub is not enough: the engine_ready
+        # event comes once the first version is loaded), and the other's, or nothing feeds the learner while the
+        # victim is frozen (on a loaded machine an engine can take minutes to start: a freeze that began while
+        # only one actor played left the learner without a batch for the whole freeze, a 59 s gap). The victim is
+        # whichever actor played first.
+        victim = wait_until(lambda: len(set(playing())) == 2 and playing(), 900, "both actors to start playing")[0]
         wait_for_step(run_dir, 2, 600)
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == str(victim)]
