@@ -101,9 +101,17 @@ def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch
     causal LMs take the positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks
     where they are.
     """
+    if not takes_logits_to_keep(model):  # a model class from before transformers 4.50, or a custom one
+        return model(input_ids=input_ids, use_cache=False).logits[:, :-1][selected]
     positions = selected.any(0).nonzero().squeeze(-1)  # (K,) ascending: the rows come in the same order
     logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)
     return logits[selected[:, positions]]
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

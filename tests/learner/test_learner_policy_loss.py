@@ -199,7 +199,7 @@ def test_logits_at_the_loss_positions_only_equal_the_full_logits_rows_and_gradie
     causal LMs (random weights; the tiny model is a Qwen2, SmolLM2 a Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from horizonrl.learner.model import loss_token_logits
+    from horizonrl.learner.model import loss_token_logits, takes_logits_to_keep
 
     torch.manual_seed(0)
     shape = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -211,6 +211,7 @@ def test_logits_at_the_loss_positions_only_equal_the_full_logits_rows_and_gradie
     mask = torch.zeros(3, 20)
     mask[0, 5:9], mask[1, 12:15], mask[2, 5:7], mask[2, 17:20] = 1, 1, 1, 1  # replies at different places
     selected = mask[:, 1:].bool()
+    assert takes_logits_to_keep(model)  # the kept way is the one compared here, not the fallback
     full = model(input_ids=ids, use_cache=False).logits[:, :-1][selected]
     (full.float().log_softmax(-1)[:, 0].sum()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -223,3 +224,23 @@ def test_logits_at_the_loss_positions_only_equal_the_full_logits_rows_and_gradie
         torch.testing.assert_close(p.grad, before, rtol=1e-4, atol=1e-6)
     # a micro-batch with no loss token at all (a rank's padding row) gives no rows, and no error
     assert loss_token_logits(model, ids[:1], torch.zeros(1, 19, dtype=torch.bool)).shape == (0, 97)
+
+
+def test_a_model_without_logits_to_keep_gets_the_full_logits_rows():
+    """A model whose forward takes no ``logits_to_keep`` (an older or custom class) still gets the loss rows."""
+    from horizonrl.learner.model import loss_token_logits
+
+    class Plain(nn.Module):
+        def __init__(self, logits: torch.Tensor) -> None:
+            super().__init__()
+            self.logits = logits
+
+        def forward(self, input_ids, use_cache=False):
+            return SimpleNamespace(logits=self.logits)
+
+    logits, ids, mask, _, _ = _problem()
+    full = torch.tensor(logits, dtype=torch.float32)
+    selected = torch.tensor(mask)[:, 1:].bool()
+    rows = loss_token_logits(Plain(full), torch.tensor(ids), selected)
+    assert torch.equal(rows, full[:, :-1][selected])
+    assert torch.equal(loss_token_logits(FixedLogits(logits), torch.tensor(ids), selected), rows)  # the kept way
