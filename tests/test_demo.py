@@ -72,3 +72,16 @@ def test_the_model_is_built_in_a_child_process_and_its_failure_is_an_error(tmp_p
     assert made.exists()
     with pytest.raises(RuntimeError, match="exit code 1"):
         build_in_child(os.remove, tmp_path / "missing")
+
+
+def test_a_build_past_its_time_limit_is_stopped_and_is_an_error():
+    import time
+
+    import pytest
+
+    from horizonrl.apps.demo import build_in_child
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="took over 2 s"):
+        build_in_child(time.sleep, 120, timeout_s=2)
+    assert time.monotonic() - started < 60  # stopped, not waited for

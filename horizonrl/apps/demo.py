@@ -136,7 +136,11 @@ def run_demo(config_path: Path | None, overrides: list[str], *, tensorboard: boo
     return 0
 
 
-def build_in_child(build, *args) -> None:
+# A SmolLM2 import and format warm-up takes 15-30 minutes on 2 cores; a build still running after this is stuck.
+BUILD_TIMEOUT_S = 4 * 3600.0
+
+
+def build_in_child(build, *args, timeout_s: float = BUILD_TIMEOUT_S) -> None:
     """``build(*args)`` in a child process, so that what building takes goes back to the system before training
     starts. A format warm-up of SmolLM2 in this process left ~10 GB here (the model, its optimizer and
     activations, kept by the allocator) beside the run's own learner and engine, and the kernel's OOM killer
@@ -145,12 +149,16 @@ def build_in_child(build, *args) -> None:
 
     child = multiprocessing.get_context("spawn").Process(target=build, args=args, name="demo-model-build")
     child.start()
+    timed_out = False
     try:
-        child.join()
+        child.join(timeout_s)
+        timed_out = child.is_alive()
     finally:
-        if child.is_alive():  # interrupted (Ctrl-C reaches the child too): do not leave it behind
+        if child.is_alive():  # timed out, or interrupted (Ctrl-C reaches the child too): do not leave it behind
             child.terminate()
             child.join(30)
+    if timed_out:
+        raise TimeoutError(f"building the model took over {timeout_s:.0f} s; stopped it (pid {child.pid})")
     if child.exitcode != 0:
         raise RuntimeError(f"building the model failed (exit code {child.exitcode}): the error is above")
 

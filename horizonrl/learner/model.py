@@ -10,7 +10,9 @@ tensor; rank 0 also holds the checkpoint on the CPU while it is sent.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import json
 import logging
 import shutil
@@ -109,9 +111,13 @@ def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch
 
 
 def takes_logits_to_keep(model: nn.Module) -> bool:
-    import inspect
+    return _forward_takes_logits_to_keep(type(model))
 
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    """Read once per class: ``loss_token_logits`` asks on every micro-batch."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
