@@ -154,8 +154,12 @@ def test_start_follows_the_placement_on_the_cpu(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     engine, args = started_engine_args(monkeypatch, 2, None)
     assert args.tensor_parallel_size == 2 and args.distributed_executor_backend == "mp"
-    # vllm-cpu refuses to bind 2 workers on a host with one NUMA node; unbound they start (docs/gpu.md)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    # vllm-cpu's own binding refuses 2 workers on a host with one NUMA node: each gets its share of the cores
+    from horizonrl.core.placement import vllm_cpu_binding
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == vllm_cpu_binding(cores, 2)
+    assert len(cores) < 2 or "|" in os.environ["VLLM_CPU_OMP_THREADS_BIND"]  # e.g. "0|1": bound, one core each
     # CUDA_VISIBLE_DEVICES set, but no GPU behind it (this machine): still the CPU, as the launcher planned
     engine, _ = started_engine_args(monkeypatch, 1, "0")
     assert not engine.on_gpu

@@ -212,9 +212,14 @@ class RolloutEngine:
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(engine.kv_cache_gib)))))
             if tp > 1:
-                # vLLM-CPU binds each tensor-parallel worker's threads to a NUMA node of its own and refuses
-                # to start on a host with fewer nodes than workers; unbound threads start and load shards.
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses
+                # to start on a host with fewer nodes than workers. Each worker gets its share of this engine's
+                # cores instead ("0|1" on 2 cores): unbound ("nobind", when there are fewer cores than workers),
+                # every worker would run one thread per core, and they would spin-wait on each other.
+                from horizonrl.core.placement import vllm_cpu_binding
+
+                cores = sorted(cpus) if cpus else sorted(os.sched_getaffinity(0))
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_cpu_binding(cores, tp))
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,
