@@ -37,14 +37,11 @@ def learning_module():
 
 
 def demo_model() -> Path:
-    """The model the test trains: tests/conftest.py's ``demo_tiny_model`` (built once into .cache/tiny-demo)."""
-    from horizonrl.core.config import load_config
-    from horizonrl.demo import TINY_MODEL_RECIPE
-    from horizonrl.tiny_model import ensure_tiny_model
+    """The model the test trains: tests/conftest.py's ``demo_tiny_model`` (tests/suite_models.py; built once into
+    .cache/tiny-demo). Call after :func:`learning_module`, which puts tests/ on the path."""
+    import suite_models
 
-    config = load_config(REPO / "configs" / "demo.yaml")
-    return Path(ensure_tiny_model(REPO / ".cache" / "tiny-demo", envs=tuple(s.name for s in config.envs),
-                                  env_settings={s.name: dict(s.settings) for s in config.envs}, **TINY_MODEL_RECIPE))
+    return suite_models.demo_model()
 
 
 def summary(rows: list[dict], false_failure: float) -> dict:

@@ -8,11 +8,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from no_skips import pytest_addoption, pytest_runtest_makereport  # noqa: E402,F401  (hooks: a skip is a failure)
 
-from horizonrl.apps.tiny_model import SIGNPOST_TEST_RECIPE as TINY_MODEL_ARGS  # noqa: E402  (the model `horizonrl bench` uses)
+import suite_models  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# Built once and reused across sessions while the recipe and arguments match (its spec file says so).
-TINY_MODEL_DIR = REPO / ".cache" / "tiny-signpost"
 
 
 # The files that take longest (seconds in one process, fresh clone, 2026-11-26), run first under pytest-xdist
@@ -35,10 +33,13 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k have deselected: only the models of the tests that will run
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: LONGEST_FIRST, then the other files with slow tests, then the rest; collection order
-    within each."""
+    """One process: the suite's models start building in the background (tests/suite_models.py) and the files whose
+    tests need none run first. Under pytest-xdist: LONGEST_FIRST, then the other files with slow tests, then the
+    rest. Collection order within each."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        order_files_and_start_builds(config, items, start=not config.getoption("collectonly"))
         return
     tests_dir = Path(__file__).parent
     missing = [path for path in LONGEST_FIRST if not (tests_dir / path).exists()]
@@ -54,6 +55,62 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a file stays
 
 
+def order_files_and_start_builds(config, items, start: bool = True) -> None:
+    """Start the background builds of the models the selected tests stand on, and order the test files so that
+    those needing none run first (whole files, so that a module-scoped fixture is set up once)."""
+    import subprocess
+
+    def models(item) -> set[str]:
+        return {suite_models.MODEL_OF_FIXTURE[f] for f in item.fixturenames if f in suite_models.MODEL_OF_FIXTURE}
+
+    needed_by_file: dict[str, set[str]] = {}
+    for item in items:
+        needed_by_file.setdefault(str(item.fspath), set()).update(models(item))
+    needed = set().union(*needed_by_file.values()) if needed_by_file else set()
+    if not needed:
+        return
+    items.sort(key=lambda item: bool(needed_by_file[str(item.fspath)]))  # stable: collection order within each
+    if not start:
+        return
+    logs = REPO / ".cache"
+    logs.mkdir(exist_ok=True)
+    builders = []
+    for group in suite_models.BUILDER_GROUPS:
+        names = [name for name in group if name in needed]
+        if not names:
+            continue
+        log_path = logs / f"suite-models-{'-'.join(names)}.log"
+        with open(log_path, "w") as log:
+            # nice: a test that runs beside a build keeps its speed; one that waits for the build leaves it the CPU.
+            proc = subprocess.Popen(["nice", "-n", "10", sys.executable, str(REPO / "tests" / "suite_models.py"),
+                                     *names], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        builders.append((names, proc, log_path))
+    config.stash[MODEL_BUILDERS] = builders
+
+
+MODEL_BUILDERS = pytest.StashKey[list]()
+
+
+def pytest_unconfigure(config):
+    """Background builds still running when the session ends (a short selection, an interrupted run) are stopped;
+    a failed one is said (its model's fixture then built it in the test process, or failed there)."""
+    import signal
+    import subprocess
+
+    for names, proc, log_path in config.stash.get(MODEL_BUILDERS, []):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        elif proc.returncode != 0:
+            print(f"\nbackground build of {', '.join(names)} failed (exit {proc.returncode}): see {log_path}",
+                  file=sys.stderr)
+
+
 @pytest.fixture(autouse=True)
 def environment_as_it_was():
     """What a test leaves in os.environ is undone after it. A pytest-xdist worker runs many files in one process:
@@ -67,34 +124,21 @@ def environment_as_it_was():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from horizonrl.apps.tiny_model import ensure_tiny_model
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return Path(ensure_tiny_model(TINY_MODEL_DIR, **TINY_MODEL_ARGS))
-
+    return suite_models.signpost_model()
 
 
 @pytest.fixture(scope="session")
 def smollm2_model() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (`horizonrl make-model smollm2`), imported once and
-    reused while the import matches (~30 s)."""
-    from horizonrl.apps.model_import import ensure_imported
-
-    return ensure_imported(REPO / ".cache" / "smollm2", packaged="smollm2")
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (tests/suite_models.py)."""
+    return suite_models.smollm2_model()
 
 
 @pytest.fixture(scope="session")
 def demo_tiny_model() -> Path:
-    """The demo's starting policy (horizonrl/apps/demo.py's recipe on configs/demo.yaml's BabyAI levels): what the
-    BabyAI learning test trains, and the model the other BabyAI tests play with (built once: ~4 minutes)."""
-    from horizonrl.core.config import load_config
-    from horizonrl.apps.demo import TINY_MODEL_RECIPE
-    from horizonrl.apps.tiny_model import ensure_tiny_model
-
-    config = load_config(REPO / "configs" / "demo.yaml")
-    return Path(ensure_tiny_model(REPO / ".cache" / "tiny-demo", envs=tuple(s.name for s in config.envs),
-                                  env_settings={s.name: dict(s.settings) for s in config.envs},
-                                  **TINY_MODEL_RECIPE))
+    """The demo's starting policy: what the BabyAI learning test trains, and the model the other BabyAI tests play
+    with (tests/suite_models.py)."""
+    return suite_models.demo_model()
 
 
 @pytest.fixture(scope="session")

@@ -8,16 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
+import suite_models
 from helpers import load_script
 
-from horizonrl.apps.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return cached_tiny_model(**SIGNPOST_TEST_MODEL)
+    return suite_models.signpost_cached_model()
 
 
 def test_a_batch_generates_what_each_prompt_generates_alone(model_dir):

@@ -218,14 +218,15 @@ def test_every_process_killed_in_turn_is_replaced_and_the_run_finishes_with_noth
 
 
 def test_chaos_command_kills_reports_and_loses_nothing(tiny_model, tmp_path):
-    """``horizonrl chaos`` (short): the buffer killed every ~12 s for 50 s; each replacement recovers."""
+    """``horizonrl chaos`` (short): the buffer killed every ~10 s (5-15 s apart, so at least twice) for 35 s after
+    the first learner step; each replacement recovers."""
     import subprocess
     import sys
 
     run_dir = tmp_path / "chaos"
     result = subprocess.run(
         [sys.executable, "-m", "horizonrl", "chaos", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
-         *SMALL_RUN, "learner.total_steps=10000", "--kill", "buffer", "--every", "12", "--duration", "50"],
+         *SMALL_RUN, "learner.total_steps=10000", "--kill", "buffer", "--every", "10", "--duration", "35"],
         capture_output=True, text=True, timeout=900, start_new_session=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "chaos_summary.json").read_text())["chaos"]

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
 EVAL_EPISODES = 150
 STEPS = 60
-# The bounds, from the take-off distribution (scripts/learning_take_off.py; docs/learning.md): see the test.
+# The bounds: well below the demo's measured held-out rises (0.38-0.46 in three runs, docs/learning.md). The >= 10-run
+# take-off distribution that would give their false-failure rate (scripts/learning_take_off.py) is not measured yet.
 ROLLOUT_RISE = 0.1
 HELD_OUT_RISE = 0.15
 

@@ -8,24 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
+import suite_models
 from helpers import horizonrl_cmd, start_process, steps_trained, stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]  # Chromium
 
 REPO = Path(__file__).resolve().parents[2]
-# Compact observations (the first 500 characters of the tree, no link URLs) keep contexts short.
-WEBARENA_SETTINGS = {"instructions": "short", "link_urls": False, "max_observation_chars": 500}
-# A smoke test's model: it must only reply, not act well, so its warm-up is short (its loss is ~4 after 12 steps;
-# 40 steps, loss ~0.9, cost about a minute more of the suite for nothing this test checks).
-WEBARENA_TINY_RECIPE = dict(envs=("webarena",), env_settings={"webarena": WEBARENA_SETTINGS}, episodes_per_env=48,
-                            warmup_steps=12, max_turns=3)
 
 
 @pytest.fixture(scope="session")
 def webarena_tiny_model() -> Path:
-    from horizonrl.apps.tiny_model import ensure_tiny_model
-
-    return Path(ensure_tiny_model(REPO / ".cache" / "tiny-webarena", **WEBARENA_TINY_RECIPE))
+    return suite_models.webarena_model()  # a short warm-up: this test needs replies, not skill
 
 
 def test_webarena_runs_through_the_whole_loop(webarena_tiny_model, tmp_path):

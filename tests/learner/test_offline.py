@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import suite_models
 
 from horizonrl.core.agentgym_records import (
     OfflineDataError,
@@ -26,14 +27,13 @@ from horizonrl.core.offline_config import load_offline_config
 from horizonrl.envs.signpost_expert import expert_reply, read_sign, signpost_records
 from horizonrl.learner.offline_data import conversation_ids, load_dpo_data, load_sft_data
 from horizonrl.protocol.transport import free_port
-from horizonrl.apps.tiny_model import SIGNPOST_TEST_MODEL, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return Path(cached_tiny_model(**SIGNPOST_TEST_MODEL))  # shared with the other suites, built once
+    return suite_models.signpost_cached_model()  # shared with the other suites, built once
 
 
 @pytest.fixture(scope="module")
