@@ -73,7 +73,7 @@ LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml",
                     "searchqa_multihop.yaml", "searchqa_multihop_names.yaml"]
 BENCH_CONFIGS = ["bench_heavy_tail.yaml",  # the training benchmark's long-tailed workload
                  "bench_rising_budget.yaml"]  # adaptive vs fixed groups in flight under a rising budget
-PRETRAINED_CONFIGS = ["smollm2_babyai.yaml", "smollm2_textcraft.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
+PRETRAINED_CONFIGS = ["smollm2_babyai.yaml", "smollm2_textcraft.yaml", "smollm2_searchqa.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
 TURN_CREDIT_CONFIGS = ["signpost_long.yaml"]  # outcome-only GRPO against GiGPO (scripts/compare_turn_credit.py)
 
 
