@@ -95,17 +95,11 @@ MODEL_BUILDERS = pytest.StashKey[list]()
 def pytest_unconfigure(config):
     """Background builds still running when the session ends (a short selection, an interrupted run) are stopped;
     a failed one is said (its model's fixture then built it in the test process, or failed there)."""
-    import signal
-    import subprocess
+    from helpers import stop_process
 
     for names, proc, log_path in config.stash.get(MODEL_BUILDERS, []):
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+            stop_process(proc)  # its process group: a WebArena build's browser too
         elif proc.returncode != 0:
             print(f"\nbackground build of {', '.join(names)} failed (exit {proc.returncode}): see {log_path}",
                   file=sys.stderr)
