@@ -66,7 +66,7 @@ def order_files_and_start_builds(config, items, start: bool = True) -> None:
     needed_by_file: dict[str, set[str]] = {}
     for item in items:
         needed_by_file.setdefault(str(item.fspath), set()).update(models(item))
-    needed = set().union(*needed_by_file.values()) if needed_by_file else set()
+    needed = set().union(*needed_by_file.values())
     if not needed:
         return
     items.sort(key=lambda item: bool(needed_by_file[str(item.fspath)]))  # stable: collection order within each
