@@ -111,9 +111,10 @@ class GroupLink:
     all-reduced acknowledgement (``protocol/weights.py``), each collective bounded by ``timeout_s``
     (the hub's, passed with each call)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, group_timeout_s: float = 0.0) -> None:
+        self.group: dist.ProcessGroup | None = group
         self.device = device
+        self.group_timeout_s = group_timeout_s  # the group's own timeout (its transfers give up after it)
 
     def begin(self, layout_bytes: bytes, bucket_bytes: int, what: str, timeout_s: float) -> None:
         header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64, device=self.device)
@@ -133,12 +134,34 @@ class GroupLink:
             raise WeightSyncError(f"weight hub: {what} acknowledged {int(ack.item())} times, not once")
 
     def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
+        group, self.group = self.group, None
+        if group is None:
+            return
+        shutdown = getattr(group, "shutdown", None)
         if callable(shutdown):
             try:
                 shutdown()
             except Exception:  # best effort: the engine may be gone already
                 pass
+        # Destroying a gloo group whose peer is frozen with a transfer pending blocks the thread that drops the
+        # last reference until the group's own timeout ends that transfer (shutdown() and abort() do not end it;
+        # measured: 57 s of a 60 s timeout). Its last references sit in a reference cycle (the time-out's
+        # traceback), so the garbage collector dropped them in whichever thread it ran: the learner's training
+        # step, stalled for the rest of the timeout (38 s in a stragglers run). So the group is kept until its
+        # timeout has passed; destroyed after that, anywhere, it costs nothing.
+        _keep_until_timed_out(group, self.group_timeout_s + STUCK_MARGIN_S)
+
+
+def _keep_until_timed_out(group: dist.ProcessGroup, hold_s: float) -> None:
+    """Hold a reference to ``group`` for ``hold_s`` in a daemon thread (one that sleeps at exit: the group is then
+    never destroyed, and the process does not wait for it)."""
+    held = [group]
+
+    def release() -> None:
+        time.sleep(hold_s)
+        held.clear()
+
+    threading.Thread(target=release, name="release-dropped-group", daemon=True).start()
 
 
 @dataclass
@@ -564,7 +587,10 @@ class WeightHub:
             return
         worker = int(getattr(join, "worker", 0))
         try:
-            link = self._connect_ipc(join) if join.ipc_address else GroupLink(self._form_group(number), self.device)
+            if join.ipc_address:
+                link = self._connect_ipc(join)
+            else:
+                link = GroupLink(self._form_group(number), self.device, group_timeout_s=self.timeout_s)
         except WeightSyncError as exc:
             self.counters["failed_joins"] += 1
             log.warning("weight hub: actor %d worker %d (pid %d) did not complete its join %d: %s", join.actor, worker,

@@ -76,6 +76,32 @@ def test_hung_browser_is_killed_and_replaced():
     run(scenario)
 
 
+def test_abandoning_a_host_also_ends_a_hung_browser_it_lost_track_of():
+    """A host whose loop has ended is abandoned: its driver is killed, and with it every browser that driver
+    launched, the one the host knows by pid or not (a launch cut short; a pid mistaken for the browser's child). A
+    browser that is well ends itself when its driver's pipe closes; a hung one would live on, an orphan no one
+    can name."""
+    import psutil
+
+    async def scenario():
+        host = browser_host(None, 8)
+        await host.browser()
+        return host, psutil.Process(host.pid)
+
+    host, browser = asyncio.run(scenario())
+    browser.suspend()  # hung
+    host.pid = None  # and lost track of
+    try:
+        host.abandon()
+        deadline = time.monotonic() + 30
+        while browser.is_running() and browser.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the hung browser the host lost track of outlived its driver"
+            time.sleep(0.1)
+    finally:
+        if browser.is_running():  # this test's browser: psutil checks the pid still names it
+            browser.kill()
+
+
 class SlowSite(BaseHTTPRequestHandler):
     """``/`` answers at once; ``/slow`` never finishes (until the test releases it)."""
 

@@ -72,7 +72,7 @@ def test_a_frozen_member_is_dropped_within_the_bound_while_the_others_get_the_ve
     healthy, frozen = Link(), Link(frozen_in="bucket")
     hub.members[(0, 0)] = Member(1, 0, 0, 101, healthy)
     hub.members[(1, 0)] = Member(2, 1, 0, 102, frozen)
-    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device: Link())
+    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device, **_: Link())
     monkeypatch.setattr(hub, "_form_group", lambda number: object())
     stats: dict = {}
     start = time.monotonic()
@@ -94,7 +94,7 @@ def test_a_frozen_member_is_dropped_within_the_bound_while_the_others_get_the_ve
 def test_a_joiner_whose_first_collective_never_returns_is_given_up_within_the_bound(hub, monkeypatch):
     """NCCL forms a communicator inside the first collective and waits for the peer there without a time-out:
     an engine frozen between its join and that collective must not hold the admission (and the hub's lock)."""
-    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device: Link(frozen_in="begin"))
+    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device, **_: Link(frozen_in="begin"))
     monkeypatch.setattr(hub, "_form_group", lambda number: object())
     _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=0, pid=101, worker=0))
     admission = in_thread(hub._admit, number)

@@ -21,7 +21,7 @@ class RecordingLink:
 
     devices: list[str] = []
 
-    def __init__(self, group, device) -> None:
+    def __init__(self, group, device, group_timeout_s=0.0) -> None:
         pass
 
     def begin(self, layout_bytes, bucket_bytes, what, timeout_s) -> None:

@@ -65,6 +65,15 @@ def _descendant_browsers(executable: str) -> set[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _kill(pid: int) -> None:
     """SIGKILL a browser this module started (by pid, never by name)."""
     if pid in _STARTED_PIDS:
@@ -73,6 +82,32 @@ def _kill(pid: int) -> None:
         except ProcessLookupError:
             pass
         _STARTED_PIDS.discard(pid)
+
+
+def _processes_under(pids: set[int]) -> list[Any]:
+    """Every live process below ``pids`` (Playwright drivers this module started: the browsers they launched and
+    the browsers' own children), as psutil processes, which remember their start time."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            found.extend(psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _kill_processes(processes: list[Any]) -> None:
+    """SIGKILL what :func:`_processes_under` found and is still running (psutil checks that a pid still names the
+    same process, so a reused pid is never hit)."""
+    import psutil
+
+    for proc in processes:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 atexit.register(lambda: [_kill(pid) for pid in list(_STARTED_PIDS)])
@@ -131,7 +166,10 @@ class BrowserHost:
             raise EnvironmentFailure(f"could not launch the browser {self.executable}: {error}") from error
         self._stale = False
         new = _descendant_browsers(self.executable) - before
-        self.pid = min(new) if new else None
+        # The browser is the driver's child; one of its own children caught between fork and exec (a zygote being
+        # started) looks like a browser too, and with pids wrapping around (pid_max 32768) may have the lower pid.
+        launched = {pid for pid in new if _parent(pid) in self.driver_pids} or new
+        self.pid = min(launched) if launched else None
         if self.pid is not None:
             _STARTED_PIDS.add(self.pid)
         self.launches += 1
@@ -172,6 +210,9 @@ class BrowserHost:
 
     async def close(self) -> None:
         async with self._lock:
+            # Whatever the driver launched, the browser we know of or another (a launch cut short, a pid taken
+            # for the browser's child): once the driver is gone they would be orphans no one can name.
+            leftovers = _processes_under(self.driver_pids)
             await self._discard()
             if self._playwright is not None:
                 try:
@@ -181,13 +222,17 @@ class BrowserHost:
                 self._playwright = None
             for pid in self.driver_pids:
                 _kill(pid)
+            _kill_processes(leftovers)
             self.driver_pids = set()
 
     def abandon(self) -> None:
-        """Its event loop is gone: kill the browser and the driver (they cannot be closed politely)."""
+        """Its event loop is gone: kill the browser and the driver (they cannot be closed politely), and whatever
+        else the driver launched."""
+        leftovers = _processes_under(self.driver_pids)
         for pid in [self.pid, *self.driver_pids]:
             if pid is not None:
                 _kill(pid)
+        _kill_processes(leftovers)
         self.pid, self.driver_pids = None, set()
 
 
