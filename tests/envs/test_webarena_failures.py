@@ -34,8 +34,28 @@ def run(scenario, timeout_s: float = 240.0):
             await close_browser()
 
     result = asyncio.run(wrapped())
-    assert not _descendant_browsers(find_browser()), "a browser process was left behind"
+    left = _descendant_browsers(find_browser())
+    assert not left, f"a browser process was left behind: {describe(left)}"
     return result
+
+
+def describe(pids: set[int]) -> list[str]:
+    """Each process with its age and its parents up to this one: which test's browser, under which driver."""
+    import psutil
+
+    lines = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            chain = []
+            for parent in proc.parents():
+                if parent.pid == os.getpid():
+                    break
+                chain.append(f"{parent.pid} {' '.join(parent.cmdline()[:3])[:120]}")
+            lines.append(f"{pid} started {time.time() - proc.create_time():.0f} s ago, under {chain}")
+        except psutil.Error as error:
+            lines.append(f"{pid}: {error}")
+    return lines
 
 
 def test_browser_killed_mid_episode_is_an_infrastructure_failure():
