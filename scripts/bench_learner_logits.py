@@ -2,7 +2,10 @@
 positions that predict a loss token (``learner/model.py``'s ``loss_token_logits``), side by side.
 
     python scripts/bench_learner_logits.py [--model DIR] [--batch 8] [--length 1024] [--replies 3]
-        [--reply-tokens 8] [--compute-dtype bfloat16] [--repeats 3] [--threads 2]
+        [--reply-tokens 8] [--compute-dtype bfloat16] [--repeats 3] [--threads 2] [--compare ways|dtypes]
+
+``--compare dtypes`` measures the learner's way (*kept*) with float32 compute against bf16 autocast instead
+(``learner.compute_dtype``: the master weights are float32 either way), side by side, with tokens/s.
 
 With a 49,152-token vocabulary (SmolLM2) the (B, T, V) logits and their gradient are most of a step's memory,
 and the output layer a fifth of its arithmetic, while an agent's replies are a small part of each sequence.
@@ -108,6 +111,40 @@ def run_child(args: list[str]) -> dict | None:
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+def compare_dtypes(args, common: list[str]) -> int:
+    """The learner's way (kept) with float32 compute against bf16 autocast, alternating, each a fresh process."""
+    tokens = args.batch * args.length
+    runs: dict[str, list[dict]] = {dtype: [] for dtype in DTYPES}
+    for repeat in range(args.repeats):
+        for dtype in (DTYPES if repeat % 2 == 0 else DTYPES[::-1]):  # alternate which goes first
+            result = run_child([*common, "--compute-dtype", dtype, "--child", "kept"])  # the later flag wins
+            if result is None:
+                return 1
+            result["tokens_per_s"] = tokens / result["seconds"]
+            runs[dtype].append(result)
+            print(f"repeat {repeat + 1}/{args.repeats} {dtype}: {result['seconds']:.1f} s "
+                  f"({result['tokens_per_s']:.0f} tokens/s), +{result['extra_gb']:.2f} GB", flush=True)
+    print(f"\n{args.batch} x {args.length} tokens, forward + backward, output layer at the loss positions only, "
+          f"{args.threads} threads, {args.repeats} repeats (median [min-max])")
+    print("| compute | s per forward+backward | tokens/s | GB above the model |\n|---|---|---|---|")
+    for dtype in DTYPES:
+        s = [r["seconds"] for r in runs[dtype]]
+        t = [r["tokens_per_s"] for r in runs[dtype]]
+        m = [r["extra_gb"] for r in runs[dtype]]
+        print(f"| {dtype} | {statistics.median(s):.1f} [{min(s):.1f}-{max(s):.1f}] | {statistics.median(t):.0f} "
+              f"[{min(t):.0f}-{max(t):.0f}] | {statistics.median(m):.2f} [{min(m):.2f}-{max(m):.2f}] |")
+    speedup = [f["seconds"] / b["seconds"] for f, b in zip(runs["float32"], runs["bfloat16"])]
+    print(f"float32 / bfloat16 time: {statistics.median(speedup):.2f}x [{min(speedup):.2f}-{max(speedup):.2f}]")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "settings": {k: v for k, v in vars(args).items() if k not in ("child", "check", "json")},
+            "runs": runs, "ratios": {"time_float32_over_bfloat16": speedup}}, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
@@ -118,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compare", choices=["ways", "dtypes"], default="ways",
+                        help="ways: full vs kept logits (default); dtypes: kept in float32 vs bfloat16 compute")
     parser.add_argument("--json", type=Path, help="also write the check, every measurement and the ratios here")
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
@@ -133,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     common = [__file__, "--model", args.model, "--batch", str(args.batch),
               "--length", str(args.length), "--replies", str(args.replies), "--reply-tokens",
               str(args.reply_tokens), "--compute-dtype", args.compute_dtype, "--threads", str(args.threads)]
+    if args.compare == "dtypes":
+        return compare_dtypes(args, common)
     check = run_child([*common, "--child", "kept", "--check"])
     if check is None:
         return 1

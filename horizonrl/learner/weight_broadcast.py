@@ -40,8 +40,10 @@ staging buffer (:class:`~horizonrl.learner.weight_ipc.IpcSender`). Both take a v
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -147,21 +149,46 @@ class GroupLink:
         # last reference until the group's own timeout ends that transfer (shutdown() and abort() do not end it;
         # measured: 57 s of a 60 s timeout). Its last references sit in a reference cycle (the time-out's
         # traceback), so the garbage collector dropped them in whichever thread it ran: the learner's training
-        # step, stalled for the rest of the timeout (38 s in a stragglers run). So the group is kept until its
-        # timeout has passed; destroyed after that, anywhere, it costs nothing.
-        _keep_until_timed_out(group, self.group_timeout_s + STUCK_MARGIN_S)
+        # step, stalled for the rest of the timeout (38 s in a stragglers run). So the group is destroyed by a
+        # thread of its own. Not kept alive either: destroying it closes its connections, which is how a healthy
+        # engine's pending receive on it learns at once that its membership has ended.
+        _destroy_in_background(group, self.group_timeout_s + STUCK_MARGIN_S)
 
 
-def _keep_until_timed_out(group: dist.ProcessGroup, hold_s: float) -> None:
-    """Hold a reference to ``group`` for ``hold_s`` in a daemon thread (one that sleeps at exit: the group is then
-    never destroyed, and the process does not wait for it)."""
+_DESTROYERS: list[threading.Thread] = []
+
+
+def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
+    """Drop the last reference to ``group`` in a daemon thread, so that its destructor runs (and blocks, if it does)
+    there. Other references are waited for, at most ``wait_s`` (the group's timeout, after which its transfers
+    have given up and destroying it costs nothing): frames of a thread still inside a transfer, and reference
+    cycles, which this thread's collections break."""
     held = [group]
+    del group
 
-    def release() -> None:
-        time.sleep(hold_s)
+    def destroy() -> None:
+        deadline = time.monotonic() + wait_s
+        collected_at = 0.0
+        while sys.getrefcount(held[0]) > 2 and time.monotonic() < deadline:  # 2: the list's and the argument's
+            if time.monotonic() - collected_at > 1.0:
+                gc.collect()
+                collected_at = time.monotonic()
+            else:
+                time.sleep(0.05)
         held.clear()
 
-    threading.Thread(target=release, name="release-dropped-group", daemon=True).start()
+    thread = threading.Thread(target=destroy, name="destroy-dropped-group", daemon=True)
+    _DESTROYERS[:] = [t for t in _DESTROYERS if t.is_alive()] + [thread]
+    thread.start()
+
+
+def wait_for_dropped_groups(timeout_s: float) -> bool:
+    """Whether every dropped group was destroyed within ``timeout_s``. A process that exits while a daemon thread
+    is inside gloo's destructor aborts ("terminate called without an active exception"): the hub waits on close."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_DESTROYERS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in _DESTROYERS)
 
 
 @dataclass
@@ -662,6 +689,9 @@ class WeightHub:
             if self._zmq is not None:
                 self._zmq.destroy(linger=0)  # also a socket an admission thread is still connecting
                 self._zmq = None
+        if not wait_for_dropped_groups(self.timeout_s + STUCK_MARGIN_S):
+            log.warning("weight hub: a dropped member's group was still being destroyed %.0f s after the hub closed "
+                        "(its engine frozen?)", self.timeout_s + STUCK_MARGIN_S)
 
 
 def gather_without_sending(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,

@@ -211,7 +211,7 @@ def test_a_member_frozen_mid_transfer_holds_the_send_for_its_bound_not_the_group
     references are in a reference cycle (the time-out's traceback), so the next garbage collection, in whatever
     thread runs it, destroyed it, and gloo's destructor waits for the pending transfer until the group's own
     timeout (60 s here): the learner's next training step took 38 s in a stragglers run, and this
-    ``gc.collect()`` 58 s, before dropped groups were kept until their timeout had passed."""
+    ``gc.collect()`` 58 s, before a dropped group was destroyed by a thread of its own."""
     # pytest's log capture keeps each record, and with it the error, its traceback and the group, until the test
     # ends; a learner's handlers do not. The hub's records go to stderr here, kept by nothing.
     monkeypatch.setattr(weight_broadcast.log, "propagate", False)
