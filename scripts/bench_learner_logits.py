@@ -114,6 +114,12 @@ def run_child(args: list[str]) -> dict | None:
 DTYPES = ("float32", "bfloat16")
 
 
+def spread(values: list[float], digits: int, unit: str = "") -> str:
+    """'median [min-max]' of ``values``."""
+    return (f"{statistics.median(values):.{digits}f}{unit} [{min(values):.{digits}f}-"
+            f"{max(values):.{digits}f}{unit}]")
+
+
 def compare_dtypes(args, common: list[str]) -> int:
     """The learner's way (kept) with float32 compute against bf16 autocast, alternating, each a fresh process."""
     tokens = args.batch * args.length
@@ -131,13 +137,11 @@ def compare_dtypes(args, common: list[str]) -> int:
           f"{args.threads} threads, {args.repeats} repeats (median [min-max])")
     print("| compute | s per forward+backward | tokens/s | GB above the model |\n|---|---|---|---|")
     for dtype in DTYPES:
-        s = [r["seconds"] for r in runs[dtype]]
-        t = [r["tokens_per_s"] for r in runs[dtype]]
-        m = [r["extra_gb"] for r in runs[dtype]]
-        print(f"| {dtype} | {statistics.median(s):.1f} [{min(s):.1f}-{max(s):.1f}] | {statistics.median(t):.0f} "
-              f"[{min(t):.0f}-{max(t):.0f}] | {statistics.median(m):.2f} [{min(m):.2f}-{max(m):.2f}] |")
+        column = {key: [r[key] for r in runs[dtype]] for key in ("seconds", "tokens_per_s", "extra_gb")}
+        print(f"| {dtype} | {spread(column['seconds'], 1)} | {spread(column['tokens_per_s'], 0)} | "
+              f"{spread(column['extra_gb'], 2)} |")
     speedup = [f["seconds"] / b["seconds"] for f, b in zip(runs["float32"], runs["bfloat16"])]
-    print(f"float32 / bfloat16 time: {statistics.median(speedup):.2f}x [{min(speedup):.2f}-{max(speedup):.2f}]")
+    print(f"float32 / bfloat16 time: {spread(speedup, 2, 'x')}")
     if args.json:
         args.json.write_text(json.dumps({
             "settings": {k: v for k, v in vars(args).items() if k not in ("child", "check", "json")},
@@ -199,15 +203,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} repeats (median [min-max])")
     print("| way | s per forward+backward | GB above the model | peak GB |\n|---|---|---|---|")
     for way in WAYS:
-        s = [r["seconds"] for r in runs[way]]
-        m = [r["extra_gb"] for r in runs[way]]
-        p = [r["peak_gb"] for r in runs[way]]
-        print(f"| {way} | {statistics.median(s):.1f} [{min(s):.1f}-{max(s):.1f}] | {statistics.median(m):.2f} "
-              f"[{min(m):.2f}-{max(m):.2f}] | {statistics.median(p):.2f} |")
+        column = {key: [r[key] for r in runs[way]] for key in ("seconds", "extra_gb", "peak_gb")}
+        print(f"| {way} | {spread(column['seconds'], 1)} | {spread(column['extra_gb'], 2)} | "
+              f"{statistics.median(column['peak_gb']):.2f} |")
     ratios_s = [f["seconds"] / k["seconds"] for f, k in zip(runs["full"], runs["kept"])]
     ratios_m = [f["extra_gb"] / max(k["extra_gb"], 1e-3) for f, k in zip(runs["full"], runs["kept"])]
-    print(f"full / kept: time {statistics.median(ratios_s):.2f}x [{min(ratios_s):.2f}-{max(ratios_s):.2f}], "
-          f"memory above the model {statistics.median(ratios_m):.2f}x [{min(ratios_m):.2f}-{max(ratios_m):.2f}]")
+    print(f"full / kept: time {spread(ratios_s, 2, 'x')}, memory above the model {spread(ratios_m, 2, 'x')}")
     if args.json:
         args.json.write_text(json.dumps({
             "settings": {k: v for k, v in vars(args).items() if k not in ("child", "check", "json")},

@@ -155,40 +155,47 @@ class GroupLink:
         _destroy_in_background(group, self.group_timeout_s + STUCK_MARGIN_S)
 
 
-_DESTROYERS: list[threading.Thread] = []
+_DESTROYERS: list[tuple[threading.Thread, threading.Event]] = []  # each thread, and the event that ends its wait
 
 
 def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
     """Drop the last reference to ``group`` in a daemon thread, so that its destructor runs (and blocks, if it does)
     there. Other references are waited for, at most ``wait_s`` (the group's timeout, after which its transfers
-    have given up and destroying it costs nothing): frames of a thread still inside a transfer, and reference
-    cycles, which this thread's collections break."""
+    have given up and destroying it costs nothing) or until :func:`wait_for_dropped_groups`: frames of a thread
+    still inside a transfer, and reference cycles, which this thread's collections break."""
     held = [group]
     del group
+    give_up = threading.Event()
 
     def destroy() -> None:
         deadline = time.monotonic() + wait_s
         collected_at = 0.0
-        while sys.getrefcount(held[0]) > 2 and time.monotonic() < deadline:  # 2: the list's and the argument's
+        # 2: the list's reference and the argument's
+        while sys.getrefcount(held[0]) > 2 and time.monotonic() < deadline and not give_up.is_set():
             if time.monotonic() - collected_at > 1.0:
                 gc.collect()
                 collected_at = time.monotonic()
             else:
-                time.sleep(0.05)
+                give_up.wait(0.05)
         held.clear()
 
     thread = threading.Thread(target=destroy, name="destroy-dropped-group", daemon=True)
-    _DESTROYERS[:] = [t for t in _DESTROYERS if t.is_alive()] + [thread]
+    _DESTROYERS[:] = [(t, e) for t, e in _DESTROYERS if t.is_alive()] + [(thread, give_up)]
     thread.start()
 
 
 def wait_for_dropped_groups(timeout_s: float) -> bool:
     """Whether every dropped group was destroyed within ``timeout_s``. A process that exits while a daemon thread
-    is inside gloo's destructor aborts ("terminate called without an active exception"): the hub waits on close."""
+    is inside gloo's destructor aborts ("terminate called without an active exception"): the hub waits for those
+    on close. A thread still waiting for another holder drops its reference at once (the group then goes with
+    that holder): something that keeps it for long — pytest's log capture keeps each record and its error — must
+    not hold the learner's exit for the group's timeout."""
+    for _, give_up in _DESTROYERS:
+        give_up.set()
     deadline = time.monotonic() + timeout_s
-    for thread in list(_DESTROYERS):
+    for thread, _ in list(_DESTROYERS):
         thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in _DESTROYERS)
+    return not any(t.is_alive() for t, _ in _DESTROYERS)
 
 
 @dataclass
