@@ -72,6 +72,7 @@ from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pa
 from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
+from horizonrl.protocol.weights import WeightSyncError
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
@@ -81,6 +82,7 @@ log = logging.getLogger("horizonrl.actors")
 
 CONTROL_WAIT_S = 120.0  # the first Control must arrive within this
 HUB_PROBE_S = 1.0  # a registered weight hub that refuses connections is looked up again this often
+HUB_ANSWER_S = 30.0  # a hub that took the probe's connection answers a join's store this soon, or is not the hub
 STOP_DRAIN_S = 10.0  # at a stop, how long sent trajectories may take to be acknowledged
 UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance is not reused after these
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
@@ -376,11 +378,10 @@ class Actor:
             return net.host, net.weight_port
         return split_endpoint(self.control.endpoints[ENDPOINT_WEIGHTS])
 
-    async def _reachable_weight_hub(self) -> tuple[str, int]:
+    async def _reachable_weight_hub(self, deadline: float) -> tuple[str, int]:
         """The registered weight hub, once it accepts connections. A hub that does not is one of a learner
         that has died: its successor registers a new one, which the next Control names — so look again
         there, rather than wait in the join until the timeout for a hub that will never come back."""
-        deadline = time.monotonic() + self.config.learner.weight_sync_timeout_s
         while True:
             host, port = self._weight_hub_address()
             try:
@@ -398,15 +399,36 @@ class Actor:
 
     async def _join_weights(self) -> None:
         """Join the learner's weight hub; its newest weights are in the engine when this returns."""
+        timeout_s = self.config.learner.weight_sync_timeout_s
         if self.config.network.weight_port:
             host, port = self._weight_hub_address()  # a configured hub: the join waits for it to be up
+            update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
+                                                    timeout_s=timeout_s)
         else:
-            host, port = await self._reachable_weight_hub()
-        update = await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
-                                                timeout_s=self.config.learner.weight_sync_timeout_s)
+            update = await self._join_registered_hub(time.monotonic() + timeout_s)
         self._took(update)
         self.counters.weight_joins += 1
         log.info("joined the weight hub at weights %s (epoch, version)", self.weights)
+
+    async def _join_registered_hub(self, deadline: float):
+        """Join the newest registered hub that takes a connection. Taking one is not proof: a dead learner's
+        port may have been taken by another process's listener, which never answers. So the join's store gets
+        HUB_ANSWER_S to answer, and a join that fails before ``deadline`` looks the hub up again."""
+        while True:
+            host, port = await self._reachable_weight_hub(deadline)
+            try:
+                return await self.engine.join_weights(host, port, actor=self.index, run_id=self.run_id,
+                                                      timeout_s=self.config.learner.weight_sync_timeout_s,
+                                                      connect_timeout_s=HUB_ANSWER_S)
+            except WeightSyncError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                self.counters.weight_receive_failures += 1
+                log.warning("joining the weight hub at %s:%d failed (%s); looking it up again", host, port,
+                            str(exc).splitlines()[0][:300])
+                await asyncio.sleep(HUB_PROBE_S)
+                if not self._control_reader_running:  # else _read_control keeps self.control current
+                    await self._read_queued_control()
 
     async def _read_control(self) -> None:
         while True:

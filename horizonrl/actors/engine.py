@@ -349,12 +349,15 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weights
 
-    async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float) -> WeightUpdate:
+    async def join_weights(self, host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
+                           connect_timeout_s: float | None = None) -> WeightUpdate:
         """Join (or rejoin) the learner's weight hub; the learner's newest weights are in the engine on return.
-        The receive runs in the engine's loop (a join is rare: start, a restarted learner, a lost member)."""
+        The receive runs in the engine's loop (a join is rare: start, a restarted learner, a lost member).
+        ``connect_timeout_s``: see ``weight_receiver.join_weight_hub``."""
         from horizonrl.core.placement import engine_weight_transport
 
-        args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ))
+        args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ),
+                connect_timeout_s)
         await self._check_model_runner()
         return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
 

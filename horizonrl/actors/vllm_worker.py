@@ -117,9 +117,10 @@ class WeightReceiverExtension:
     raises for any worker's error."""
 
     def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
-                                  backend: str) -> list:
+                                  backend: str, connect_timeout_s: float | None = None) -> list:
         """Join (or rejoin) the learner's weight hub and load the version it answers with."""
-        return self._horizonrl_reply(self._horizonrl_join, host, port, actor, run_id, timeout_s, backend)
+        return self._horizonrl_reply(self._horizonrl_join, host, port, actor, run_id, timeout_s, backend,
+                                     connect_timeout_s)
 
     def horizonrl_receive_weights(self, whole: bool = False) -> list:
         """Receive one version and load it in place (see :meth:`_horizonrl_receive`)."""
@@ -188,7 +189,7 @@ class WeightReceiverExtension:
             return WorkerReply(-1, -1, 0.0, 0.0, rank, f"{type(exc).__name__}: {exc}").wire()
 
     def _horizonrl_join(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
-                        backend: str) -> tuple[int, int, float, float]:
+                        backend: str, connect_timeout_s: float | None = None) -> tuple[int, int, float, float]:
         from horizonrl.actors.weight_receiver import join_weight_hub
 
         previous = getattr(self, "_horizonrl_receiver", None)
@@ -206,7 +207,8 @@ class WeightReceiverExtension:
                             self._horizonrl_worker_rank(), staging.stage_id)
             self._horizonrl_staging = None
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
-                                                   backend=backend, worker=self._horizonrl_worker_rank())
+                                                   backend=backend, worker=self._horizonrl_worker_rank(),
+                                                   connect_timeout_s=connect_timeout_s)
         return self._horizonrl_receive()
 
     def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:

@@ -49,7 +49,7 @@ class IpcReceiver:
 
     @classmethod
     def join(cls, host: str, port: int, *, actor: int, run_id: str, timeout_s: float, worker: int = 0,
-             listen_host: str = "127.0.0.1") -> "IpcReceiver":
+             listen_host: str = "127.0.0.1", connect_timeout_s: float | None = None) -> "IpcReceiver":
         """Listen on ``listen_host`` (the learner is on this machine: loopback), then join the hub at
         ``host:port`` naming that address; WeightSyncError if the hub is not reachable within the timeout."""
         from horizonrl.actors.weight_receiver import announce_join
@@ -61,7 +61,7 @@ class IpcReceiver:
             sock.bind(f"tcp://{listen_host}:*")  # a free port
             address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             store, _joins, number = announce_join(host, port, timeout_s, WeightJoin(
-                run_id=run_id, actor=actor, pid=os.getpid(), worker=worker, ipc_address=address))
+                run_id=run_id, actor=actor, pid=os.getpid(), worker=worker, ipc_address=address), connect_timeout_s)
         except (RuntimeError, zmq.ZMQError) as exc:
             sock.close(linger=0)
             context.term()

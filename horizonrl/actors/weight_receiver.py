@@ -93,9 +93,11 @@ class WeightReceiver:
 
 
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
-                    backend: str = "gloo", worker: int = 0) -> "WeightReceiver | IpcReceiver":
+                    backend: str = "gloo", worker: int = 0,
+                    connect_timeout_s: float | None = None) -> "WeightReceiver | IpcReceiver":
     """Join the learner's weight hub as ``actor``'s engine worker ``worker`` (WeightSyncError after the
-    timeout). The learner answers with its newest version at once: receive it next.
+    timeout). The learner answers with its newest version at once: receive it next. ``connect_timeout_s``
+    (default ``timeout_s``) bounds reaching the hub's store: shorter where the hub is known to be up.
 
     ``backend``: ``gloo`` (CPU) or ``nccl`` — a two-rank group, a :class:`WeightReceiver`; ``cuda_ipc``
     (an engine on the learner's GPU, colocated mode) — an :class:`~horizonrl.actors.weight_ipc.IpcReceiver`."""
@@ -104,14 +106,15 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
     if backend == "cuda_ipc":
         from horizonrl.actors.weight_ipc import IpcReceiver
 
-        return IpcReceiver.join(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, worker=worker)
+        return IpcReceiver.join(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, worker=worker,
+                                connect_timeout_s=connect_timeout_s)
     if backend == "nccl":
         # Work.wait(timeout) must block the host and raise at the timeout, or the .item() after it hangs.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)
     try:
         store, joins, number = announce_join(host, port, timeout_s, WeightJoin(
-            run_id=run_id, actor=actor, pid=os.getpid(), worker=worker))
+            run_id=run_id, actor=actor, pid=os.getpid(), worker=worker), connect_timeout_s)
         member_store = dist.PrefixStore(member_prefix(number), joins)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -127,14 +130,49 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
     return WeightReceiver(number, backend, timeout_s, group, store, worker, stage_in_host=backend == "nccl")
 
 
-def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin) -> tuple[dist.Store, dist.Store, int]:
+def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin,
+                  connect_timeout_s: float | None = None) -> tuple[dist.Store, dist.Store, int]:
     """Steps 1 and 2 of a join (``protocol/weights.py``): take a join number and say who joins.
-    Returns (the store, its join prefix, the number); RuntimeError if the store is not reachable."""
-    store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    Returns (the store, its join prefix, the number); RuntimeError if the store is not reachable within
+    ``connect_timeout_s`` (default ``timeout_s``), the store's timeout for everything after."""
+    store = connect_store(host, port, timeout_s if connect_timeout_s is None else connect_timeout_s)
+    store.set_timeout(timedelta(seconds=timeout_s))
     joins = dist.PrefixStore(STORE_PREFIX, store)
     number = joins.add(JOIN_COUNTER, 1)
     joins.set(join_key(number), encode(join))
     return store, joins, number
+
+
+STORE_ANSWER_MARGIN_S = 5.0  # past the connect timeout, for the store's first answer
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``; RuntimeError if it is not there and answering within
+    ``timeout_s`` (+ a margin).
+
+    Why a thread: the client's constructor bounds only the connect. Its first question (a ping) waits without
+    a bound, so a port that takes the connection but never answers — a dead learner's hub port, taken meanwhile
+    by another process's listener — held a rejoining engine until the actor's own timeout failed it (the Ray
+    launcher test, once). The constructor releases the GIL; a thread given up on stays blocked only until that
+    listener closes the connection."""
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s)))
+        except Exception as error:  # noqa: BLE001 - handed to the caller below
+            made.append(error)
+
+    thread = threading.Thread(target=connect, name="connect-weight-hub-store", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STORE_ANSWER_MARGIN_S)
+    if not made:
+        raise RuntimeError(f"{host}:{port} took the connection but did not answer as a TCPStore within "
+                           f"{timeout_s + STORE_ANSWER_MARGIN_S:.0f} s (not the weight hub: its learner may have "
+                           "died and the port been taken by another process)")
+    if isinstance(made[0], Exception):
+        raise RuntimeError(str(made[0]).splitlines()[0] if str(made[0]) else type(made[0]).__name__) from made[0]
+    return made[0]
 
 
 class WeightStream:

@@ -156,6 +156,7 @@ class GroupLink:
 
 
 _DESTROYERS: list[tuple[threading.Thread, threading.Event]] = []  # each thread, and the event that ends its wait
+_DESTROYERS_LOCK = threading.Lock()  # links close from the hub's transfer threads as well as its own
 
 
 def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
@@ -180,8 +181,9 @@ def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
         held.clear()
 
     thread = threading.Thread(target=destroy, name="destroy-dropped-group", daemon=True)
-    _DESTROYERS[:] = [(t, e) for t, e in _DESTROYERS if t.is_alive()] + [(thread, give_up)]
-    thread.start()
+    with _DESTROYERS_LOCK:  # started under the lock: a join of a thread not yet started would raise
+        thread.start()
+        _DESTROYERS[:] = [(t, e) for t, e in _DESTROYERS if t.is_alive()] + [(thread, give_up)]
 
 
 def wait_for_dropped_groups(timeout_s: float) -> bool:
@@ -190,12 +192,14 @@ def wait_for_dropped_groups(timeout_s: float) -> bool:
     on close. A thread still waiting for another holder drops its reference at once (the group then goes with
     that holder): something that keeps it for long — pytest's log capture keeps each record and its error — must
     not hold the learner's exit for the group's timeout."""
-    for _, give_up in _DESTROYERS:
+    with _DESTROYERS_LOCK:
+        destroyers = list(_DESTROYERS)
+    for _, give_up in destroyers:
         give_up.set()
     deadline = time.monotonic() + timeout_s
-    for thread, _ in list(_DESTROYERS):
+    for thread, _ in destroyers:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t, _ in _DESTROYERS)
+    return not any(t.is_alive() for t, _ in destroyers)
 
 
 @dataclass

@@ -283,3 +283,25 @@ def test_joining_a_hub_that_is_not_there_fails_within_the_timeout():
     with pytest.raises(WeightSyncError, match="could not join"):
         join_weight_hub("127.0.0.1", free_port(), actor=0, run_id=RUN_ID, timeout_s=2)
     assert time.monotonic() - start < 15
+
+
+def test_joining_a_port_that_takes_the_connection_but_never_answers_fails_within_the_timeout():
+    """A dead learner's hub port taken by another process's listener: the store client's first question (a ping)
+    has no bound of its own and waited for ever; the join gives up after its connect bound, and a join that names
+    a shorter connect bound than its timeout gets that one."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = []
+    threading.Thread(target=lambda: [taken.append(listener.accept()[0]) for _ in range(4)], daemon=True).start()
+    port = listener.getsockname()[1]
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="did not answer"):
+            join_weight_hub("127.0.0.1", port, actor=0, run_id=RUN_ID, timeout_s=600, connect_timeout_s=2)
+        assert taken and time.monotonic() - start < 60
+    finally:
+        for connection in taken:
+            connection.close()  # ends the store client's thread, blocked until then
+        listener.close()
