@@ -32,6 +32,25 @@ def coordinator_config(tmp_path, **network) -> TrainConfig:
         "network": {"host": "127.0.0.1", "control_port": control, "report_port": report, **network}})
 
 
+def test_picked_ports_are_free_distinct_and_outside_the_kernels_own_range(monkeypatch):
+    """The kernel hands out ports of its ephemeral range to any outgoing connection: a port picked for a process
+    that binds it later is picked below that range, where only a process naming that number can take it; with no
+    room there, from the kernel as before."""
+    import socket
+
+    import horizonrl.protocol.transport as transport
+
+    low, high = transport.ephemeral_ports()
+    ports = free_ports(12)
+    assert len(set(ports)) == 12 and all(transport.PICKED_PORTS_FROM <= p < low for p in ports), (ports, low)
+    for port in ports:  # free: each binds
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(transport, "ephemeral_ports", lambda: (transport.PICKED_PORTS_FROM + 10, 60999))
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(low <= p <= high for p in ports), ports  # the kernel's picks
+
+
 def test_address_helpers():
     assert split_endpoint("tcp://10.1.2.3:5555") == ("10.1.2.3", 5555)
     with pytest.raises(ValueError):

@@ -338,7 +338,7 @@ class NetworkConfig(_Frozen):
     resolve only the coordinator's."""
 
     host: str = "127.0.0.1"  # the coordinator's address (and, on one machine, everyone's); loopback unless configured
-    control_port: int = Field(0, ge=0, le=65535)  # 0: the launcher picks a free port
+    control_port: int = Field(0, ge=0, le=65535)  # 0: the launcher picks a free one (transport.free_ports)
     report_port: int = Field(0, ge=0, le=65535)
     trajectory_port: int = Field(0, ge=0, le=65535)
     batch_port: int = Field(0, ge=0, le=65535)

@@ -180,20 +180,51 @@ def bind_endpoint(sock: zmq.Socket, bind_host: str, port: int, advertised: str) 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the OS picks it)."""
+    """A TCP port that is free right now (see :func:`free_ports`)."""
     return free_ports(1, host)[0]
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports that are free right now: all are held open until all are picked,
-    so the OS cannot hand out the same one twice. (Another process may still take one before its
-    user binds it; binding port 0 and reporting the port is the race-free way.)"""
-    sockets = []
+PICKED_PORTS_FROM = 20000  # picked ports lie between this and the kernel's ephemeral range (Ray's workers: below)
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (outgoing connections, binds to port 0)."""
     try:
-        for _ in range(count):
+        low, high = map(int, EPHEMERAL_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that are free right now, all held open until all are picked.
+
+    Picked below the kernel's ephemeral range when there is room. A port picked here is bound by its user
+    later (another process, once it has read the config), and meanwhile anything may take it; inside the
+    ephemeral range the kernel itself hands it out, to any outgoing connection of any process on a busy
+    machine (a resumed run's buffer found its port taken so, once). Below it, only a process that binds that
+    very number can. Binding port 0 and registering the port is the race-free way, where a process can."""
+    import random
+
+    low, _ = ephemeral_ports()
+    pool = range(PICKED_PORTS_FROM, low)
+    tries = 50 * count if len(pool) >= 1000 else 0  # then from the kernel's range, as before
+    rng = random.SystemRandom()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            port = rng.choice(pool) if tries > 0 else 0
+            tries -= 1
+            try:
+                s.bind((host, port))
+            except OSError:  # taken
+                s.close()
+                if port == 0:
+                    raise
+                continue
             sockets.append(s)
-            s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
