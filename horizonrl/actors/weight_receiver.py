@@ -150,11 +150,11 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of the TCPStore at ``host:port``; RuntimeError if it is not there and answering within
     ``timeout_s`` (+ a margin).
 
-    Why a thread: the client's constructor bounds only the connect. Its first question (a ping) waits without
-    a bound, so a port that takes the connection but never answers — a dead learner's hub port, taken meanwhile
-    by another process's listener — held a rejoining engine until the actor's own timeout failed it (the Ray
-    launcher test, once). The constructor releases the GIL; a thread given up on stays blocked only until that
-    listener closes the connection."""
+    Why a thread: the client's constructor bounds only each connect (a refused port is retried for about twice
+    its timeout), and its first question (a ping) waits without a bound, so a port that takes the connection
+    but never answers — a dead learner's hub port, taken meanwhile by another process's listener — held a
+    rejoining engine until the actor's own timeout failed it (the Ray launcher test, once). The constructor
+    releases the GIL; a thread given up on stays blocked only until that listener closes the connection."""
     made: list = []
 
     def connect() -> None:
@@ -167,9 +167,8 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     thread.start()
     thread.join(timeout_s + STORE_ANSWER_MARGIN_S)
     if not made:
-        raise RuntimeError(f"{host}:{port} took the connection but did not answer as a TCPStore within "
-                           f"{timeout_s + STORE_ANSWER_MARGIN_S:.0f} s (not the weight hub: its learner may have "
-                           "died and the port been taken by another process)")
+        raise RuntimeError(f"the store at {host}:{port} did not answer within {timeout_s + STORE_ANSWER_MARGIN_S:.0f} "
+                           "s: not up, or the port is not the hub's (a dead learner's, taken by another listener)")
     if isinstance(made[0], Exception):
         raise RuntimeError(str(made[0]).splitlines()[0] if str(made[0]) else type(made[0]).__name__) from made[0]
     return made[0]
