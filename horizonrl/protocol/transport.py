@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -205,8 +206,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ephemeral range the kernel itself hands it out, to any outgoing connection of any process on a busy
     machine (a resumed run's buffer found its port taken so, once). Below it, only a process that binds that
     very number can. Binding port 0 and registering the port is the race-free way, where a process can."""
-    import random
-
     low, _ = ephemeral_ports()
     pool = range(PICKED_PORTS_FROM, low)
     tries = 50 * count if len(pool) >= 1000 else 0  # then from the kernel's range, as before
