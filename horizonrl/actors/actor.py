@@ -393,9 +393,13 @@ class Actor:
                     timeout_s = self.config.learner.weight_sync_timeout_s
                     raise TimeoutError(f"no weight hub answered at {host}:{port} (the newest registered) within "
                                        f"learner.weight_sync_timeout_s={timeout_s:.0f} s")
-                await asyncio.sleep(HUB_PROBE_S)
-                if not self._control_reader_running:  # else _read_control keeps self.control current
-                    await self._read_queued_control()
+                await self._wait_for_newer_control()
+
+    async def _wait_for_newer_control(self) -> None:
+        """A pause before the weight hub is looked up again, with the Control that arrived meanwhile read."""
+        await asyncio.sleep(HUB_PROBE_S)
+        if not self._control_reader_running:  # else _read_control keeps self.control current
+            await self._read_queued_control()
 
     async def _join_weights(self) -> None:
         """Join the learner's weight hub; its newest weights are in the engine when this returns."""
@@ -426,9 +430,7 @@ class Actor:
                 self.counters.weight_receive_failures += 1
                 log.warning("joining the weight hub at %s:%d failed (%s); looking it up again", host, port,
                             str(exc).splitlines()[0][:300])
-                await asyncio.sleep(HUB_PROBE_S)
-                if not self._control_reader_running:  # else _read_control keeps self.control current
-                    await self._read_queued_control()
+                await self._wait_for_newer_control()
 
     async def _read_control(self) -> None:
         while True:

@@ -39,24 +39,28 @@ def run(scenario, timeout_s: float = 240.0):
     return result
 
 
+def parents_below_this_process(pid: int) -> list:
+    """The processes between this one and ``pid`` (a browser's driver, ...), nearest first."""
+    import psutil
+
+    chain = []
+    for parent in psutil.Process(pid).parents():
+        if parent.pid == os.getpid():
+            break
+        chain.append(parent)
+    return chain
+
+
 def browsers_of_this_session() -> set[int]:
     """The browsers under this process, less those under a process of another session: the suite's background
     model builders run in sessions of their own (tests/conftest.py), and the WebArena model's build plays WebArena,
     so its browsers are this process's descendants too but no test's (stop 48's CI failed on one)."""
     import psutil
 
-    def between(pid: int) -> list[int]:  # the processes between this one and the browser (its driver, ...)
-        chain = []
-        for parent in psutil.Process(pid).parents():
-            if parent.pid == os.getpid():
-                return chain
-            chain.append(parent.pid)
-        return chain
-
     found = set()
     for pid in _descendant_browsers(find_browser()):
         try:
-            if all(os.getsid(p) == os.getsid(0) for p in between(pid)):
+            if all(os.getsid(p.pid) == os.getsid(0) for p in parents_below_this_process(pid)):
                 found.add(pid)
         except (psutil.Error, ProcessLookupError):  # ended meanwhile
             continue
@@ -70,13 +74,8 @@ def describe(pids: set[int]) -> list[str]:
     lines = []
     for pid in pids:
         try:
-            proc = psutil.Process(pid)
-            chain = []
-            for parent in proc.parents():
-                if parent.pid == os.getpid():
-                    break
-                chain.append(f"{parent.pid} {' '.join(parent.cmdline()[:3])[:120]}")
-            lines.append(f"{pid} started {time.time() - proc.create_time():.0f} s ago, under {chain}")
+            chain = [f"{p.pid} {' '.join(p.cmdline()[:3])[:120]}" for p in parents_below_this_process(pid)]
+            lines.append(f"{pid} started {time.time() - psutil.Process(pid).create_time():.0f} s ago, under {chain}")
         except psutil.Error as error:
             lines.append(f"{pid}: {error}")
     return lines
