@@ -2,7 +2,7 @@
 ``learning_run``: held-out before, the demo's training for the test's steps, held-out after) run N times, one at a
 time, and the bounds a test built on it can hold.
 
-    python scripts/learning_take_off.py --runs 10 --out runs/take-off.jsonl
+    python scripts/learning_take_off.py --runs 10 --out runs/take-off.jsonl [--steps 40]
 
 Each run appends one JSON line (the test's report plus its wall time) to ``--out``, so an interrupted measurement
 goes on where it stopped (``--runs`` counts what the file already holds). At the end it prints, for the held-out
@@ -63,15 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, one per run (appended)")
+    parser.add_argument("--steps", type=int, default=None, help="learner steps a run (default: the test's)")
     parser.add_argument("--false-failure", type=float, choices=sorted(Z), default=1e-3)
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     learning, model = learning_module(), demo_model()
+    steps = args.steps or learning.STEPS
+    if any(row.get("steps", learning.STEPS) != steps for row in rows):
+        parser.error(f"{args.out} holds runs of another number of steps than {steps}: measure into a new file")
     while len(rows) < args.runs:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="take-off-") as work:
-            report = learning.learning_run(model, Path(work))
+            report = learning.learning_run(model, Path(work), steps)
         report["wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(report)
         with open(args.out, "a") as out:

@@ -118,7 +118,6 @@ def environment_as_it_was():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return suite_models.signpost_model()
 
 

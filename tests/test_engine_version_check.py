@@ -174,6 +174,24 @@ def test_the_kv_block_size_is_vllms_unless_set(monkeypatch):
     assert args.block_size == 32
 
 
+def test_the_cpu_kv_cache_is_the_configured_size_not_rounded_to_whole_gib(monkeypatch, caplog):
+    import os
+
+    from horizonrl.actors.engine import cpu_kv_cache_args
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # vLLM reads an empty value as unset
+    _, args = started_engine_args(monkeypatch, 1, None, kv_cache_gib=0.25)
+    assert args.kv_cache_memory_bytes == 2**28 and os.environ["VLLM_CPU_KVCACHE_SPACE"] == ""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # vLLM-CPU's own setting wins over the argument: left to it
+    _, args = started_engine_args(monkeypatch, 1, None, kv_cache_gib=0.25)
+    assert args.kv_cache_memory_bytes is None and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # a vLLM without the argument: whole GiB, said
+    with caplog.at_level("WARNING", logger="horizonrl.actors.engine"):
+        assert cpu_kv_cache_args(0.25, takes_bytes=False) == {}
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert [r.args for r in caplog.records if r.name == "horizonrl.actors.engine" and r.levelname == "WARNING"] == [(0.25, 1)]
+
+
 def test_start_checks_the_engine_api_before_anything_starts(monkeypatch):
     tree = resigned({"vllm.v1.engine.async_llm": [
         (r"async def reset_prefix_cache\(.*?\)( -> bool)?:", "async def reset_prefix_cache(self) -> bool:")]})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import tempfile
 import time
@@ -209,8 +210,9 @@ class RolloutEngine:
             raise ConfigError(f"rollout.engine.tensor_parallel_size={tp} but this engine sees {len(gpus)} GPU(s) "
                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); start it "
                               "with `horizonrl train`, which gives each engine its GPUs (docs/gpu.md)")
+        kv_cache = {}
         if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(engine.kv_cache_gib)))))
+            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib, api.has("kv_cache_bytes"))
             if tp > 1:
                 # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses
                 # to start on a host with fewer nodes than workers. Each worker gets its share of this engine's
@@ -230,6 +232,7 @@ class RolloutEngine:
             enable_prefix_caching=engine.enable_prefix_caching,
             **({"block_size": engine.block_size} if engine.block_size is not None else {}),
             **({"num_gpu_blocks_override": engine.num_kv_blocks} if engine.num_kv_blocks is not None else {}),
+            **kv_cache,
             gpu_memory_utilization=engine.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=VLLM_WORKER_EXTENSION,
@@ -555,6 +558,20 @@ class RolloutEngine:
         import gc
 
         gc.collect()
+
+
+def cpu_kv_cache_args(kv_cache_gib: float, takes_bytes: bool) -> dict:
+    """The engine arguments that give vLLM-CPU a KV cache of ``kv_cache_gib``. Its environment variable
+    VLLM_CPU_KVCACHE_SPACE takes whole GiB (0.5 became 1, silently) and wins over the argument where it is set: a
+    value there is left to it, and it is the only way into a vLLM without ``kv_cache_memory_bytes``."""
+    if takes_bytes and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+    whole = max(1, math.ceil(kv_cache_gib))
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and whole != kv_cache_gib:
+        log.warning("rollout.engine.kv_cache_gib=%s: this vLLM takes whole GiB on the CPU, so the KV cache gets %d",
+                    kv_cache_gib, whole)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(whole))
+    return {}
 
 
 def labels_tokens(api: EngineApi) -> bool:

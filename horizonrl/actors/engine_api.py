@@ -147,6 +147,9 @@ ENGINE_API: tuple[ApiEntry, ...] = (
     # number of groups in flight stays where it started.
     _call("kv_blocks_override", "vllm.engine.arg_utils", "AsyncEngineArgs", "", ("num_gpu_blocks_override",),
           "a KV cache of rollout.engine.num_kv_blocks blocks", needed=False),
+    _call("kv_cache_bytes", "vllm.engine.arg_utils", "AsyncEngineArgs", "", ("kv_cache_memory_bytes",),
+          "a CPU KV cache of exactly rollout.engine.kv_cache_gib (else VLLM_CPU_KVCACHE_SPACE, whole GiB)",
+          needed=False),
     _call("stat_loggers", ASYNC_LLM, "AsyncLLM", "from_engine_args", ("engine_args", "stat_loggers"),
           "reporting the engine's KV-cache use and preemptions", needed=False),
     _call("stat_logger_record", "vllm.v1.metrics.loggers", "StatLoggerBase", "record",

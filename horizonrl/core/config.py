@@ -89,7 +89,7 @@ class EnvSpec(_Frozen):
 
 
 class EngineConfig(_Frozen):
-    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    kv_cache_gib: float = Field(1.0, gt=0, description="the KV cache on the CPU, in GiB (vLLM's kv_cache_memory_bytes)")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="the engine's KV-cache blocks (vLLM's num_gpu_blocks_override), instead of what its "
                                 "memory gives: the benchmarks make a small cache to see preemptions (docs/horizon.md)")

@@ -64,7 +64,7 @@ def test_the_generated_batch_job_trains_to_the_end_under_slurm(tiny_model, tmp_p
         capture_output=True, text=True, check=True, timeout=120).stdout
     job_file = tmp_path / "job.sbatch"
     job_file.write_text(script)
-    # the submitting environment (PYTHONPATH, VLLM_CPU_KVCACHE_SPACE) goes with the job (sbatch --export=ALL)
+    # the submitting environment (PYTHONPATH) goes with the job (sbatch --export=ALL)
     submitted = subprocess.run(["sbatch", "--parsable", str(job_file)], capture_output=True, text=True, env=slurm,
                                check=True, timeout=60)
     job_id = submitted.stdout.strip().split(";")[0]

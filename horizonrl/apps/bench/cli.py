@@ -23,7 +23,6 @@ few minutes, the full mode in under half an hour on a 2-core machine (docs/bench
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -80,7 +79,6 @@ def run_bench(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         progress("bench", f"partition: {args.core_partition.describe()}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     started = time.perf_counter()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,7 +312,6 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     p.add_argument("--model", default=None)
     args = p.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = run(args.quick, args.out, model=args.model)
     print_table(result)
     write_results([result], args.out)
