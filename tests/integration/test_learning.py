@@ -99,5 +99,5 @@ def learning_run(demo_model: Path, work: Path, steps: int = STEPS) -> dict:
 def test_babyai_success_rises_through_the_asynchronous_loop(demo_tiny_model, tmp_path):
     report = learning_run(demo_tiny_model, tmp_path)
     print("learning:", json.dumps(report))
-    assert report["rollout_late"] >= report["rollout_early"] + ROLLOUT_RISE, report  # weights reached the actors
+    assert report["rollout_late"] >= report["rollout_early"] + ROLLOUT_RISE, report  # the actors got better
     assert report["after"] >= report["before"] + HELD_OUT_RISE, report
