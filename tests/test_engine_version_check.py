@@ -189,7 +189,8 @@ def test_the_cpu_kv_cache_is_the_configured_size_not_rounded_to_whole_gib(monkey
     with caplog.at_level("WARNING", logger="horizonrl.actors.engine"):
         assert cpu_kv_cache_args(0.25, takes_bytes=False) == {}
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert [r.args for r in caplog.records if r.name == "horizonrl.actors.engine" and r.levelname == "WARNING"] == [(0.25, 1)]
+    warnings = [r.args for r in caplog.records if r.name == "horizonrl.actors.engine" and r.levelname == "WARNING"]
+    assert warnings == [(0.25, 1)]
 
 
 def test_start_checks_the_engine_api_before_anything_starts(monkeypatch):

@@ -564,13 +564,15 @@ def cpu_kv_cache_args(kv_cache_gib: float, takes_bytes: bool) -> dict:
     """The engine arguments that give vLLM-CPU a KV cache of ``kv_cache_gib``. Its environment variable
     VLLM_CPU_KVCACHE_SPACE takes whole GiB (0.5 became 1, silently) and wins over the argument where it is set: a
     value there is left to it, and it is the only way into a vLLM without ``kv_cache_memory_bytes``."""
-    if takes_bytes and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # empty is unset, to vLLM too
+        return {}
+    if takes_bytes:
         return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
     whole = max(1, math.ceil(kv_cache_gib))
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and whole != kv_cache_gib:
+    if whole != kv_cache_gib:
         log.warning("rollout.engine.kv_cache_gib=%s: this vLLM takes whole GiB on the CPU, so the KV cache gets %d",
                     kv_cache_gib, whole)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(whole))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(whole)
     return {}
 
 
