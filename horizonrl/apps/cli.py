@@ -497,5 +497,12 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupt(signum: int, _frame) -> None:
     """SIGTERM unwinds the command like Ctrl-C, so its ``finally`` blocks run: killed outright, ``horizonrl eval``
     (or the demo's evaluation) left its vLLM engine's processes running with no parent. Commands with a stop flag of
-    their own (a run's processes, the launcher) install their handler over this one."""
+    their own (a run's processes, the launcher) install their handler over this one.
+
+    It is delivered as a SIGINT where Python handles one: inside ``asyncio.run`` that cancels the main task, which
+    unwinds at an await. A KeyboardInterrupt raised here instead lands at whatever bytecode runs — once in an
+    evaluation's event loop the command then went on playing and never exited (seen once, in a full suite run)."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        signal.raise_signal(signal.SIGINT)
+        return
     raise KeyboardInterrupt(signal.Signals(signum).name)
