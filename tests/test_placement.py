@@ -9,6 +9,7 @@ import pytest
 from horizonrl.core.config import ConfigError, load_config
 from horizonrl.core.placement import (
     COLOCATED_ENV,
+    ENGINE_CPUS_ENV,
     choose_backends,
     engine_cpus_of,
     engine_weight_transport,
@@ -16,6 +17,7 @@ from horizonrl.core.placement import (
     learner_device_index,
     local_device_type,
     plan_placement,
+    spread_engines,
     visible_gpus,
     vllm_cpu_binding,
 )
@@ -375,7 +377,51 @@ def test_an_engine_may_have_cores_apart_from_its_actor():
     assert cpus_of(c, "actor", 1) == [0] and engine_cpus_of(c, 0) == [1] and engine_cpus_of(c, 1) == [2, 3]
     both = config("rollout.num_actors=2", "resources.actor_cpus=[[1], [2, 3]]")
     assert engine_cpus_of(both, 1) == [2, 3]  # default: the actor's own
-    assert engine_cpus_of(config(), 0) is None
+    assert engine_cpus_of(config(), 0, {}) is None
+    # then the share the launcher's plan gave it; the config's placement wins over it
+    assert engine_cpus_of(config(), 1, {ENGINE_CPUS_ENV: "2,3"}) == [2, 3]
+    assert engine_cpus_of(c, 1, {ENGINE_CPUS_ENV: "0"}) == [2, 3]
+    with pytest.raises(ConfigError, match=ENGINE_CPUS_ENV):
+        engine_cpus_of(config(), 0, {ENGINE_CPUS_ENV: "0-3"})
+
+
+def test_engines_on_one_host_get_cores_of_their_own():
+    """vLLM-CPU binds every engine it starts to the same cores; the plan gives each its own share."""
+    assert spread_engines([0, 1], 2, 1) == ((0,), (1,))
+    assert spread_engines([5, 4, 7, 6, 8], 2, 1) == ((4, 5), (6, 7))  # sorted; the odd core left to the rest
+    assert spread_engines([0, 1], 4, 1) == ((0,), (1,), (0,), (1,))  # more engines than cores: round the cores
+    assert spread_engines(range(8), 2, 2) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert spread_engines(range(4), 3, 2) == ((0, 1), (2, 3), (0, 1))  # a share holds a core per worker
+    # vLLM's own binding: one engine (it already has all cores but its reserved one), no cores known, or an
+    # engine with more workers than the host has cores
+    assert spread_engines([0, 1], 1, 1) == () and spread_engines((), 2, 1) == () and spread_engines([0], 2, 2) == ()
+
+
+def test_the_cpu_plan_spreads_unplaced_engines_through_the_actors_environment(tmp_path, monkeypatch):
+    cfg = config("rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    plan = plan_placement(cfg, (), host_cpus=[0, 1])
+    assert [p.engine_cpus for p in plan.actors] == [(0,), (1,)]
+    envs = spawned_envs(cfg, plan, tmp_path, monkeypatch)
+    assert envs["actor-0"] == {ENGINE_CPUS_ENV: "0"} and envs["actor-1"] == {ENGINE_CPUS_ENV: "1"}
+    assert ENGINE_CPUS_ENV not in (envs["learner-0"] or {})
+    assert "actor-0 [0], actor-1 [1]" in plan.table()
+    # the config's placement is the user's: no share on top of it
+    for placed in ("resources.engine_cpus=[[1], [1]]", "resources.actor_cpus=[[0], [1]]"):
+        assert all(not p.engine_cpus for p in plan_placement(config("rollout.num_actors=2", placed), (), [0, 1]).actors)
+    # GPUs: the engines are on them, and their CPU side is left alone
+    assert all(not p.engine_cpus for p in plan_placement(cfg, gpus(3), [0, 1]).actors)
+
+
+def test_the_launcher_shares_out_its_own_cores_unless_vllm_binding_is_set():
+    import os
+
+    from horizonrl.launcher import resolve_placement
+
+    cfg = config("rollout.num_actors=2")
+    own = sorted(os.sched_getaffinity(0))
+    assert [p.engine_cpus for p in resolve_placement(cfg, {}, lambda: 0).actors] == list(spread_engines(own, 2, 1))
+    told = resolve_placement(cfg, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, lambda: 0)
+    assert all(not p.engine_cpus for p in told.actors)
 
 
 def test_processes_and_threads_started_on_other_cores():

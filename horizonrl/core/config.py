@@ -444,7 +444,8 @@ class ResourcesConfig(_Frozen):
         None, description="CPU cores of each actor's vLLM engine alone — its engine-core and worker processes and "
                           "their OpenMP threads — one list per actor; the actor's own process (its client: "
                           "environments, tokenizing, trajectories) stays on actor_cpus. An engine on cores of its "
-                          "own is what a GPU is to a GPU host's engine (docs/benchmarks.md); default: actor_cpus")
+                          "own is what a GPU is to a GPU host's engine (docs/benchmarks.md); default: actor_cpus, "
+                          "else, for several engines on one host, each its own share of the launcher's cores")
     learner_memory_fraction: float = Field(
         0.4, gt=0, lt=1, description="colocated mode only (the learner and an engine on one GPU): the share of the "
                                      "GPU's memory the learner may allocate (torch's per-process memory fraction); "

@@ -12,7 +12,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from horizonrl.core.config import ConfigError, TrainConfig, dump_config
 from horizonrl.core.placement import PlacementPlan, plan_placement, visible_gpus
@@ -217,7 +217,14 @@ def cuda_device_count() -> int:
 
 
 def resolve_placement(config: TrainConfig, environ: dict[str, str] | None = None,
-                      count_devices: Callable[[], int] | None = None) -> PlacementPlan:
-    """The run's placement on this host's visible GPUs (ConfigError, naming the fix, if it cannot work)."""
-    return plan_placement(config, visible_gpus(os.environ if environ is None else environ,
-                                               count_devices or cuda_device_count))
+                      count_devices: Callable[[], int] | None = None,
+                      host_cpus: Sequence[int] | None = None) -> PlacementPlan:
+    """The run's placement on this host's visible GPUs and, for a CPU run, the cores this process may use
+    (``host_cpus``, default its affinity), shared out among the engines — unless ``VLLM_CPU_OMP_THREADS_BIND``
+    is set, which then binds them as the user said. ConfigError, naming the fix, if it cannot work."""
+    environ = os.environ if environ is None else environ
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        host_cpus = ()
+    elif host_cpus is None:
+        host_cpus = sorted(os.sched_getaffinity(0))
+    return plan_placement(config, visible_gpus(environ, count_devices or cuda_device_count), host_cpus)

@@ -165,6 +165,12 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
         [actor] = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "actor" in p.cmdline() and "--index" in p.cmdline() and p.cmdline()[-1] == str(victim)]
         [frozen] = [p for p in actor.children() if p.name().startswith("VLLM::EngineCore")]
+        # Each engine on a share of the host's cores of its own (core/placement.py spread_engines): left to
+        # itself, vLLM-CPU binds both to the same cores.
+        engine_cores = [frozenset(p.cpu_affinity()) for p in psutil.Process(proc.pid).children(recursive=True)
+                        if p.name().startswith("VLLM::EngineCore")]
+        assert len(engine_cores) == 2, engine_cores
+        assert len(os.sched_getaffinity(0)) < 2 or not engine_cores[0] & engine_cores[1], engine_cores
         # Frozen until a generation has run past its limit. Should the actor have had none in flight
         # (between groups, or paused), thaw and freeze again.
         for attempt in range(5):
