@@ -72,3 +72,22 @@ def test_horizonrl_train_into_an_unwritable_directory_exits_2_with_one_line(tmp_
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "error: cannot write the run directory" in result.stderr
+
+
+def test_a_model_directory_that_is_not_there_is_refused_before_anything_is_written(tmp_path):
+    """Once a missing model.path failed in every process, each restarted to its limit (~25 s of tracebacks)."""
+    from horizonrl.core.config import load_config
+    from horizonrl.launcher import launch
+
+    missing = tmp_path / "no-such-model"
+    for given in (str(missing), "./no-such-model", "~/no/such/model"):
+        config = load_config(REPO / "configs" / "signpost_test.yaml",
+                             [f"model.path={given}", f"run.output_dir={tmp_path / 'run'}"])
+        with pytest.raises(ConfigError, match=r"no such directory.*horizonrl make-tiny-model"):
+            launch(config)
+    assert not (tmp_path / "run").exists()
+    # a name that may be a Hugging Face Hub id is left to the processes; a directory that is there passes
+    from horizonrl.launcher.resolve import check_model_path
+
+    for given in ("HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", str(tmp_path)):
+        check_model_path(load_config(REPO / "configs" / "signpost_test.yaml", [f"model.path={given}"]))

