@@ -25,17 +25,21 @@ DEMO = REPO / "configs" / "demo.yaml"
 EVAL_EPISODES = 150
 STEPS = 30
 # The bounds, from the take-off distribution: this test's procedure run 10 times at 30 steps
-# (scripts/learning_take_off.py --steps 30, 2026-11-29, the 2-core machine with nothing else running, 218 s a run;
-# the runs: docs/learning-take-off-30-steps.jsonl).
-#   held-out rise (after - before): mean 0.331, sd 0.036, min 0.253, max 0.373 (before 0.23-0.30, after 0.55-0.67)
-#   actors' rise (late 8 - early 8): mean 0.149, sd 0.044, min 0.100, max 0.240
-# Under a normal fit a run falls below mean - 3.09 sd once in 1,000: 0.221 and 0.014. The held-out bound sits lower
-# still (5.1 sd below the mean), leaving room for a busier machine: it carries the claim that the policy learns.
-# The actors' rise is slower to show in 30 steps (0.232 at 60 steps, docs/learning-take-off.jsonl), so its bound is
-# the 1-in-1,000 value rounded down: the actors got better. That their weights advance at all is structural: the
-# buffer drops groups more than buffer.max_staleness versions old, so a run whose actors never took new weights
-# would stop training and not end.
-ROLLOUT_RISE = 0.01
+# (scripts/learning_take_off.py --steps 30, the 2-core machine with nothing else running; docs/learning.md).
+# Since 2026-12-05 the launcher gives the demo's two engines a core each (core/placement.py spread_engines);
+# measured so that day (183 s a run; docs/learning-take-off-30-steps-spread.jsonl):
+#   held-out rise (after - before): mean 0.335, sd 0.034, min 0.280, max 0.387 (before 0.23-0.30, after 0.58-0.62)
+#   actors' rise (late 8 - early 8): mean 0.155, sd 0.055, min 0.097, max 0.248
+# and before it, both engines on core 0 (2026-11-29, 218 s a run; docs/learning-take-off-30-steps.jsonl): held-out
+# 0.331 sd 0.036 (min 0.253), actors' 0.149 sd 0.044 (min 0.100).
+# Under a normal fit a run falls below mean - 3.09 sd once in 1,000: held-out 0.231, actors' -0.016. The held-out
+# bound sits lower still (5.4 sd below the mean), leaving room for a busier machine: it carries the claim that the
+# policy learns. The actors' rise is too noisy at 30 steps to be asserted positive at 1 in 1,000 (0.232 at 60 steps,
+# docs/learning-take-off.jsonl), so its bound says only that the actors' play did not fall as the new weights
+# reached them: weights broken in transit bring it down by tens of points. That their weights advance at all is
+# structural: the buffer drops groups more than buffer.max_staleness versions old, so a run whose actors never took
+# new weights would stop training and not end.
+ROLLOUT_RISE = -0.02
 HELD_OUT_RISE = 0.15
 
 
@@ -99,5 +103,5 @@ def learning_run(demo_model: Path, work: Path, steps: int = STEPS) -> dict:
 def test_babyai_success_rises_through_the_asynchronous_loop(demo_tiny_model, tmp_path):
     report = learning_run(demo_tiny_model, tmp_path)
     print("learning:", json.dumps(report))
-    assert report["rollout_late"] >= report["rollout_early"] + ROLLOUT_RISE, report  # the actors got better
+    assert report["rollout_late"] >= report["rollout_early"] + ROLLOUT_RISE, report  # the actors did not fall
     assert report["after"] >= report["before"] + HELD_OUT_RISE, report
