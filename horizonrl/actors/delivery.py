@@ -62,11 +62,29 @@ class TrajectoryDelivery:
         self._room.set()
         # Set by the actor while the coordinator pauses the rollout: the buffer holds a full load and reads
         # nothing until the learner takes a batch, so sends wait for their acknowledgement as designed.
-        self.backpressure = False
+        self._backpressure = False
+        self._paused_at: float | None = None  # time.monotonic() the rollout was last seen paused
         self._last_ack_at = 0.0  # time.monotonic() of the last acknowledgement read
         self._resend_log = RateLimitedLog(log)
         self._reject_log = RateLimitedLog(log)
         self._load_outbox()
+
+    @property
+    def backpressure(self) -> bool:
+        return self._backpressure
+
+    @backpressure.setter
+    def backpressure(self, paused: bool) -> None:
+        self._backpressure = paused
+        if paused:
+            self._paused_at = time.monotonic()
+
+    def _buffer_was_full(self, since: float | None) -> bool:
+        """The rollout is paused, or was at some moment after ``since`` (when the oldest overdue trajectory was
+        sent). The pause lifts as soon as the learner takes a batch and comes back when the buffer fills again, so
+        a trajectory queued behind a full buffer can be late with the pause off at the moment it is sent again
+        (the demo's console once showed a dozen such warnings while the buffer sat at 16 of 16 groups)."""
+        return self._backpressure or (self._paused_at is not None and since is not None and self._paused_at >= since)
 
     # ------------------------------------------------------------------ outbox on disk
 
@@ -175,6 +193,9 @@ class TrajectoryDelivery:
     async def _resend_overdue(self) -> None:
         now = time.monotonic()
         overdue = [tid for tid, e in self.unacked.items() if e.sent_at is None or now - e.sent_at > self.ack_timeout_s]
+        # when the oldest of them was sent (before this resend stamps them again)
+        oldest = min((self.unacked[tid].sent_at for tid in overdue if self.unacked[tid].sent_at is not None),
+                     default=None)
         for trajectory_id in overdue:
             was_sent = self.unacked[trajectory_id].sent_at is not None
             await self._try_send(trajectory_id)
@@ -182,11 +203,12 @@ class TrajectoryDelivery:
                 self.counters.resent += 1
         if overdue:
             # Under backpressure a late acknowledgement is the design at work, not a fault: INFO, off the console.
-            self._resend_log.log(logging.INFO if self.backpressure else logging.WARNING,
+            full = self._buffer_was_full(oldest)
+            self._resend_log.log(logging.INFO if full else logging.WARNING,
                                  "%d trajectories unacknowledged for over %.0f s (or not yet sent): sending again%s",
                                  len(overdue), self.ack_timeout_s,
                                  " (the buffer is full: it reads again once the learner takes a batch)"
-                                 if self.backpressure else "")
+                                 if full else "")
 
     def _update_room(self) -> None:
         if len(self.unacked) < self.max_unacked:
