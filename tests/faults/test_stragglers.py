@@ -122,7 +122,7 @@ def assert_stopped_cleanly(rc: int, log: Path, run_dir: Path) -> None:
 
 
 def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_limits_and_the_run_goes_on(
-        tiny_model, tmp_path):
+        tiny_model, tmp_path, monkeypatch):
     """One run, two actors, two stragglers. The environment (a real ``horizonrl env serve signpost`` behind the
     hanging proxy) holds some steps forever: those episodes end at ``rollout.episode_timeout_s``. Then the engine
     core of the first actor playing is frozen for FREEZE_S (60 s): its generations in flight end at ``rollout.turn_timeout_s``,
@@ -130,6 +130,9 @@ def test_hung_environment_steps_and_a_frozen_engine_end_their_episodes_at_the_li
     between two steps meanwhile stays under FROZEN_GAP_BOUND_S — and the run goes on after the thaw. Every timeout is counted, none is
     trained on; Ctrl-C ends the run with nothing lost."""
     turn_limit = 3.0
+    # The launcher spreads the two engines over the host's cores (asserted below), unless told how to bind them:
+    # a pytest-xdist worker gives its engines its own cores that way (tests/conftest.py).
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     server = ServerProcess(["signpost"], "--settings", json.dumps({"signpost": {"length": 2}}))
     proxy = HangingProxy(server.url)
     proxy.start()

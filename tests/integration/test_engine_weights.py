@@ -16,6 +16,16 @@ from horizonrl.protocol.transport import free_port
 pytestmark = pytest.mark.slow
 
 
+def engine_env(tensor_parallel_size: int, **extra: str) -> dict[str, str]:
+    """The check's environment: a tensor-parallel engine binds each worker to its share of the host's cores
+    (actors/engine.py), so a binding of one worker's, given to a pytest-xdist worker's engines (tests/conftest.py),
+    is left out for it."""
+    env = {**os.environ, **extra}
+    if tensor_parallel_size > 1:
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return env
+
+
 @pytest.mark.parametrize(("tensor_parallel_size", "load_path"), [(1, "in-place"), (2, "reload")], ids=["tp1", "tp2"])
 def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, tensor_parallel_size, load_path):
     """With tensor_parallel_size=2 (vllm-cpu 0.32 starts it here with unbound OMP threads) each of the
@@ -28,7 +38,7 @@ def test_engine_logprobs_match_learner_after_broadcast(tiny_model, tmp_path, ten
         proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), str(free_port()),
                                  str(tensor_parallel_size)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "HORIZONRL_CPU_WEIGHT_LOAD": load_path})
+                                env=engine_env(tensor_parallel_size, HORIZONRL_CPU_WEIGHT_LOAD=load_path))
         try:
             rc = proc.wait(timeout=600)  # 129 s alone; over 300 s beside another whole-loop test
         finally:

@@ -18,7 +18,8 @@ from helpers import horizonrl_cmd, start_process, stop_process
 
 from horizonrl.core.config import load_config
 
-pytestmark = pytest.mark.slow
+# solo: its bounds come from runs with nothing else on the machine, so `make test` runs it alone, after the others.
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
