@@ -79,3 +79,21 @@ def test_transport_content_round_trips_through_the_real_codec():
     plain = as_plain_dict(sent, "lists")
     assert isinstance(plain["token_ids"], list) and len(plain["token_ids"]) == 1024
     assert np.array_equal(as_plain_dict(sent, "numpy")["logprobs"], np.asarray(plain["logprobs"], dtype=np.float32))
+
+
+def test_weight_sync_smollm2_shape_is_smollm2s():
+    """The benchmark's SmolLM2 row sends what a SmolLM2 run sends: 134,515,008 parameters (SmolLM2-135M-Instruct's
+    config.json, tied embeddings), a Llama."""
+    from horizonrl.apps.bench.weight_sync import MODELS, _model_on_meta
+
+    model = _model_on_meta(MODELS["smollm2"])
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_weight_sync_benchmark_refuses_an_unknown_model(capsys):
+    from horizonrl.apps.bench.weight_sync import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--models", "tiny,7B"])
+    assert exit_.value.code == 2 and "7B" in capsys.readouterr().err

@@ -65,9 +65,11 @@ LABELS = {"horizonrl": "horizonrl", "raw": "raw", "raw_fresh": "raw, fresh recv 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A random Qwen2 model of a given shape; ``tiny`` is the project's tiny model (vocab of the signpost cache)."""
+    """A random model of a given shape (Qwen2, or Llama for SmolLM2's); ``tiny`` is the project's tiny model (vocab of
+    the signpost cache)."""
 
     name: str
+    architecture: str = "qwen2"
     hidden: int = 0
     layers: int = 0
     intermediate: int = 0
@@ -83,6 +85,11 @@ MODELS = {
     "25M": ModelSpec("25M", hidden=512, layers=6, intermediate=1408, heads=8, kv_heads=2, vocab=16000),
     # ~98M parameters (tied embeddings): 32k vocab, 12 layers of 768.
     "100M": ModelSpec("100M", hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=2, vocab=32000),
+    # SmolLM2-135M-Instruct's shape (its config.json: Llama, 134.5M parameters, tied embeddings, 49,152-token
+    # vocabulary): the bytes a SmolLM2 run's every weight update sends. The values are random: the time does not
+    # depend on them, and the packaged model need not be imported for this part.
+    "smollm2": ModelSpec("smollm2", architecture="llama", hidden=576, layers=30, intermediate=1536, heads=9,
+                         kv_heads=3, vocab=49152),
 }
 TINY_VOCAB = 342  # the vocabulary of .cache/tiny-signpost, the tests' tiny model
 
@@ -102,6 +109,9 @@ def run(quick: bool, out_dir: Path | None = None, *, models: list[str] | None = 
     """
     models = models or (["tiny", "25M"] if quick else ["tiny", "100M"])
     repeats = repeats or (3 if quick else 5)
+    unknown = [name for name in models if name not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown} for the weight sync benchmark; choose from {', '.join(MODELS)}")
     specs = [MODELS[name] for name in models]
     world_size = receivers + 1
     if sender_threads is None:
@@ -324,16 +334,9 @@ def _build_weights(spec: ModelSpec, dtype) -> list:
 
         model = build_model(TINY_VOCAB)
     else:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        config = Qwen2Config(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                             num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                             num_key_value_heads=spec.kv_heads, head_dim=spec.hidden // spec.heads,
-                             max_position_embeddings=4096, tie_word_embeddings=True)
         # Built on the meta device and filled directly: Hugging Face's initialisation of ~100M
         # parameters takes several seconds and the values do not matter here.
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config)
+        model = _model_on_meta(spec)
         model = model.to_empty(device="cpu")
         model.tie_weights()
         generator = torch.Generator().manual_seed(0)
@@ -342,6 +345,21 @@ def _build_weights(spec: ModelSpec, dtype) -> list:
                 param.uniform_(-0.02, 0.02, generator=generator)
     model = model.to(dtype)
     return weights_to_send(model.config, model.state_dict())
+
+
+def _model_on_meta(spec: ModelSpec):
+    """A model of ``spec``'s shape on the meta device: its parameters have shapes and no storage."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[spec.architecture]
+    config = config_class(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                          num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                          num_key_value_heads=spec.kv_heads, head_dim=spec.hidden // spec.heads,
+                          max_position_embeddings=4096, tie_word_embeddings=True)
+    with torch.device("meta"):
+        return model_class(config)
 
 
 def _payload_bytes(named: list) -> int:
@@ -437,9 +455,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads of the sender (default: as the CPU learner, cores / (1 + receivers))")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result = run(args.quick, args.out, models=args.models.split(",") if args.models else None, repeats=args.repeats,
-                 receivers=args.receivers, dtype=args.dtype, step_interval_s=args.step_interval_s,
-                 timeout_s=args.timeout_s, sender_threads=args.sender_threads)
+    try:
+        result = run(args.quick, args.out, models=args.models.split(",") if args.models else None,
+                     repeats=args.repeats, receivers=args.receivers, dtype=args.dtype,
+                     step_interval_s=args.step_interval_s, timeout_s=args.timeout_s, sender_threads=args.sender_threads)
+    except ValueError as error:
+        parser.error(str(error))
     print_table(result)
     print(f"({time.perf_counter() - start:.1f} s)")
     return 0
