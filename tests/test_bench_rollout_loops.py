@@ -179,3 +179,17 @@ def test_busy_clock_counts_idle_time_and_the_requests_in_flight(monkeypatch):
 
 def test_sampling_settings_fit_the_tiny_model():
     assert SAMPLING.max_context_tokens >= 512 and SAMPLING.temperature == 1.0
+
+
+def test_the_partitioned_bare_engines_keep_as_many_requests_in_flight_as_the_training_run_with_its_overrides():
+    """`horizonrl bench --partition --set rollout.n=4 --set learner.groups_per_step=2`: the bare engines get the
+    training run's 8 requests in flight, not the config's 64 (before, the --set overrides reached only the runs)."""
+    from horizonrl.apps.bench.engine_bound import partitioned_spec
+    from horizonrl.apps.bench.partition import CorePartition
+
+    partition = CorePartition(learner=(0,), engines=((1,),))
+    cfg, spec = partitioned_spec(True, "/m", partition, ["rollout.n=4", "learner.groups_per_step=2"])
+    assert (cfg.rollout.n, cfg.learner.groups_per_step, cfg.rollout.num_actors) == (4, 2, 1)
+    assert spec.concurrency == 8 and spec.num_engines == 1
+    _, plain = partitioned_spec(True, "/m", partition, [])
+    assert plain.concurrency == 64

@@ -90,6 +90,20 @@ def _single_mode_training(quick: bool, out_dir: Path, model: str) -> dict:
     return {"rows": [{"label": "async", "tokens_per_s": summarize([m["tokens_per_s"]])}]}
 
 
+def partitioned_spec(quick: bool, model: str, partition: CorePartition, extra: list[str]) -> tuple:
+    """The partitioned training runs' config and their bare engines. The --set overrides (``extra``) count for
+    both: a run with fewer episodes per group or groups per step keeps fewer requests in flight, and its bare
+    engines are given as many."""
+    from horizonrl.apps.bench import training
+    from horizonrl.core.config import load_config
+
+    cfg = load_config(training.CONFIG, [f"model.path={model}", *partition.overrides(), *extra])
+    # Several seconds of bare generation per repeat (a second or less is noise on a shared host).
+    spec = dataclasses.replace(bare_spec(quick, model, [*partition.overrides(), *extra]),
+                               episodes=256 if quick else 512)
+    return cfg, spec
+
+
 def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition,
                     extra: list[str] | None = None) -> dict:
     """Paired repeats on a partitioned host: an async training run (one actor per actor core) and the bare
@@ -103,10 +117,7 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     from horizonrl.core.placement import vllm_cpu_binding
 
     steps, warmup, repeats = (12, 3, 3) if quick else (30, 4, 3)
-    overrides = [f"model.path={model}", *partition.overrides()]
-    cfg = load_config(training.CONFIG, overrides)
-    # Several seconds of bare generation per repeat (a second or less is noise on a shared host).
-    spec = dataclasses.replace(bare_spec(quick, model, partition.overrides()), episodes=256 if quick else 512)
+    cfg, spec = partitioned_spec(quick, model, partition, extra or [])
     progress("engine", f"partition: {partition.describe()}")
     everywhere = os.sched_getaffinity(0)
     # The buffer never pushes back here: on a partitioned host the learner (one core of two) may train slower
