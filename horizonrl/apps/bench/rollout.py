@@ -163,7 +163,9 @@ def start_engine(model: str, concurrency: int, seed: int = 0, engine: EngineConf
         engine = EngineConfig(max_num_seqs=max(64, concurrency))
     else:
         engine = engine.model_copy(update={"max_num_seqs": max(concurrency, engine.max_num_seqs)})
-    return RolloutEngine.start(model, dtype="float32", engine=engine, max_model_len=SAMPLING.max_context_tokens,
+    # The dtype as the training runs' actors resolve it (rollout.engine.dtype; "auto": float32 on the CPU): a bare
+    # engine in float32 beside a bf16 run's engines (SmolLM2's) would compare different arithmetic.
+    return RolloutEngine.start(model, dtype=None, engine=engine, max_model_len=SAMPLING.max_context_tokens,
                                seed=seed)
 
 
