@@ -36,9 +36,15 @@ def bare_spec(quick: bool, model: str, overrides: list[str] | None = None) -> Ba
     """The bare engines that match the training part's run: engines, requests in flight, turn budget."""
     from horizonrl.apps.bench import training
     from horizonrl.core.config import load_config
+
+    return bare_spec_of(load_config(training.CONFIG, [f"model.path={model}", *(overrides or [])]), quick)
+
+
+def bare_spec_of(cfg, quick: bool) -> BareSpec:
+    """:func:`bare_spec` for the training runs' loaded config ``cfg``."""
+    from horizonrl.apps.bench import training
     from horizonrl.core.schedule import TurnBudgetSchedule
 
-    cfg = load_config(training.CONFIG, [f"model.path={model}", *(overrides or [])])
     per_engine = training.groups_per_actor(cfg) * cfg.rollout.n
     return BareSpec(num_engines=cfg.rollout.num_actors, concurrency=per_engine, env_settings=dict(cfg.envs[0].settings),
                     max_turns=TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns,
@@ -99,9 +105,7 @@ def partitioned_spec(quick: bool, model: str, partition: CorePartition, extra: l
 
     cfg = load_config(training.CONFIG, [f"model.path={model}", *partition.overrides(), *extra])
     # Several seconds of bare generation per repeat (a second or less is noise on a shared host).
-    spec = dataclasses.replace(bare_spec(quick, model, [*partition.overrides(), *extra]),
-                               episodes=256 if quick else 512)
-    return cfg, spec
+    return cfg, dataclasses.replace(bare_spec_of(cfg, quick), episodes=256 if quick else 512)
 
 
 def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition,
@@ -112,7 +116,6 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     from horizonrl.apps.bench import training
     from horizonrl.apps.bench.rollout import _measure_bare, load_chat, start_engine
     from horizonrl.apps.bench.workload import replay_prompts
-    from horizonrl.core.config import load_config
     from horizonrl.actors.cpu_affinity import starting_on_cpus
     from horizonrl.core.placement import vllm_cpu_binding
 
@@ -125,8 +128,9 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
     # to train on are dropped (counted); what is measured is generation while training and updates go on.
     train_extra = [*partition.overrides(), f"rollout.groups_in_flight={training.groups_per_actor(cfg)}",
                    "buffer.capacity_groups=100000", "buffer.max_staleness=100000", *(extra or [])]
-    # The bare engines with the training runs' engine settings (block size, prefix caching; --set included).
-    engine_settings = load_config(training.CONFIG, [f"model.path={model}", *train_extra]).rollout.engine
+    # The bare engines with the training runs' engine settings (block size, prefix caching; --set included): the
+    # overrides train_extra adds to cfg's are the buffer's and groups in flight, none of the engine's.
+    engine_settings = cfg.rollout.engine
     trained: list[dict[str, float]] = []
     bare: list[float] = []
     bare_in_flight: list[float] = []  # the bare engines' mean requests in flight, per repeat
