@@ -67,6 +67,8 @@ def test_supervision_settings_from_the_command_line():
 
 
 SCALING_INTER_ARMS = ["babyai_budget_fixed_short.yaml", "babyai_budget_fixed_long.yaml", "babyai_budget_scaling.yaml"]
+SMOLLM2_SCALING_INTER_ARMS = ["smollm2_budget_fixed_short.yaml", "smollm2_budget_fixed_long.yaml",
+                              "smollm2_budget_scaling.yaml"]  # the same study with SmolLM2 (a short budget of 1)
 
 
 LEARNING_CONFIGS = ["textcraft.yaml", "textcraft_renamed.yaml", "searchqa.yaml", "searchqa_1hop.yaml",
@@ -78,7 +80,7 @@ TURN_CREDIT_CONFIGS = ["signpost_long.yaml"]  # outcome-only GRPO against GiGPO 
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
-                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS,
+                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS,
                                   *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
@@ -93,7 +95,7 @@ def test_shipped_configs_load(name):
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
-         *SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
+         *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
 
 
 def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():
@@ -103,16 +105,19 @@ def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():
     assert config.learner.compute_dtype == "bfloat16" and config.rollout.engine.dtype == "bfloat16"
 
 
-def test_scaling_inter_arms_differ_only_in_the_turn_schedule():
-    # docs/learning.md, "ScalingInter-RL in miniature": same environment, model, learner steps and evaluation
-    configs = [load_config(REPO / "configs" / name).model_dump() for name in SCALING_INTER_ARMS]
+@pytest.mark.parametrize("arms, long_budget, schedules", [
+    (SCALING_INTER_ARMS, 8, [("fixed", [2]), ("fixed", [8]), ("scaling_inter_stepwise", [2, 4, 8])]),
+    (SMOLLM2_SCALING_INTER_ARMS, 4, [("fixed", [1]), ("fixed", [4]), ("scaling_inter_stepwise", [1, 2, 4])])])
+def test_scaling_inter_arms_differ_only_in_the_turn_schedule(arms, long_budget, schedules):
+    # docs/learning.md, "ScalingInter-RL in miniature" and "with SmolLM2": same environment, model, learner steps
+    # and evaluation
+    configs = [load_config(REPO / "configs" / name).model_dump() for name in arms]
     for config in configs:
         config.pop("run")  # name and output_dir
-        assert config["eval"]["max_turns"] == 8 and config["eval"]["stop_after_plateau"] == 0
-    schedules = [config["algorithm"].pop("rounds_ctrl") for config in configs]
+        assert config["eval"]["max_turns"] == long_budget and config["eval"]["stop_after_plateau"] == 0
+    found = [config["algorithm"].pop("rounds_ctrl") for config in configs]
     assert configs[0] == configs[1] == configs[2]
-    assert [(s["type"], s["rounds"]) for s in schedules] == [
-        ("fixed", [2]), ("fixed", [8]), ("scaling_inter_stepwise", [2, 4, 8])]
+    assert [(s["type"], s["rounds"]) for s in found] == schedules
 
 
 def test_a_weight_swap_keeps_the_requests_unless_told_and_the_old_setting_still_reads():
