@@ -80,8 +80,8 @@ TURN_CREDIT_CONFIGS = ["signpost_long.yaml"]  # outcome-only GRPO against GiGPO 
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
-                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS,
-                                  *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
+                                  "dpo_signpost.yaml", *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS,
+                                  *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
@@ -95,7 +95,8 @@ def test_shipped_configs_load(name):
 def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
-         *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
+         *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS,
+         *TURN_CREDIT_CONFIGS])
 
 
 def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():
