@@ -193,3 +193,18 @@ def test_the_partitioned_bare_engines_keep_as_many_requests_in_flight_as_the_tra
     assert spec.concurrency == 8 and spec.num_engines == 1
     _, plain = partitioned_spec(True, "/m", partition, [])
     assert plain.concurrency == 64
+
+
+def test_the_bare_engines_replay_the_training_runs_environment():
+    """`--set envs=[...]` (a workload whose rewards are not all zero for the model at hand): the bare engines
+    replay prompts of that environment, not Signpost's (before, every bare engine replayed Signpost)."""
+    from horizonrl.apps.bench.engine_bound import partitioned_spec
+    from horizonrl.apps.bench.partition import CorePartition
+
+    partition = CorePartition(learner=(0,), engines=((1,),))
+    babyai = '[{"name": "babyai", "settings": {"levels": ["BabyAI-GoToRedBall-v0"], "high_level_actions": true}}]'
+    cfg, spec = partitioned_spec(True, "/m", partition, [f"envs={babyai}"])
+    assert cfg.envs[0].name == spec.env_name == "babyai"
+    assert spec.env_settings == {"levels": ["BabyAI-GoToRedBall-v0"], "high_level_actions": True}
+    _, plain = partitioned_spec(True, "/m", partition, [])
+    assert plain.env_name == "signpost"

@@ -46,7 +46,8 @@ def bare_spec_of(cfg, quick: bool) -> BareSpec:
     from horizonrl.core.schedule import TurnBudgetSchedule
 
     per_engine = training.groups_per_actor(cfg) * cfg.rollout.n
-    return BareSpec(num_engines=cfg.rollout.num_actors, concurrency=per_engine, env_settings=dict(cfg.envs[0].settings),
+    return BareSpec(num_engines=cfg.rollout.num_actors, concurrency=per_engine, env_name=cfg.envs[0].name,
+                    env_settings=dict(cfg.envs[0].settings),
                     max_turns=TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns,
                     episodes=64 if quick else 192, repeats=2 if quick else 3)
 
@@ -155,7 +156,7 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
                 with starting_on_cpus(cores):
                     engines.append(start_engine(model, spec.concurrency, seed=i, engine=engine_settings))
             chat = load_chat(model)
-            prompts = await replay_prompts(chat, "signpost", spec.env_settings, spec.episodes, spec.max_turns)
+            prompts = await replay_prompts(chat, spec.env_name, spec.env_settings, spec.episodes, spec.max_turns)
             for r in range(repeats):
                 for what in alternate(r, ["bare", "training"]):
                     if what == "bare":

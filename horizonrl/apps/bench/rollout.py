@@ -183,8 +183,9 @@ class BareSpec:
     concurrency: int  # requests in flight per engine
     env_settings: dict
     max_turns: int
-    episodes: int  # random-policy Signpost episodes whose every turn's prompt is replayed
+    episodes: int  # random-policy episodes of env_name whose every turn's prompt is replayed
     repeats: int
+    env_name: str = "signpost"  # the training run's environment (its config's first), so both see the same prompts
 
 
 async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, loads: list[Workload],
@@ -212,7 +213,7 @@ async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, lo
                              f"{s.episodes / s.wall_s:6.2f} traj/s {s.generated_tokens / s.wall_s:7.0f} tok/s "
                              f"engine idle {s.engine_idle_s / s.wall_s:.0%}")
         if bare is not None:
-            prompts = await replay_prompts(chat, "signpost", bare.env_settings, bare.episodes, bare.max_turns)
+            prompts = await replay_prompts(chat, bare.env_name, bare.env_settings, bare.episodes, bare.max_turns)
             bare_rates = await _measure_bare(engines, chat, prompts, bare.concurrency, bare.repeats)
     finally:
         for e in engines:
@@ -295,7 +296,7 @@ def bare_engine_tokens_per_s(model: str, spec: BareSpec) -> list[float]:
         engines = [start_engine(model, spec.concurrency, seed=i) for i in range(spec.num_engines)]
         try:
             chat = load_chat(model)
-            prompts = await replay_prompts(chat, "signpost", spec.env_settings, spec.episodes, spec.max_turns)
+            prompts = await replay_prompts(chat, spec.env_name, spec.env_settings, spec.episodes, spec.max_turns)
             return await _measure_bare(engines, chat, prompts, spec.concurrency, spec.repeats)
         finally:
             for engine in engines:
