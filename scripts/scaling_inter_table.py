@@ -89,7 +89,8 @@ def table(out: Path, rows: list[dict]) -> str:
     start = evals(out, "start")
     budgets = list(start) or sorted({t for r in rows for t in r["final"]}, reverse=True)
     long = max(budgets, default=0)
-    head = (["arm", "seed"] + [f"held-out @{t} turns ({eval_episodes(out)} ep.)" for t in budgets]
+    episodes = eval_episodes(out)
+    head = (["arm", "seed"] + [f"held-out @{t} turns ({episodes} ep.)" for t in budgets]
             + [f"held-out during training @{long}", "actors' success, first → last 3 steps", "learner steps",
                "generated tokens", "episodes played (dropped: equal rewards / stale)", "invalid replies",
                "wall time"])
