@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from horizonrl.protocol import Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 
@@ -76,7 +78,14 @@ def start_process(args: list[str], log_path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0, orphans_timeout: float = 120.0) -> int:
+    """SIGTERM to ``proc``'s group, SIGKILL past ``timeout``; returns its exit code. Leaves nothing behind: the
+    processes a launcher started sit in groups of their own, and if it was killed they stop themselves
+    (``stop_when_launcher_dies``). Any still running after ``orphans_timeout`` is killed by pid, and named."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -87,7 +96,16 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever the leader left behind in its group
     except ProcessLookupError:
         pass
-    return proc.wait()
+    rc = proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=orphans_timeout)
+    for leftover in alive:
+        try:
+            print(f"stop_process: killing pid {leftover.pid} ({' '.join(leftover.cmdline()[:4])}), "
+                  f"still running {orphans_timeout:.0f} s after its launcher {proc.pid} ended", file=sys.stderr)
+            leftover.kill()
+        except psutil.Error:
+            pass
+    return rc
 
 
 def horizonrl_cmd(*args: str) -> list[str]:

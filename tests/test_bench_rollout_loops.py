@@ -208,3 +208,61 @@ def test_the_bare_engines_replay_the_training_runs_environment():
     assert spec.env_settings == {"levels": ["BabyAI-GoToRedBall-v0"], "high_level_actions": True}
     _, plain = partitioned_spec(True, "/m", partition, [])
     assert plain.env_name == "signpost"
+
+
+def test_the_partitioned_bare_engines_replay_the_episodes_a_training_run_played(tmp_path):
+    """workload.played_episodes: each accepted episode's turn prompts (the context before each generated turn,
+    from the start of its sample), in the order the buffer's write-ahead log has them."""
+    from helpers import make_trajectory
+
+    from horizonrl.apps.bench.workload import played_episodes
+    from horizonrl.buffer.records import Accepted, Served, encode_record
+    from horizonrl.buffer.wal import WriteAheadLog
+    from horizonrl.protocol import encode
+    from horizonrl.protocol.arrays import TOKEN_DTYPE, pack
+
+    one_turn = make_trajectory("g0", 0, tokens=12)  # prompt 0..5, reply 6..11
+    two_turns = make_trajectory("g0", 1, tokens=12)
+    two_turns.token_ids = pack(list(range(100, 120)), TOKEN_DTYPE)
+    two_turns.turn_spans = [(4, 8), (12, 16)]
+    two_samples = make_trajectory("g1", 0, tokens=12)
+    two_samples.token_ids = pack(list(range(200, 220)), TOKEN_DTYPE)
+    two_samples.turn_spans, two_samples.sample_starts = [(3, 6), (13, 16)], [10]  # the second sample starts at 10
+    wal = WriteAheadLog(tmp_path / "buffer_wal")
+    for t in (one_turn, two_turns, two_samples):
+        wal.append(encode_record(Accepted(encode(t))))
+    wal.append(encode_record(Served(0, 0, 0, ["g0"])))
+    wal.submit()
+    wal.close()
+
+    assert played_episodes(tmp_path) == [[list(range(6))],
+                                         [list(range(100, 104)), list(range(100, 112))],
+                                         [list(range(200, 203)), list(range(210, 213))]]
+
+
+def test_a_bare_engine_sends_an_episodes_next_turn_only_once_its_reply_is_back():
+    """rollout._measure_bare: each episode's prompts one after another (as an actor plays), ``concurrency``
+    episodes at a time; every generated token counted."""
+    from horizonrl.apps.bench.rollout import _measure_bare
+
+    class OrderEngine(ScriptedEngine):
+        def __init__(self):
+            super().__init__(delay=0.001)
+            self.active: set[int] = set()
+            self.overlaps = 0
+
+        async def generate(self, prompt_ids, **kwargs):
+            episode = prompt_ids[0]
+            self.overlaps += episode in self.active
+            self.active.add(episode)
+            try:
+                return await super().generate(prompt_ids, **kwargs)
+            finally:
+                self.active.discard(episode)
+
+    engine = OrderEngine()
+    episodes = [[[e, 1], [e, 1, 2], [e, 1, 2, 3]][: 1 + e % 3] for e in range(12)]
+    [rate] = asyncio.run(_measure_bare([engine], ScriptedChat(), episodes, 4, 1))
+    assert engine.overlaps == 0 and engine.max_in_flight == 4
+    assert engine.requests == 4 + sum(map(len, episodes))  # the untimed warm-up: the first prompts of 4 episodes
+    assert rate > 0

@@ -76,8 +76,11 @@ def _cmd_splits(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from horizonrl.core.runtime import stop_when_launcher_dies
     from horizonrl.envs.registry import env_names
     from horizonrl.envs.server import serve
+
+    stop_when_launcher_dies()  # a server a run's launcher started (envs[i].settings.managed) ends with it
 
     unknown = [n for n in args.names if n not in env_names()]
     if unknown:

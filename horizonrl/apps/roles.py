@@ -28,6 +28,7 @@ def run_role(role: str, config: TrainConfig, index: int = 0) -> int:
         return 2
     name = {"actor": f"actor-{index}", "learner": f"learner-{os.environ.get('RANK', '0')}"}.get(role, role)
     setup_logging(name, config.run.log_level)
+    follow_the_launcher(config, role, name)
     cpus = pin_to_cpus(config, role, index)
     if cpus is not None:
         log.info("%s runs on CPU cores %s (resources)", name, cpus)
@@ -51,6 +52,19 @@ def run_role(role: str, config: TrainConfig, index: int = 0) -> int:
     # a loaded host, past the launcher's stop grace).
     exit_skipping_finalization(actor_main(config, index, make_env))
     return 0  # not reached: exit_skipping_finalization exits
+
+
+def follow_the_launcher(config: TrainConfig, role: str, name: str) -> None:
+    """Stop this process once the launcher that started it is gone (``stop_when_launcher_dies``), with an event
+    that says so. It gets the time its role gets from the launcher's own stop, and more: the learner
+    ``monitor.stop_timeout_s`` (it may be finishing its step), the others a minute."""
+    from horizonrl.core.run_events import EventLog, RunEvent
+    from horizonrl.core.runtime import stop_when_launcher_dies
+
+    events = EventLog(config.output_dir, name)
+    grace_s = config.monitor.stop_timeout_s + 30.0 if role == "learner" else 60.0
+    stop_when_launcher_dies(lambda pid: events.emit(RunEvent.LAUNCHER_GONE, launcher_pid=pid),
+                            log_path=config.run_dir.log(name), grace_s=grace_s)
 
 
 def _check_allowed(cpus: list[int], what: str) -> None:

@@ -71,8 +71,12 @@ class RunWriters:
 
     def status(self, step: int, scalars: dict[str, float], *, startup: bool = False) -> None:
         """The step's status record on stdout, for the console of the launcher."""
-        sys.stdout.write(status_record_line(step, self.config.learner.total_steps, scalars, startup=startup) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(status_record_line(step, self.config.learner.total_steps, scalars, startup=startup)
+                             + "\n")
+            sys.stdout.flush()
+        except OSError:
+            pass  # a broken pipe: the launcher that read it is gone (this process stops: stop_when_launcher_dies)
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -13,6 +13,7 @@ import sys
 
 PACKAGE_MODULE = "horizonrl"  # ``python -m horizonrl ...``: the command line (apps/cli.py)
 OFFLINE_RANK_MODULE = "horizonrl.learner.offline"  # one rank of ``horizonrl sft|dpo`` (learner/offline.py)
+TENSORBOARD_MODULE = "horizonrl.apps.tensorboard_main"  # TensorBoard for ``horizonrl train --tensorboard``
 # vLLM's ``worker_extension_cls``: vLLM imports it by this name inside each engine worker (actors/vllm_worker.py).
 VLLM_WORKER_EXTENSION = "horizonrl.actors.vllm_worker.WeightReceiverExtension"
 
@@ -31,3 +32,9 @@ def role_command(role: str, config_path: str, *extra: str, index: int | None = N
 def offline_rank_command(paradigm: str, config_path: str, data_path: str) -> list[str]:
     """One rank of an offline (SFT, DPO) run, started by its first process."""
     return [sys.executable, "-m", OFFLINE_RANK_MODULE, paradigm, "--config", str(config_path), "--data", str(data_path)]
+
+
+def tensorboard_command(logdir: str, port: int) -> list[str]:
+    """TensorBoard on 127.0.0.1:``port`` over ``logdir``, as a process of a run (it ends with its launcher)."""
+    return [sys.executable, "-m", TENSORBOARD_MODULE, "--logdir", str(logdir), "--host", "127.0.0.1",
+            "--port", str(port)]

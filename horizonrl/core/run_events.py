@@ -47,6 +47,8 @@ class RunEvent(str, Enum):
     # actor
     ENGINE_READY = "engine_ready"  # actor (index), weights: the engine started, took its first weights, plays
     EPISODE_FAILED = "episode_failed"  # actor, env, task, failure (kind), message: not the agent's fault, not trained
+    # any process the local launcher started
+    LAUNCHER_GONE = "launcher_gone"  # launcher_pid: its launcher died; this process stops itself
     # launcher (the last four as it tells the coordinator, which also counts them in faults.jsonl)
     PROCESS_STARTED = "process_started"  # name, pid
     PROCESS_PLACED = "process_placed"  # name, node, resources: where Ray placed it (launcher.type=ray)

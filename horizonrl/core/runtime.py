@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
@@ -71,6 +71,64 @@ class StopFlag:
 
     def wait(self, timeout: float) -> bool:
         return self._event.wait(timeout)
+
+
+# Set by the local launcher in each process it starts: its own pid, which that process watches.
+LAUNCHER_PID_ENV = "HORIZONRL_LAUNCHER_PID"
+
+
+def stop_when_launcher_dies(on_gone: Callable[[int], None] | None = None, *, log_path: str | os.PathLike | None = None,
+                            grace_s: float = 60.0, poll_s: float = 0.2) -> threading.Thread | None:
+    """A process the launcher started ends with its launcher, however the launcher died.
+
+    Each process runs in a process group of its own (so that stopping it stops its vLLM engine), so a
+    SIGKILLed launcher cannot take them with it, and nothing else would stop them: orphans that go on
+    holding cores, ports and memory. Once ``getppid()`` is no longer the launcher's pid (in
+    ``HORIZONRL_LAUNCHER_PID``; the process was re-parented), this sends SIGTERM to its own process: the
+    clean stop every role already has. Past ``grace_s`` it kills its process group (itself and what it
+    spawned). ``on_gone(launcher_pid)`` runs first (a structured event). The launcher read this process's
+    output into its log: from then on the process appends it to ``log_path`` itself (else its stop would
+    write into a broken pipe).
+
+    Does nothing, and returns None, for a process started some other way (by hand, Slurm, Ray): the
+    variable is not set. Removes the variable, so the processes this one starts do not watch a pid that
+    is not their parent."""
+    raw = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if not raw:
+        return None
+    launcher_pid = int(raw)
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            time.sleep(poll_s)
+        if log_path is not None:
+            try:
+                fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.dup2(fd, 1)  # Python's sys.stdout and sys.stderr write to these descriptors
+                os.dup2(fd, 2)
+                os.close(fd)
+            except OSError:
+                pass  # no log then; the stop goes on
+        logging.getLogger("horizonrl").error(
+            "the launcher (pid %d) is gone: stopping (SIGTERM to this process; killed in %.0f s if still running)",
+            launcher_pid, grace_s)
+        if on_gone is not None:
+            try:
+                on_gone(launcher_pid)
+            except Exception:  # noqa: BLE001 - what it records must not keep the process from stopping
+                logging.getLogger("horizonrl").exception("recording the launcher's death failed")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        logging.getLogger("horizonrl").error("still running %.0f s after the launcher died: killing this process "
+                                             "and what it spawned", grace_s)
+        logging.shutdown()
+        if os.getpgrp() == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class PhaseTimer:

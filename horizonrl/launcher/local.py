@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import IO, Callable
 
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.placement import PlacementPlan
-from horizonrl.core.programs import role_command
+from horizonrl.core.programs import role_command, tensorboard_command
 from horizonrl.core.run_events import EventLog, RunEvent
-from horizonrl.core.runtime import StopFlag
+from horizonrl.core.runtime import LAUNCHER_PID_ENV, StopFlag
 from horizonrl.launcher.console import RunConsole, route_line
 from horizonrl.launcher.resolve import managed_env_servers, resolve_placement, server_url
 from horizonrl.launcher.supervisor import ProcessSpec, Supervisor
@@ -94,7 +93,8 @@ class LocalProcesses:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **quiet, **spec.env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **quiet, **spec.env,
+                 LAUNCHER_PID_ENV: str(os.getpid())},  # it stops itself if this process dies (SIGKILL)
             start_new_session=True,  # its own process group: stopping it stops what it spawned
         )
         child = Child(spec, proc)
@@ -211,9 +211,8 @@ class Launcher:
 
     def start_tensorboard(self) -> None:
         port = self.config.monitor.tensorboard_port
-        tb = [sys.executable, "-m", "tensorboard.main", "--logdir", str(self.config.run_dir.tensorboard),
-              "--host", "127.0.0.1", "--port", str(port)]
-        self.supervisor.start(ProcessSpec("tensorboard", tb))
+        self.supervisor.start(ProcessSpec("tensorboard", tensorboard_command(str(self.config.run_dir.tensorboard),
+                                                                             port)))
         self.console.line(f"TensorBoard: http://127.0.0.1:{port}/")
 
     def watch(self, stop: StopFlag) -> int:

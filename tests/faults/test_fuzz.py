@@ -10,7 +10,8 @@ context, or from weights past the run's last step, and bad batch requests.
 Two tests. The first drives the coordinator and the buffer in-process through their real sockets — fast,
 and exact: every message lands in the counter of what it is. The second sends the same kinds to a running
 training (whole processes: launcher, coordinator, buffer, learner, an actor with its engine) and checks
-that nothing dies, the learner keeps stepping, and the counts add up.
+that nothing dies, the learner keeps stepping, and the counts add up; then kills the launcher alone, and
+every process it started stops itself.
 
 Messages over a socket's size limit (ZMQ MAXMSGSIZE) are refused by the transport — the connection is
 dropped before the message is read — so they are sent separately and only survival is checked for them;
@@ -20,21 +21,26 @@ a trajectory over the run's context but under that limit reaches the door, and i
 from __future__ import annotations
 
 import glob
+import os
 import random
+import signal
 import socket
 import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
-from helpers import horizonrl_cmd, newest_step, start_process, stop_process, wait_for_step, wait_until
+from helpers import (horizonrl_cmd, newest_step, run_events, start_process, stop_process, wait_for_step,
+                     wait_until)
 
 from horizonrl.buffer.accounting import account
 from horizonrl.buffer.server import BufferServer
 from horizonrl.coordinator import Coordinator
 from horizonrl.core.config import TrainConfig, load_config
 from horizonrl.core.run_dirs import ensure_run_key
+from horizonrl.core.run_events import RunEvent
 from horizonrl.core.runtime import StopFlag
 from horizonrl.apps.hostile import flipped, intake_storm, report_storm, request_storm
 from horizonrl.launcher import resolve_ports
@@ -176,7 +182,8 @@ def latest_scalars(run_dir: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_goes_on(tiny_model, tmp_path):
+def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_the_run_ends_with_its_launcher(tiny_model,
+                                                                                                  tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
@@ -233,6 +240,17 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_go
         # training goes on while everything is read and counted; then a clean stop
         after = wait_until(counted_and_stepping, 400, "every message counted, and 3 more learner steps", interval=2.0)
         assert proc.poll() is None, "a process of the run died: " + log.read_text(errors="replace")[-5000:]
+
+        # Then the launcher dies, alone (SIGKILL to its pid, not its group): it stops nobody. Every process it
+        # started sits in a group of its own, and must notice and stop itself, its engine included (this test
+        # once left the buffer and the actor running for 12 minutes after a killed launcher).
+        started = psutil.Process(proc.pid).children(recursive=True)
+        killed_at = time.time()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(started, timeout=240)
+        assert not alive, f"still running 240 s after their launcher was killed: {[p.pid for p in alive]}"
+        stopped_at = time.time()
     finally:
         for s in sockets:
             s.close(linger=0)
@@ -254,5 +272,10 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_training_go
     for outcome, count in Counter(o for _, o in storms["report"]).items():
         verdict, name = outcome.split(":")
         assert delta(f"coordinator/{'bad_messages' if verdict == 'bad' else 'rejected'}_{name}") == count, outcome
+    # each of the run's processes said why it stopped; the learner finished with a checkpoint
+    roles = {e["role"] for e in run_events(run_dir, RunEvent.LAUNCHER_GONE, since=killed_at)}
+    assert roles == {"coordinator", "buffer", "learner-0", "actor-0"}, roles
+    assert run_events(run_dir, RunEvent.LEARNER_DONE, since=killed_at)
     print(f"fuzz: {total} messages; the buffer counted {expected_buffer:.0f} bad or refused, the coordinator "
-          f"{len(storms['report'])} by kind; no process died, the learner kept stepping")
+          f"{len(storms['report'])} by kind; no process died, the learner kept stepping; "
+          f"the launcher killed, its processes were gone {stopped_at - killed_at:.0f} s later")

@@ -105,18 +105,19 @@ def partitioned_spec(quick: bool, model: str, partition: CorePartition, extra: l
     from horizonrl.core.config import load_config
 
     cfg = load_config(training.CONFIG, [f"model.path={model}", *partition.overrides(), *extra])
-    # Several seconds of bare generation per repeat (a second or less is noise on a shared host).
-    return cfg, dataclasses.replace(bare_spec_of(cfg, quick), episodes=256 if quick else 512)
+    # No random episodes: these bare engines replay the training runs' own (workload.played_episodes).
+    return cfg, dataclasses.replace(bare_spec_of(cfg, quick), episodes=0)
 
 
 def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CorePartition,
                     extra: list[str] | None = None) -> dict:
     """Paired repeats on a partitioned host: an async training run (one actor per actor core) and the bare
-    engines (one per actor core, the same requests in flight) — tokens/s, and the training run's shares of
-    actor wall time stalled by weight updates and of engine time idle."""
+    engines (one per actor core, the same requests in flight, replaying the episodes the newest training run
+    played) — tokens/s, and the training run's shares of actor wall time stalled by weight updates and of
+    engine time idle."""
     from horizonrl.apps.bench import training
     from horizonrl.apps.bench.rollout import _measure_bare, load_chat, start_engine
-    from horizonrl.apps.bench.workload import replay_prompts
+    from horizonrl.apps.bench.workload import played_episodes
     from horizonrl.actors.cpu_affinity import starting_on_cpus
     from horizonrl.core.placement import vllm_cpu_binding
 
@@ -156,12 +157,16 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
                 with starting_on_cpus(cores):
                     engines.append(start_engine(model, spec.concurrency, seed=i, engine=engine_settings))
             chat = load_chat(model)
-            prompts = await replay_prompts(chat, spec.env_name, spec.env_settings, spec.episodes, spec.max_turns)
             for r in range(repeats):
-                for what in alternate(r, ["bare", "training"]):
+                # A training run first (its episodes are what the bare engines replay), then alternating.
+                for what in alternate(r, ["training", "bare"]):
                     if what == "bare":
-                        bare.extend(await _measure_bare(engines, chat, prompts, spec.concurrency, 1,
-                                                        bare_in_flight))
+                        # The very requests the newest training run's actors sent, turn after turn per episode:
+                        # the trained policy's prompts and turn counts, and its groups' shared prefixes (random
+                        # episodes had neither: on BabyAI with SmolLM2 a bare engine replaying them ran at 0.78x
+                        # the training run's rate, docs/benchmarks.md).
+                        played = played_episodes(out_dir / "engine" / f"async-training-{len(trained) - 1}")
+                        bare.extend(await _measure_bare(engines, chat, played, spec.concurrency, 1, bare_in_flight))
                     else:
                         progress("engine", f"repeat {r + 1}/{repeats}: async training, {steps} learner steps")
                         trained.append(await asyncio.to_thread(one_training_run, r))
@@ -189,6 +194,7 @@ def run_partitioned(quick: bool, out_dir: Path, model: str, partition: CoreParti
               "actor wall time in weight swaps (stall + ending a step)":
               summarize([m["weight_stall_share"] + m["weight_pause_wait_share"] for m in trained])}
     settings = {"model": model, "partition": partition.describe(), "learner_steps": steps, "clock_from_step": warmup,
-                "overrides": train_extra, **spec.__dict__, "repeats": repeats}
+                "overrides": train_extra, **spec.__dict__, "repeats": repeats,
+                "bare_replay": "the episodes of the newest training run (its buffer's write-ahead log)"}
     return make_result("engine", rows, ratios, settings,
                        chart={"metric": "tokens_per_s", "ylabel": "generated tokens/s"})

@@ -214,7 +214,7 @@ async def _rollout(model: str, repeats: int, episodes: int, concurrency: int, lo
                              f"engine idle {s.engine_idle_s / s.wall_s:.0%}")
         if bare is not None:
             prompts = await replay_prompts(chat, bare.env_name, bare.env_settings, bare.episodes, bare.max_turns)
-            bare_rates = await _measure_bare(engines, chat, prompts, bare.concurrency, bare.repeats)
+            bare_rates = await _measure_bare(engines, chat, [[p] for p in prompts], bare.concurrency, bare.repeats)
     finally:
         for e in engines:
             e.shutdown()
@@ -255,34 +255,40 @@ def run(quick: bool, out_dir: Path, *, model: str | None = None, latency_median_
 # ------------------------------------------------------------------------------ part 3: bare engines
 
 
-async def _measure_bare(engines: list, chat, prompts: list[list[int]], concurrency: int, repeats: int,
+async def _measure_bare(engines: list, chat, episodes: list[list[list[int]]], concurrency: int, repeats: int,
                         occupancy: list[float] | None = None) -> list[float]:
-    """Generated tokens/s of ``engines`` serving ``prompts`` (split evenly), ``concurrency`` at a time each;
-    each repeat's mean number of requests in flight per engine is appended to ``occupancy`` when given."""
-    progress("engine", f"bare engines: {len(engines)} x {concurrency} in flight, {len(prompts)} replayed prompts")
+    """Generated tokens/s of ``engines`` serving ``episodes`` (split evenly), ``concurrency`` at a time each. An
+    episode is a sequence of prompts sent one after another, each once the previous reply is back (as an actor
+    plays its turns); random replayed prompts are episodes of one prompt each. Each repeat's mean number of
+    requests in flight per engine is appended to ``occupancy`` when given."""
+    progress("engine", f"bare engines: {len(engines)} x {concurrency} in flight, {len(episodes)} replayed episodes, "
+                       f"{sum(map(len, episodes))} prompts")
 
-    async def serve(engine, share: list[list[int]]) -> int:
+    async def serve(engine, share: list[list[list[int]]]) -> int:
         slots = asyncio.Semaphore(concurrency)
 
-        async def one(prompt: list[int]) -> int:
+        async def one(prompts: list[list[int]]) -> int:
+            generated = 0
             async with slots:
-                gen = await engine.generate(prompt, max_tokens=SAMPLING.max_tokens_per_turn,
-                                            temperature=SAMPLING.temperature, top_p=SAMPLING.top_p,
-                                            stop_token_ids=chat.stop_token_ids)
-                return len(gen.token_ids)
+                for prompt in prompts:
+                    gen = await engine.generate(prompt, max_tokens=SAMPLING.max_tokens_per_turn,
+                                                temperature=SAMPLING.temperature, top_p=SAMPLING.top_p,
+                                                stop_token_ids=chat.stop_token_ids)
+                    generated += len(gen.token_ids)
+            return generated
 
-        return sum(await asyncio.gather(*(one(p) for p in share)))
+        return sum(await asyncio.gather(*(one(e) for e in share)))
 
-    async def all_engines(ps: list[list[int]]) -> int:
-        return sum(await asyncio.gather(*(serve(e, ps[i::len(engines)]) for i, e in enumerate(engines))))
+    async def all_engines(es: list[list[list[int]]]) -> int:
+        return sum(await asyncio.gather(*(serve(e, es[i::len(engines)]) for i, e in enumerate(engines))))
 
-    await all_engines(prompts[: concurrency * len(engines)])  # untimed warm-up
+    await all_engines([e[:1] for e in episodes[: concurrency * len(engines)]])  # untimed warm-up
     rates = []
     for r in range(repeats):
         for engine in engines:
             engine.clock.reset()
         start = time.perf_counter()
-        tokens = await all_engines(prompts)
+        tokens = await all_engines(episodes)
         rates.append(tokens / (time.perf_counter() - start))
         if occupancy is not None:
             occupancy.append(sum(e.clock.unit_s / e.clock.wall_s for e in engines) / len(engines))
@@ -297,7 +303,7 @@ def bare_engine_tokens_per_s(model: str, spec: BareSpec) -> list[float]:
         try:
             chat = load_chat(model)
             prompts = await replay_prompts(chat, spec.env_name, spec.env_settings, spec.episodes, spec.max_turns)
-            return await _measure_bare(engines, chat, prompts, spec.concurrency, spec.repeats)
+            return await _measure_bare(engines, chat, [[p] for p in prompts], spec.concurrency, spec.repeats)
         finally:
             for engine in engines:
                 engine.shutdown()

@@ -19,3 +19,30 @@ async def replay_prompts(chat, env_name: str, settings: dict, episodes: int, max
         ids, mask = episode_ids(chat, ep.messages)
         prompts += [ids[:i] for i in range(1, len(ids)) if mask[i] == 1 and mask[i - 1] == 0]
     return prompts
+
+
+def played_episodes(run_dir) -> list[list[list[int]]]:
+    """The requests a finished training run's actors sent their engines: per episode the buffer accepted (its
+    write-ahead log), the prompt of each generated turn (the context before it), in turn order; episodes in the
+    order they arrived, so a group's members stay together.
+
+    What a bare engine replays to serve the very workload a training run served: the trained policy's prompt
+    lengths and turn counts, and the prefixes the members of a group share (their first prompt), which random
+    replayed episodes (:func:`replay_prompts`) do not have."""
+    from pathlib import Path
+
+    from horizonrl.buffer.records import Accepted, decode_record
+    from horizonrl.buffer.wal import WriteAheadLog
+    from horizonrl.protocol.arrays import TOKEN_DTYPE, unpack
+
+    episodes = []
+    for raw in WriteAheadLog(Path(run_dir) / "buffer_wal").replay():
+        record = decode_record(raw)
+        if not isinstance(record, Accepted):
+            continue
+        trajectory = record.trajectory
+        ids = unpack(trajectory.token_ids, TOKEN_DTYPE).tolist()
+        bounds = trajectory.sample_bounds()
+        # a turn's prompt starts where its sample does (an episode whose template rewrites history is several)
+        episodes.append([ids[max(s for s, _ in bounds if s <= start):start] for start, _ in trajectory.turn_spans])
+    return [e for e in episodes if e]
