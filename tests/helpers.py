@@ -97,7 +97,9 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0, orphans_timeout:
     except ProcessLookupError:
         pass
     rc = proc.wait()
-    _, alive = psutil.wait_procs(descendants, timeout=orphans_timeout)
+    deadline = time.monotonic() + orphans_timeout
+    while (alive := [p for p in descendants if still_running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     for leftover in alive:
         try:
             print(f"stop_process: killing pid {leftover.pid} ({' '.join(leftover.cmdline()[:4])}), "
@@ -106,6 +108,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0, orphans_timeout:
         except psutil.Error:
             pass
     return rc
+
+
+def still_running(process: psutil.Process) -> bool:
+    """Alive, and not a zombie (an orphan's zombie waits for whoever reaps it: it holds nothing)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def horizonrl_cmd(*args: str) -> list[str]:

@@ -17,7 +17,7 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_until
+from helpers import still_running, wait_until
 
 from horizonrl.core.runtime import LAUNCHER_PID_ENV, stop_when_launcher_dies
 
@@ -81,16 +81,14 @@ def test_a_child_stops_itself_once_its_launcher_is_killed(tmp_path, on_sigterm):
         assert child.is_running() and child.ppid() == launcher.pid  # the launcher alive: nothing happens
         launcher.kill()
         launcher.wait(timeout=10)
-        gone, alive = psutil.wait_procs([child], timeout=30)
-        assert not alive, "the child outlived its launcher by 30 s"
+        wait_until(lambda: not still_running(child), 30, "the child to stop after its launcher was killed")
         events = [n["event"] for n in notes(out)]
         assert events[1:3] == ["gone", "sigterm"], events
         assert notes(out)[1]["launcher_pid"] == launcher.pid
         # what it wrote once its launcher was gone went to its own log, not into the broken pipe
         assert "child-output-after-the-launcher" in (tmp_path / "child.jsonl.log").read_text()
         if on_sigterm == "ignore":  # killed after the grace, with its process group
-            gone, alive = psutil.wait_procs([grandchild], timeout=10)
-            assert not alive, "the grace killed the child but not the process it spawned"
+            wait_until(lambda: not still_running(grandchild), 10, "the grace to kill what the child spawned too")
     finally:
         for p in (launcher, child, grandchild):
             try:
@@ -99,7 +97,7 @@ def test_a_child_stops_itself_once_its_launcher_is_killed(tmp_path, on_sigterm):
             except (psutil.Error, ProcessLookupError):
                 pass
         if grandchild is not None:
-            psutil.wait_procs([grandchild], timeout=10)
+            wait_until(lambda: not still_running(grandchild), 10, "the grandchild to be killed")
 
 
 def test_a_process_not_started_by_the_launcher_watches_nothing(monkeypatch):

@@ -32,8 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from helpers import (horizonrl_cmd, newest_step, run_events, start_process, stop_process, wait_for_step,
-                     wait_until)
+from helpers import (horizonrl_cmd, newest_step, run_events, start_process, still_running, stop_process,
+                     wait_for_step, wait_until)
 
 from horizonrl.buffer.accounting import account
 from horizonrl.buffer.server import BufferServer
@@ -237,7 +237,7 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_the_run_end
             return now if counted >= expected_buffer and reports >= len(storms["report"]) and \
                 newest_step(run_dir) >= fuzzed_at_step + 3 else None
 
-        # training goes on while everything is read and counted; then a clean stop
+        # training goes on while everything is read and counted; then its launcher dies
         after = wait_until(counted_and_stepping, 400, "every message counted, and 3 more learner steps", interval=2.0)
         assert proc.poll() is None, "a process of the run died: " + log.read_text(errors="replace")[-5000:]
 
@@ -248,8 +248,8 @@ def test_malformed_messages_to_every_socket_of_a_run_are_counted_and_the_run_end
         killed_at = time.time()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        _, alive = psutil.wait_procs(started, timeout=240)
-        assert not alive, f"still running 240 s after their launcher was killed: {[p.pid for p in alive]}"
+        wait_until(lambda: not any(still_running(p) for p in started), 240,
+                   "every process of the run to stop after its launcher was killed", interval=0.5)
         stopped_at = time.time()
     finally:
         for s in sockets:
