@@ -20,6 +20,7 @@ from horizonrl.envs.webarena import WebArenaEnv
 from horizonrl.envs.webarena.browser import _descendant_browsers, browser_host, close_browser, find_browser
 from horizonrl.protocol.transport import free_port
 
+from helpers import still_running, wait_until
 from webarena_helpers import run_expert
 
 pytestmark = pytest.mark.system  # Chromium (WebArena's browser)
@@ -136,10 +137,8 @@ def test_abandoning_a_host_also_ends_a_hung_browser_it_lost_track_of():
     host.pid = None  # and lost track of
     try:
         host.abandon()
-        deadline = time.monotonic() + 30
-        while browser.is_running() and browser.status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the hung browser the host lost track of outlived its driver"
-            time.sleep(0.1)
+        wait_until(lambda: not still_running(browser), 30, "the hung browser the host lost track of to end with "
+                                                           "its driver")
     finally:
         if browser.is_running():  # this test's browser: psutil checks the pid still names it
             browser.kill()

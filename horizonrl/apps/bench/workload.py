@@ -29,14 +29,13 @@ def played_episodes(run_dir) -> list[list[list[int]]]:
     What a bare engine replays to serve the very workload a training run served: the trained policy's prompt
     lengths and turn counts, and the prefixes the members of a group share (their first prompt), which random
     replayed episodes (:func:`replay_prompts`) do not have."""
-    from pathlib import Path
-
     from horizonrl.buffer.records import Accepted, decode_record
     from horizonrl.buffer.wal import WriteAheadLog
+    from horizonrl.core.run_dirs import RunDir
     from horizonrl.protocol.arrays import TOKEN_DTYPE, unpack
 
     episodes = []
-    for raw in WriteAheadLog(Path(run_dir) / "buffer_wal").replay():
+    for raw in WriteAheadLog(RunDir(run_dir).buffer_wal).replay():
         record = decode_record(raw)
         if not isinstance(record, Accepted):
             continue
