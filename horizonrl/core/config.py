@@ -211,6 +211,50 @@ class RoundsCtrlConfig(_Frozen):
         return rounds
 
 
+# The rejection bounds [L, U] when a level's are not given, from the peers' published settings
+# (docs/algorithms.md, "Rollout correction"): IcePop's [0.5, 5] per token; TRL's sequence mask at 3 above;
+# a geometric mean within 1 % of 1, as SkyRL's and verl's geometric masks are set.
+REJECT_BOUNDS = {"token": (0.5, 5.0), "sequence": (0.0, 3.0), "geometric": (0.99, 1.01)}
+
+
+class RolloutCorrectionConfig(_Frozen):
+    """``algorithm.rollout_correction``: what the loss does about tokens the engine sampled under other weights
+    or other numerics (learner/rollout_correction.py; docs/algorithms.md, "Rollout correction"). Each acts on
+    rho = pi_old / mu per token; all compose; every advantage estimator, with or without learner.decoupled_loss."""
+
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "token", description="truncated importance weights: min(rho_t, is_cap) per token, or min(prod rho, is_cap) "
+                             "per sequence; none: the untruncated rho")
+    is_cap: float = Field(2.0, gt=0, description="C of the truncated importance weights (verl's and TIS's 2.0)")
+    reject_level: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="drop tokens whose rho_t (token: IcePop's two-sided mask), whole sequences whose "
+                            "prod rho (sequence) or exp(mean log rho) (geometric) falls outside [reject_low, "
+                            "reject_high]")
+    reject_low: float | None = Field(None, ge=0, description="L (default by level: token 0.5, sequence 0, "
+                                     "geometric 0.99)")
+    reject_high: float | None = Field(None, gt=0, description="U (default by level: token 5, sequence 3, "
+                                      "geometric 1.01)")
+    turn_reject: Literal["none", "drop", "downweight"] = Field(
+        "none", description="per turn: a turn whose mean k3 KL(mu || pi_old) per token exceeds turn_kl_bound is "
+                            "dropped, or its tokens weighted by turn_kl_bound / KL; the episode's other turns train")
+    turn_kl_bound: float = Field(0.01, gt=0, description="B of turn_reject, per token (10x the largest healthy "
+                                 "trainer-engine k3 KL published for dense models, 1e-3)")
+
+    @property
+    def reject_bounds(self) -> tuple[float, float]:
+        """[L, U] of the rejection (its level's defaults where not given); (0, inf) with no rejection."""
+        low, high = REJECT_BOUNDS.get(self.reject_level, (0.0, float("inf")))
+        return (low if self.reject_low is None else self.reject_low,
+                high if self.reject_high is None else self.reject_high)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RolloutCorrectionConfig":
+        low, high = self.reject_bounds
+        if low >= high:
+            raise ValueError(f"algorithm.rollout_correction: reject_low ({low}) must be below reject_high ({high})")
+        return self
+
+
 class AlgorithmConfig(_Frozen):
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae", "gigpo"] = Field(
         "grpo", description="grpo: group-normalised outcome; rloo: leave-one-out baseline; reinforce_plus_plus: "
@@ -226,6 +270,7 @@ class AlgorithmConfig(_Frozen):
     gigpo_step_weight: float = Field(1.0, ge=0, description="gigpo: weight ω of the step-level advantage "
                                      "(A = A_episode + ω A_step; 0 gives GRPO)")
     rounds_ctrl: RoundsCtrlConfig = RoundsCtrlConfig()
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
 class LearnerConfig(_Frozen):
@@ -240,9 +285,10 @@ class LearnerConfig(_Frozen):
     clip_ratio_high: float | None = Field(None, gt=0, description="PPO clip above 1 (default: clip_ratio; "
                                           "DAPO's clip-higher uses e.g. 0.28)")
     clip_ratio_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages (verl: 3.0)")
-    decoupled_loss: bool = Field(False, description="AReaL's decoupled PPO: clip against the proximal policy, "
-                                 "weight by the truncated importance weight pi_prox / mu")
-    behav_imp_weight_cap: float | None = Field(None, gt=0, description="decoupled_loss: truncate pi_prox / mu here")
+    decoupled_loss: bool = Field(False, description="AReaL's decoupled PPO: clip against the proximal policy "
+                                 "(the learner's own, recomputed), weight by pi_prox / mu as "
+                                 "algorithm.rollout_correction says; false: the engine's logprobs serve as the old "
+                                 "policy (bypass)")
     use_kl_loss: bool = Field(False, description="add kl_loss_coef * KL(pi || pi_ref) to a frozen copy of model.path")
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Literal["low_var_kl", "k1", "k2", "k3"] = "low_var_kl"
@@ -283,6 +329,14 @@ class LearnerConfig(_Frozen):
     weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
                                     "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
                                     "a model smaller than one bucket is one collective per update")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_behav_imp_weight_cap(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "behav_imp_weight_cap" in data:
+            raise ValueError("learner.behav_imp_weight_cap is now algorithm.rollout_correction: is_level=token with "
+                             f"is_cap={data['behav_imp_weight_cap']} (docs/algorithms.md, \"Rollout correction\")")
+        return data
 
     @property
     def clip_low(self) -> float:

@@ -75,6 +75,7 @@ class Sample:
     # The turn (1-based) of each generated token the learner's current weights produced, −1 elsewhere: where the
     # trainer–engine log-probability mismatch is measured (other tokens differ by policy lag too).
     turn_of_token: torch.Tensor | None = None
+    turn_index: torch.Tensor | None = None  # (L,) the 1-based turn of every generated token, 0 elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +99,7 @@ class MicroBatch:
     returns: torch.Tensor | None = None  # (B, T): the critic's target (gae)
     proximal_logprobs: torch.Tensor | None = None  # (B, T): log π_prox before the step's first update
     turn_of_token: torch.Tensor | None = None  # (B, T): Sample.turn_of_token, −1 on padding
+    turn_index: torch.Tensor | None = None  # (B, T): Sample.turn_index, 0 on padding
 
     def to(self, device: torch.device) -> "MicroBatch":
         def move(x):
@@ -106,7 +108,7 @@ class MicroBatch:
         return MicroBatch(
             self.input_ids.to(device), self.loss_mask.to(device), self.behaviour_logprobs.to(device),
             self.advantages.to(device), self.num_sequences, move(self.token_rewards), move(self.returns),
-            move(self.proximal_logprobs), move(self.turn_of_token),
+            move(self.proximal_logprobs), move(self.turn_of_token), move(self.turn_index),
         )
 
 
@@ -261,6 +263,9 @@ def trajectory_samples(trajectory: Trajectory, advantage: float, group: int, gam
             if mine.numel() and later.numel():
                 rewards[start + mine[-1]] += gamma * returns[next_start + later[0]]
     turns = _turn_of_token(trajectory, len(token_ids), current_weights)
+    turn_index = torch.zeros(len(token_ids), dtype=torch.int64)
+    for k, (turn_start, turn_end) in enumerate(trajectory.turn_spans):
+        turn_index[turn_start:turn_end] = k + 1
     samples = []
     for start, end in bounds:
         piece = mask[start:end].clone()
@@ -268,7 +273,8 @@ def trajectory_samples(trajectory: Trajectory, advantage: float, group: int, gam
         samples.append(Sample(
             token_ids=torch.from_numpy(token_ids[start:end].astype("int64")), loss_mask=piece,
             behaviour_logprobs=torch.from_numpy(logprobs[start:end].copy()), advantage=advantage,
-            token_rewards=rewards[start:end].clone(), group=group, turn_of_token=turns[start:end].clone()))
+            token_rewards=rewards[start:end].clone(), group=group, turn_of_token=turns[start:end].clone(),
+            turn_index=turn_index[start:end].clone()))
     return samples
 
 
@@ -338,6 +344,7 @@ def collate(samples: list[Sample]) -> MicroBatch:
     logprobs = torch.zeros(len(samples), length)
     rewards = torch.zeros(len(samples), length)
     turns = torch.full((len(samples), length), -1, dtype=torch.int64)
+    turn_index = torch.zeros((len(samples), length), dtype=torch.int64)
     for row, sample in enumerate(samples):
         n = sample.num_tokens
         input_ids[row, :n] = sample.token_ids
@@ -347,13 +354,15 @@ def collate(samples: list[Sample]) -> MicroBatch:
             rewards[row, :n] = sample.token_rewards
         if sample.turn_of_token is not None:
             turns[row, :n] = sample.turn_of_token
+        if sample.turn_index is not None:
+            turn_index[row, :n] = sample.turn_index
     loss_mask[:, 0] = 0  # the first token has no prediction
     advantages = token_advantages(torch.tensor([s.advantage for s in samples]), loss_mask)
     for row, sample in enumerate(samples):
         if sample.token_advantages is not None:  # turn-level: A_t per token instead of one A_i per row
             advantages[row, :sample.num_tokens] = sample.token_advantages * loss_mask[row, :sample.num_tokens]
     return MicroBatch(input_ids, loss_mask, logprobs, advantages, len(samples), token_rewards=rewards,
-                      turn_of_token=turns)
+                      turn_of_token=turns, turn_index=turn_index)
 
 
 def empty_micro_batch() -> MicroBatch:

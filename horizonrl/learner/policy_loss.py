@@ -13,7 +13,11 @@ Decoupled PPO (AReaL, arXiv 2505.24298, eq. 5) separates the behaviour policy μ
 proximal policy π_prox that the trust region is centred on:
 
     ℓ_t = −w_t · min(r̃_t A_t, clip(r̃_t, 1 − ε_low, 1 + ε_high) A_t),
-    r̃_t = π_θ / π_prox,   w_t = min(π_prox / μ, C)   (a truncated importance weight, no gradient)
+    r̃_t = π_θ / π_prox,   w_t = π_prox / μ   (an importance weight, no gradient)
+
+The rollout correction (``learner/rollout_correction.py``: truncated or masked importance weights, per-turn
+rejection) supplies w_t in either form: for the decoupled loss in place of π_prox / μ, for the plain one as
+a factor on the token's term (the plain ratio π_θ / μ already carries π_old / μ).
 
 π_prox is the policy at the start of the learner step, before its first optimizer update
 (``learner.ppo_epochs`` × mini-batches of ``learner.ppo_mini_batch_size`` groups). With a single
@@ -136,17 +140,18 @@ class ClipSettings:
     clip_high: float = 0.2  # ε_high
     clip_ratio_c: float | None = None  # dual-clip bound c (> 1) for negative advantages; None: off
     decoupled: bool = False  # AReaL's decoupled objective with a proximal policy
-    behaviour_weight_cap: float | None = None  # C, truncation of π_prox / μ (decoupled only)
 
 
 def clipped_policy_loss(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, clip: ClipSettings,
-    proximal_logprobs: torch.Tensor | None = None,
+    proximal_logprobs: torch.Tensor | None = None, weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate ℓ_t (see the module docstring); all inputs (N,) of loss tokens.
 
     ``proximal_logprobs`` (decoupled only): log π_prox from before the step's first update; None
     means this is the step's only update, so π_prox = sg(π_θ).
+    ``weight``: w_t of each token (no gradient), the rollout correction's factor; None: π_prox / μ for the
+    decoupled loss, 1 for the plain one.
     returns ℓ (N,) (differentiable), and per-token diagnostics (no gradient): the behaviour ratio
     π_θ / μ, whether the clipped ratio was clipped, and the weight.
 
@@ -158,11 +163,11 @@ def clipped_policy_loss(
     if clip.decoupled:
         proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.clamp(min=LOGPROB_FLOOR)
         log_ratio = logprobs - proximal  # r̃ = π_θ / π_prox
-        weight = torch.exp(proximal - behaviour_logprobs)  # π_prox / μ (no gradient)
-        if clip.behaviour_weight_cap is not None:
-            weight = torch.clamp(weight, max=clip.behaviour_weight_cap)
+        if weight is None:
+            weight = torch.exp(proximal - behaviour_logprobs)  # π_prox / μ (no gradient)
     else:
         log_ratio = log_behaviour_ratio
+    if weight is None:
         weight = torch.ones_like(logprobs)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -advantages * ratio

@@ -5,6 +5,8 @@
                  gae: the critic's values (no-grad forward), GAE, whitened over the whole batch
     proximal     decoupled PPO with more than one update: log π_prox of every token, in a no-grad
                  forward before the first update (the trust region every update is clipped to)
+    correction   per token, from ρ = π_old / μ: truncated or masked importance weights, per-turn
+                 rejection (learner/rollout_correction.py); its factor weighs the token's policy term
     updates      for each epoch, for each mini-batch of ``ppo_mini_batch_size`` groups:
                  per micro-batch the clipped policy loss − β·entropy + kl_coef·KL(π‖π_ref)
                  (+ vf_coef·½(V − R)² for the critic), aggregated with the mini-batch's global
@@ -27,6 +29,7 @@ from horizonrl.learner.batching import MicroBatch, Sample, micro_batches_for_ran
 from horizonrl.learner.mismatch import TurnMismatch
 from horizonrl.learner.model import loss_token_logits
 from horizonrl.learner.policy_loss import (
+    LOGPROB_FLOOR,
     ClipSettings,
     PolicyLossStats,
     aggregation_weights,
@@ -35,6 +38,7 @@ from horizonrl.learner.policy_loss import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
+from horizonrl.learner.rollout_correction import CorrectionSettings, CorrectionStats, rollout_correction
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,20 @@ class LossSettings:
     kl_loss_coef: float = 0.0  # 0: no reference model
     kl_loss_type: str = "low_var_kl"
     vf_coef: float = 0.5
+    correction: CorrectionSettings = CorrectionSettings()  # none unless configured (the config's default: token TIS)
 
     @classmethod
     def from_config(cls, config) -> "LossSettings":
-        lc = config.learner
+        lc, rc = config.learner, config.algorithm.rollout_correction
+        low, high = rc.reject_bounds
         return cls(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
-            clip=ClipSettings(lc.clip_low, lc.clip_high, lc.clip_ratio_c, lc.decoupled_loss, lc.behav_imp_weight_cap),
+            clip=ClipSettings(lc.clip_low, lc.clip_high, lc.clip_ratio_c, lc.decoupled_loss),
+            correction=CorrectionSettings(
+                is_level=None if rc.is_level == "none" else rc.is_level, is_cap=rc.is_cap,
+                reject_level=None if rc.reject_level == "none" else rc.reject_level, reject_low=low, reject_high=high,
+                turn_action=None if rc.turn_reject == "none" else rc.turn_reject, turn_kl_bound=rc.turn_kl_bound),
             loss_agg_mode=lc.loss_agg_mode,
             entropy_coeff=lc.entropy_coeff,
             kl_loss_coef=lc.kl_loss_coef if lc.use_kl_loss else 0.0,
@@ -158,9 +168,11 @@ def micro_batch_loss(
     reference: nn.Module | None = None,
     critic: nn.Module | None = None,
     mismatch: TurnMismatch | None = None,
+    correction_stats: CorrectionStats | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Forward on the full token sequences; the loss at generated tokens only. With ``mismatch``, the
-    per-turn |log π_θ − log π_behaviour| of the measured tokens is added to it (``learner/mismatch.py``).
+    per-turn |log π_θ − log π_behaviour| of the measured tokens is added to it (``learner/mismatch.py``);
+    with ``correction_stats``, what the rollout correction did (``learner/rollout_correction.py``).
 
     Logits at position t-1 predict token t, so the targets are input_ids[:, 1:] and only the
     (N_mb, V) rows where loss_mask[:, 1:] = 1 are ever normalised (memory: N_mb·V, not B·T·V).
@@ -174,17 +186,24 @@ def micro_batch_loss(
     weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences)
     w = weights[:, 1:][selected]  # (N_mb,)
 
+    behaviour = micro_batch.behaviour_logprobs[:, 1:][selected]
     proximal = None if micro_batch.proximal_logprobs is None else micro_batch.proximal_logprobs[:, 1:][selected]
-    pg, diag = clipped_policy_loss(
-        logprobs, micro_batch.behaviour_logprobs[:, 1:][selected], micro_batch.advantages[:, 1:][selected],
-        settings.clip, proximal,
-    )
+    # π_old: the learner's policy before the step's first update (decoupled: π_prox; bypass: this update's own)
+    old = proximal if proximal is not None else logprobs.detach()
+    rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
+    turns = (micro_batch.turn_index[:, 1:][selected] if micro_batch.turn_index is not None
+             else torch.ones_like(rows))
+    correction = rollout_correction(old.clamp(min=LOGPROB_FLOOR) - behaviour, rows, turns, settings.correction,
+                                    bypass=not settings.clip.decoupled)
+    if correction_stats is not None:
+        correction_stats.add(correction, turns)
+    pg, diag = clipped_policy_loss(logprobs, behaviour, micro_batch.advantages[:, 1:][selected], settings.clip,
+                                   proximal, weight=correction.factor)
     loss = (w * pg).sum() - settings.entropy_coeff * (w * entropy).sum()
     stats = PolicyLossStats.from_tokens(pg, diag["ratio"], diag["clipped"])
     stats.entropy_sum = float(entropy.detach().sum())
     if mismatch is not None and micro_batch.turn_of_token is not None:
-        mismatch.add(micro_batch.turn_of_token[:, 1:][selected], logprobs,
-                     micro_batch.behaviour_logprobs[:, 1:][selected])
+        mismatch.add(micro_batch.turn_of_token[:, 1:][selected], logprobs, behaviour)
 
     if reference is not None:
         with torch.no_grad():
@@ -240,19 +259,21 @@ def train_on_batch(
     stats, grad_norms, critic_norms = PolicyLossStats(), [], []
     # Measured in the step's first update only: its log π_θ are those of the weights the engine has.
     mismatch = TurnMismatch()
+    corrections = CorrectionStats()  # over every update: the share of tokens each one corrected
     for _ in range(update.ppo_epochs):
         for cut, micro in plan:
             update_stats, norms = optimizer_step(
                 model, optimizer, micro, settings=settings, grad_clip=update.grad_clip,
                 num_loss_tokens=sum(s.num_loss_tokens for s in cut), num_sequences=len(cut), device=device,
                 reference=reference, critic=critic, critic_optimizer=critic_optimizer,
-                mismatch=mismatch if not grad_norms else None)
+                mismatch=mismatch if not grad_norms else None, correction_stats=corrections)
             stats.add(update_stats)
             grad_norms.append(norms["grad/norm"])
             if "grad/critic_norm" in norms:
                 critic_norms.append(norms["grad/critic_norm"])
     metrics = all_reduce_stats(stats).metrics()
     metrics.update(mismatch.all_reduce().metrics())
+    metrics.update(corrections.all_reduce().metrics())
     metrics["learner/updates"] = float(len(grad_norms))
     if grad_norms:
         metrics["grad/norm"] = sum(grad_norms) / len(grad_norms)
@@ -289,6 +310,7 @@ def optimizer_step(
     critic: nn.Module | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     mismatch: TurnMismatch | None = None,
+    correction_stats: CorrectionStats | None = None,
 ) -> tuple[PolicyLossStats, dict[str, float]]:
     """One optimizer update: accumulate the gradient over this rank's micro-batches, clip it, step.
 
@@ -304,7 +326,7 @@ def optimizer_step(
     stats = PolicyLossStats()
     for micro_batch in micro_batches:
         loss, mb_stats = micro_batch_loss(model, micro_batch.to(device), settings, num_loss_tokens, num_sequences,
-                                          reference, critic, mismatch)
+                                          reference, critic, mismatch, correction_stats)
         (loss * world_size).backward()
         stats.add(mb_stats)
     norms = {"grad/norm": _clip(model, grad_clip)}

@@ -43,17 +43,19 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     np.testing.assert_allclose(dual.numpy(), [2.0, -1.3, 1.5, 0.9], rtol=1e-12)
 
 
-def test_decoupled_loss_weights_by_truncated_behaviour_ratio_and_has_the_on_policy_gradient():
+def test_decoupled_loss_weights_by_the_behaviour_ratio_and_has_the_on_policy_gradient():
+    """Without a weight given, w = π_prox / μ (AReaL); a truncated one (the rollout correction's) replaces it."""
     logp, mu, adv = _data(1)
-    cap = 1.5
-    logp_t = torch.tensor(logp, requires_grad=True)
-    got, diag = clipped_policy_loss(logp_t, torch.tensor(mu), torch.tensor(adv), ClipSettings(0.2, 0.2, None, True, cap))
-    w = np.minimum(np.exp(logp - mu), cap)
-    np.testing.assert_allclose(got.detach().numpy(), -w * adv, rtol=1e-12)  # r̃ = 1 at the proximal policy
-    got.sum().backward()
-    # ∂/∂logπ of −w·A·π/π_prox at π = π_prox is −w·A
-    np.testing.assert_allclose(logp_t.grad.numpy(), -w * adv, rtol=1e-12)
-    assert diag["weight"].max() <= cap
+    for weight in (None, np.minimum(np.exp(logp - mu), 1.5)):
+        logp_t = torch.tensor(logp, requires_grad=True)
+        got, diag = clipped_policy_loss(logp_t, torch.tensor(mu), torch.tensor(adv), ClipSettings(0.2, 0.2, None, True),
+                                        weight=None if weight is None else torch.tensor(weight))
+        w = np.exp(logp - mu) if weight is None else weight
+        np.testing.assert_allclose(got.detach().numpy(), -w * adv, rtol=1e-12)  # r̃ = 1 at the proximal policy
+        got.sum().backward()
+        # ∂/∂logπ of −w·A·π/π_prox at π = π_prox is −w·A
+        np.testing.assert_allclose(logp_t.grad.numpy(), -w * adv, rtol=1e-12)
+        np.testing.assert_allclose(diag["weight"].numpy(), w, rtol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])

@@ -1,0 +1,316 @@
+"""Held-out success against the wall clock: the asynchronous design against a synchronous loop, at equal learning.
+
+Every arm is a whole ``horizonrl train`` run of the same config (default ``configs/smollm2_babyai.yaml``: the
+format-warmed SmolLM2-135M-Instruct on the demo's BabyAI levels), differing only in its arm's overrides, for the
+same number of learner steps, saving a checkpoint every ``--save-every`` steps. Each checkpoint's held-out success
+is measured afterwards with ``horizonrl eval`` (the test split, the config's turn budget and token limits, the
+engine's dtype), off the clock, so that evaluation never slows the run it measures. A checkpoint's wall time is
+when it was complete (its ``train_state.json``), counted from the launch of its run: start-up included, as a user
+waits for it.
+
+    arm                      overrides
+    synchronous              rollout.synchronous=true           generate one batch, train, broadcast, repeat
+    async                    (none)                             the config as it ships
+    async_stale              max_staleness 4, 4 steps of buffer, no rollout correction (plain PPO against mu)
+    async_stale_corrected    the same, with the decoupled loss and truncated importance weights (token, C = 2)
+
+Runs go seed by seed, the arms' order alternating between seeds (``report.alternate``), so a neighbour's load
+hits every arm alike. Reported per arm (median and range over seeds): the final held-out success; the wall time
+at which the run first reaches the synchronous arm's final held-out success of the same seed (linear between
+checkpoints) and the ratio of the two; samples/s, the learner's and the engines' idle shares, the staleness, and
+the trainer-engine mismatch (``mismatch/mean``, ``correction/k3_kl``). The bound a 2-core machine puts on the
+ratio comes from the synchronous run's own phases: generation g and training t per step give
+(g + t) / max(g, t) for a perfect overlap, and (g + t) / (t + g / 2) when the learner's two threads and the
+engine's one must share two cores.
+
+    python -m horizonrl.apps.bench.learning_clock [--out runs/learning-clock] [--seeds 0 1] [--arms ...]
+        [--steps 10] [--save-every 2] [--episodes 100] [--peer trl=DIR] [--report]
+
+Every stage is skipped where its result is already on disk (a run whose last checkpoint exists, an evaluation
+whose JSON exists), so the study can be stopped and started again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from horizonrl.apps.bench.report import alternate, progress, summarize
+from horizonrl.apps.bench.training import REPO, read_scalars, run_training
+from horizonrl.core.programs import horizonrl_command
+from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir
+
+CONFIG = REPO / "configs" / "smollm2_babyai.yaml"
+STALE = ["buffer.max_staleness=4", "buffer.capacity_groups=16"]
+ARMS = {
+    "synchronous": ["rollout.synchronous=true"],
+    "async": [],
+    "async_stale": [*STALE, "algorithm.rollout_correction.is_level=none"],
+    "async_stale_corrected": [*STALE, "learner.decoupled_loss=true", "algorithm.rollout_correction.is_level=token",
+                              "algorithm.rollout_correction.is_cap=2.0"],
+}
+BASELINE = "synchronous"
+RUN_TIMEOUT_S = 4 * 3600.0
+EVAL_TIMEOUT_S = 1800.0
+
+
+def run_command(config: Path, run_dir: Path, arm: str, seed: int, steps: int, save_every: int,
+                extra: list[str]) -> list[str]:
+    return horizonrl_command("train", str(config), f"run.output_dir={run_dir}", f"run.seed={seed}",
+                             f"learner.total_steps={steps}", f"learner.save_every={save_every}", "eval.every=0",
+                             *ARMS[arm], *extra)
+
+
+def checkpoint_steps(steps: int, save_every: int) -> list[int]:
+    return sorted({*range(save_every, steps + 1, save_every), steps})
+
+
+def train_arm(out: Path, config: Path, arm: str, seed: int, steps: int, save_every: int, extra: list[str]) -> Path:
+    """One run (skipped if its last checkpoint exists); writes ``clock.json`` with each checkpoint's wall time
+    since the launch, then drops the checkpoints' optimizer state (only the weights are evaluated)."""
+    run_dir = out / f"{arm}-s{seed}"
+    if (checkpoint_dir(run_dir, steps) / STATE_FILE).exists() and (run_dir / "clock.json").exists():
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    started = time.time()
+    run_training(run_command(config, run_dir, arm, seed, steps, save_every, extra), out / f"{arm}-s{seed}.log",
+                 timeout_s=RUN_TIMEOUT_S)
+    clock = {step: (checkpoint_dir(run_dir, step) / STATE_FILE).stat().st_mtime - started
+             for step in checkpoint_steps(steps, save_every)}
+    (run_dir / "clock.json").write_text(json.dumps({"launched": started, "checkpoint_wall_s": clock}, indent=1))
+    for step in clock:
+        shutil.rmtree(checkpoint_dir(run_dir, step) / "train_state", ignore_errors=True)
+    return run_dir
+
+
+def eval_settings(config_path: Path, extra: list[str]) -> dict:
+    """What ``horizonrl eval`` needs to play the config's held-out episodes as the demo does (core/config.py)."""
+    from horizonrl.core.config import load_config
+    from horizonrl.core.schedule import TurnBudgetSchedule
+
+    cfg = load_config(config_path, extra)
+    if len(cfg.envs) != 1:
+        raise ValueError(f"{config_path}: the study evaluates one environment, the config has {len(cfg.envs)}")
+    env = cfg.envs[0]
+    turns = cfg.eval.max_turns or TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns
+    return {"env": env.name, "settings": dict(env.settings), "max_turns": turns, "dtype": cfg.rollout.engine.dtype,
+            "max_tokens": cfg.rollout.max_tokens_per_turn, "context": cfg.rollout.max_context_tokens,
+            "temperature": cfg.eval.temperature, "system_prompt": cfg.rollout.system_prompt,
+            "model": cfg.model.path}
+
+
+def evaluate(model_dir: Path, out_json: Path, spec: dict, episodes: int) -> float:
+    """Held-out success of one model directory (cached in ``out_json``)."""
+    if not out_json.exists():
+        command = horizonrl_command(
+            "eval", "--model", str(model_dir), "--env", spec["env"], "--env-settings", json.dumps(spec["settings"]),
+            "--episodes", str(episodes), "--max-turns", str(spec["max_turns"]), "--dtype", spec["dtype"],
+            "--max-tokens-per-turn", str(spec["max_tokens"]), "--max-context-tokens", str(spec["context"]),
+            "--temperature", str(spec["temperature"]), "--json", str(out_json))
+        if spec["system_prompt"]:
+            command += ["--system-prompt", spec["system_prompt"]]
+        with open(out_json.with_suffix(".log"), "wb") as log:
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, check=True,
+                           timeout=EVAL_TIMEOUT_S)
+    return float(json.loads(out_json.read_text())["success_rate"])
+
+
+def reach_time(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first wall time at which the piecewise-linear ``curve`` [(wall_s, success), ...] reaches ``target``."""
+    for (t0, y0), (t1, y1) in zip(curve, curve[1:]):
+        if y0 >= target:
+            return t0
+        if y1 >= target:
+            return t0 + (t1 - t0) * (target - y0) / (y1 - y0)
+    return curve[-1][0] if curve and curve[-1][1] >= target else None
+
+
+def run_figures(run_dir: Path, steps: int) -> dict[str, float]:
+    """Throughput, idle shares, staleness and mismatch over learner steps 1..steps (the run's scalars)."""
+    s = read_scalars(run_dir)
+
+    def mean(tag: str) -> float:
+        values = [v for k, v in s.get(tag, {}).items() if 1 <= k <= steps]
+        return sum(values) / len(values) if values else float("nan")
+
+    wall = s["time/elapsed_s"][steps] - s["time/elapsed_s"][1]
+    engine_wall = s["rollout/engine_wall_s_total"][steps] - s["rollout/engine_wall_s_total"][1]
+    batch_wait = sum(s["time/batch_wait_s"][k] for k in range(2, steps + 1))
+    train = sum(s["time/step_s"][k] for k in range(2, steps + 1))
+    return {
+        "samples_per_s": sum(s["batch/trajectories"][k] for k in range(2, steps + 1)) / wall,
+        "learner_idle_share": batch_wait / wall,
+        "engine_idle_share": (s["rollout/engine_idle_s_total"][steps] - s["rollout/engine_idle_s_total"][1])
+        / engine_wall,
+        "generate_s_per_step": batch_wait / (steps - 1), "train_s_per_step": train / (steps - 1),
+        "staleness": mean("batch/staleness_mean"), "mismatch_mean": mean("mismatch/mean"),
+        "k3_kl": mean("correction/k3_kl"), "truncated_fraction": mean("correction/truncated_fraction"),
+    }
+
+
+def overlap_bounds(generate_s: float, train_s: float) -> dict[str, float]:
+    """The speed-up a perfect overlap of a synchronous loop's phases could give: free (g + t) / max(g, t), and on
+    two cores shared by a two-thread learner and a one-thread engine (g + t) / (t + g / 2)."""
+    return {"pipeline_bound": (generate_s + train_s) / max(generate_s, train_s),
+            "two_core_bound": (generate_s + train_s) / (train_s + generate_s / 2)}
+
+
+def peer_curve(peer_dir: Path) -> dict:
+    """A peer's run written by scripts/peer_trl.py: ``heldout.jsonl`` (step, wall_s, success_rate) per checkpoint."""
+    rows = [json.loads(line) for line in (peer_dir / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    return {"curve": [(r["wall_s"], r["success_rate"]) for r in sorted(rows, key=lambda r: r["wall_s"])]}
+
+
+def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int, save_every: int, episodes: int,
+          extra: list[str]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = eval_settings(config, extra)
+    for r, seed in enumerate(seeds):
+        for arm in alternate(r, arms):
+            progress("learning-clock", f"seed {seed}: {arm}, {steps} learner steps")
+            started = time.time()
+            train_arm(out, config, arm, seed, steps, save_every, extra)
+            progress("learning-clock", f"  {arm} s{seed}: {time.time() - started:.0f} s")
+    evals = out / "evals"
+    evals.mkdir(exist_ok=True)
+    start = evaluate(REPO / spec["model"], evals / "start.json", spec, episodes)
+    progress("learning-clock", f"starting model: held-out {start:.3f}")
+    runs: dict[str, dict[str, dict]] = {arm: {} for arm in arms}  # arm -> seed (as a JSON key) -> run
+    for seed in seeds:
+        for arm in arms:
+            run_dir = out / f"{arm}-s{seed}"
+            clock = json.loads((run_dir / "clock.json").read_text())["checkpoint_wall_s"]
+            clock = {int(step): wall_s for step, wall_s in clock.items()}
+            curve = [(0.0, start)]
+            for step, wall_s in sorted(clock.items()):
+                success = evaluate(checkpoint_dir(run_dir, step), evals / f"{arm}-s{seed}-step{step}.json", spec,
+                                   episodes)
+                curve.append((wall_s, success))
+                progress("learning-clock", f"{arm} s{seed} step {step}: held-out {success:.3f} "
+                         f"at {wall_s / 60:.1f} min")
+            runs[arm][str(seed)] = {"curve": curve, **run_figures(run_dir, steps)}
+    return {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config), "overrides": extra,
+            "arms": {arm: ARMS[arm] for arm in arms}, "seeds": seeds, "steps": steps, "save_every": save_every,
+            "episodes": episodes, "start_success": start, "runs": runs}
+
+
+def summary(result: dict) -> dict[str, dict]:
+    """Per arm: summaries over seeds of the final success, the time to reach the baseline's final success, the
+    paired ratio of the baseline's time to it, and the run figures; the baseline's 2-core bounds."""
+    runs = result["runs"]
+    base = runs.get(BASELINE, {})
+    out = {}
+    for arm, by_seed in runs.items():
+        row: dict[str, dict] = {}
+        finals = [r["curve"][-1][1] for r in by_seed.values()]
+        row["final_success"] = summarize(finals)
+        row["wall_min"] = summarize([r["curve"][-1][0] / 60 for r in by_seed.values()])
+        reach, ratios = [], []
+        for seed, r in by_seed.items():
+            if seed not in base:
+                continue
+            b = base[seed]
+            t = reach_time(r["curve"], b["curve"][-1][1])
+            if t is not None:
+                reach.append(t / 60)
+                ratios.append(b["curve"][-1][0] / t)
+        if reach:
+            row["reach_baseline_min"] = summarize(reach)
+            row["baseline_time_ratio"] = summarize(ratios)
+        row["reached"] = f"{len(reach)}/{len(by_seed)}"
+        for key in ("samples_per_s", "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean",
+                    "k3_kl", "truncated_fraction", "generate_s_per_step", "train_s_per_step"):
+            values = [r[key] for r in by_seed.values() if r[key] == r[key]]
+            if values:
+                row[key] = summarize(values)
+        out[arm] = row
+    if base:
+        bounds = [overlap_bounds(r["generate_s_per_step"], r["train_s_per_step"]) for r in base.values()]
+        out[BASELINE]["bounds"] = {k: summarize([b[k] for b in bounds]) for k in bounds[0]}
+    return out
+
+
+def _cell(value) -> str:
+    if isinstance(value, dict) and "median" in value:
+        return f"{value['median']:.3g} [{value['min']:.3g}–{value['max']:.3g}]"
+    return str(value)
+
+
+def table(rows: dict[str, dict]) -> str:
+    columns = ("final_success", "wall_min", "reach_baseline_min", "baseline_time_ratio", "reached", "samples_per_s",
+               "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean", "k3_kl")
+    lines = ["| arm | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for arm, row in rows.items():
+        lines.append(f"| {arm} | " + " | ".join(_cell(row.get(c, "–")) for c in columns) + " |")
+    bounds = rows.get(BASELINE, {}).get("bounds")
+    if bounds:
+        lines.append("")
+        lines.append("bounds from the synchronous runs' phases: "
+                     + ", ".join(f"{k} {_cell(v)}" for k, v in bounds.items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, peers: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (arm, by_seed) in enumerate({**result["runs"], **{n: {"0": p} for n, p in peers.items()}}.items()):
+        for j, r in enumerate(by_seed.values()):
+            xs, ys = zip(*r["curve"])
+            ax.plot([x / 60 for x in xs], ys, marker="o", ms=3, color=colors[k % len(colors)], alpha=0.8,
+                    label=arm if j == 0 else None)
+    ax.set_xlabel("wall-clock minutes since launch (start-up included)")
+    ax.set_ylabel("held-out success")
+    ax.set_title(f"{result['config']}: held-out success against the wall clock, seeds {result['seeds']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/learning-clock"))
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=10, help="learner steps of every run")
+    parser.add_argument("--save-every", type=int, default=2, help="a checkpoint (and a point on the curve) every N")
+    parser.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, every arm")
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME=DIR",
+                        help="a peer's run to plot beside (scripts/peer_trl.py's output directory)")
+    parser.add_argument("--report", action="store_true", help="only the table and plot of --out's results.json")
+    args = parser.parse_args(argv)
+    path = args.out / "results.json"
+    if args.report:
+        result = json.loads(path.read_text())
+    else:
+        if not args.config.resolve().exists():
+            parser.error(f"--config {args.config}: no such file")
+        result = study(args.out.resolve(), args.config.resolve(), args.arms, args.seeds, args.steps, args.save_every,
+                       args.episodes, args.set)
+    peers = {}
+    for item in args.peer:
+        name, _, directory = item.partition("=")
+        peers[name] = peer_curve(Path(directory))
+    result["peers"] = peers
+    result["summary"] = summary(result)
+    path.write_text(json.dumps(result, indent=1))
+    plot(result, peers, args.out / "learning-clock.png")
+    print(table(result["summary"]))
+    print(f"results: {path}; plot: {args.out / 'learning-clock.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The learning-clock study's arithmetic (apps/bench/learning_clock.py): when a curve reaches a success, the
+paired ratios and the bounds a two-core machine puts on them. The runs themselves are the study's, not a test's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from horizonrl.apps.bench.learning_clock import (
+    ARMS,
+    checkpoint_steps,
+    overlap_bounds,
+    reach_time,
+    run_command,
+    summary,
+)
+
+
+def test_reach_time_interpolates_between_checkpoints():
+    curve = [(0.0, 0.2), (100.0, 0.4), (200.0, 0.6)]
+    assert reach_time(curve, 0.5) == pytest.approx(150.0)
+    assert reach_time(curve, 0.2) == 0.0
+    assert reach_time(curve, 0.6) == pytest.approx(200.0)
+    assert reach_time(curve, 0.61) is None
+    # a dip after the first crossing does not move it
+    assert reach_time([(0.0, 0.1), (60.0, 0.5), (120.0, 0.3), (180.0, 0.7)], 0.45) == pytest.approx(52.5)
+
+
+def test_overlap_bounds():
+    """g = 30 s generation, t = 60 s training: a perfect overlap hides the shorter phase (90 / 60 = 1.5); sharing
+    two cores, the one-thread engine's work costs the two-thread learner half its time (90 / 75 = 1.2)."""
+    bounds = overlap_bounds(30.0, 60.0)
+    assert bounds["pipeline_bound"] == pytest.approx(1.5)
+    assert bounds["two_core_bound"] == pytest.approx(1.2)
+
+
+def _run(curve, **figures):
+    base = {"samples_per_s": 1.0, "learner_idle_share": 0.1, "engine_idle_share": 0.5, "staleness": 0.5,
+            "mismatch_mean": 0.01, "k3_kl": 1e-4, "truncated_fraction": 0.0, "generate_s_per_step": 30.0,
+            "train_s_per_step": 60.0}
+    return {"curve": curve, **{**base, **figures}}
+
+
+def test_summary_pairs_each_arm_with_the_baseline_of_its_seed():
+    result = {"runs": {
+        "synchronous": {"0": _run([(0, 0.2), (600, 0.5)]), "1": _run([(0, 0.2), (900, 0.6)])},
+        "async": {"0": _run([(0, 0.2), (200, 0.4), (400, 0.6)]), "1": _run([(0, 0.2), (300, 0.5)])},
+    }}
+    rows = summary(result)
+    # seed 0: reaches 0.5 at 300 s (600 / 300 = 2); seed 1 never reaches 0.6
+    assert rows["async"]["reached"] == "1/2"
+    assert rows["async"]["baseline_time_ratio"]["median"] == pytest.approx(2.0)
+    assert rows["async"]["reach_baseline_min"]["median"] == pytest.approx(5.0)
+    assert rows["synchronous"]["baseline_time_ratio"]["median"] == pytest.approx(1.0)
+    assert rows["synchronous"]["bounds"]["two_core_bound"]["median"] == pytest.approx(1.2)
+
+
+def test_every_arm_runs_the_same_config_with_its_own_overrides():
+    assert checkpoint_steps(10, 3) == [3, 6, 9, 10]
+    commands = {arm: run_command(Path("c.yaml"), Path("out"), arm, 1, 10, 2, ["x=1"]) for arm in ARMS}
+    for arm, command in commands.items():
+        assert command[-1] == "x=1" and "run.seed=1" in command and "learner.total_steps=10" in command
+        assert all(o in command for o in ARMS[arm])
+    assert "rollout.synchronous=true" in commands["synchronous"]
+    assert "algorithm.rollout_correction.is_level=none" in commands["async_stale"]
+    assert "learner.decoupled_loss=true" in commands["async_stale_corrected"]
