@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from horizonrl.apps.bench.report import alternate, progress, summarize
-from horizonrl.apps.bench.training import REPO, read_scalars, run_training
+from horizonrl.apps.bench.training import REPO, groups_per_actor, read_scalars, run_training
 from horizonrl.core.programs import horizonrl_command
 from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir
 
@@ -53,6 +53,10 @@ ARMS = {
     "async_stale_corrected": [*STALE, "learner.decoupled_loss=true", "algorithm.rollout_correction.is_level=token",
                               "algorithm.rollout_correction.is_cap=2.0"],
 }
+# Every arm alike: the synchronous loop makes exactly one batch per version, so no arm's buffer drops
+# equal-reward groups (the learner still leaves them out of the step: learner/batching.py), and every arm keeps
+# one batch's worth of groups in flight (the synchronous loop plays its whole share at once).
+EVERY_ARM = ["buffer.skip_equal_reward_groups=false"]
 BASELINE = "synchronous"
 RUN_TIMEOUT_S = 4 * 3600.0
 EVAL_TIMEOUT_S = 1800.0
@@ -62,7 +66,7 @@ def run_command(config: Path, run_dir: Path, arm: str, seed: int, steps: int, sa
                 extra: list[str]) -> list[str]:
     return horizonrl_command("train", str(config), f"run.output_dir={run_dir}", f"run.seed={seed}",
                              f"learner.total_steps={steps}", f"learner.save_every={save_every}", "eval.every=0",
-                             *ARMS[arm], *extra)
+                             *EVERY_ARM, *ARMS[arm], *extra)
 
 
 def checkpoint_steps(steps: int, save_every: int) -> list[int]:
@@ -88,14 +92,12 @@ def train_arm(out: Path, config: Path, arm: str, seed: int, steps: int, save_eve
     return run_dir
 
 
-def eval_settings(config_path: Path, extra: list[str]) -> dict:
+def eval_settings(cfg) -> dict:
     """What ``horizonrl eval`` needs to play the config's held-out episodes as the demo does (core/config.py)."""
-    from horizonrl.core.config import load_config
     from horizonrl.core.schedule import TurnBudgetSchedule
 
-    cfg = load_config(config_path, extra)
     if len(cfg.envs) != 1:
-        raise ValueError(f"{config_path}: the study evaluates one environment, the config has {len(cfg.envs)}")
+        raise ValueError(f"the study evaluates one environment, the config has {len(cfg.envs)}")
     env = cfg.envs[0]
     turns = cfg.eval.max_turns or TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns
     return {"env": env.name, "settings": dict(env.settings), "max_turns": turns, "dtype": cfg.rollout.engine.dtype,
@@ -167,15 +169,21 @@ def peer_curve(peer_dir: Path) -> dict:
 
 
 def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int, save_every: int, episodes: int,
-          extra: list[str]) -> dict:
+          extra: list[str], train_only: bool = False) -> dict | None:
+    from horizonrl.core.config import load_config
+
     out.mkdir(parents=True, exist_ok=True)
-    spec = eval_settings(config, extra)
+    cfg = load_config(config, extra)
+    spec = eval_settings(cfg)
+    extra = [*extra, f"rollout.groups_in_flight={groups_per_actor(cfg)}"]
     for r, seed in enumerate(seeds):
         for arm in alternate(r, arms):
             progress("learning-clock", f"seed {seed}: {arm}, {steps} learner steps")
             started = time.time()
             train_arm(out, config, arm, seed, steps, save_every, extra)
             progress("learning-clock", f"  {arm} s{seed}: {time.time() - started:.0f} s")
+    if train_only:
+        return None
     evals = out / "evals"
     evals.mkdir(exist_ok=True)
     start = evaluate(REPO / spec["model"], evals / "start.json", spec, episodes)
@@ -216,7 +224,7 @@ def summary(result: dict) -> dict[str, dict]:
                 continue
             b = base[seed]
             t = reach_time(r["curve"], b["curve"][-1][1])
-            if t is not None:
+            if t:  # None: never reached; 0: the starting model already had it (no time to compare)
                 reach.append(t / 60)
                 ratios.append(b["curve"][-1][0] / t)
         if reach:
@@ -291,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=DIR",
                         help="a peer's run to plot beside (scripts/peer_trl.py's output directory)")
     parser.add_argument("--report", action="store_true", help="only the table and plot of --out's results.json")
+    parser.add_argument("--train-only", action="store_true",
+                        help="only the timed runs (the evaluations, off the clock, can run later on a busy machine)")
     args = parser.parse_args(argv)
     path = args.out / "results.json"
     if args.report:
@@ -299,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.config.resolve().exists():
             parser.error(f"--config {args.config}: no such file")
         result = study(args.out.resolve(), args.config.resolve(), args.arms, args.seeds, args.steps, args.save_every,
-                       args.episodes, args.set)
+                       args.episodes, args.set, args.train_only)
+        if result is None:
+            return
     peers = {}
     for item in args.peer:
         name, _, directory = item.partition("=")
