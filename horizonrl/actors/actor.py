@@ -712,6 +712,7 @@ class Actor:
         self.counters.engine_preemptions = e.load.preemptions
         self.counters.in_flight_changes = self.in_flight.changes if self.in_flight else 0
         self.gauges.groups_in_flight = self.groups_in_flight
+        self.gauges.groups_running = self.groups_running
         self.gauges.kv_cache_usage = e.load.kv_cache_usage
         self.gauges.unacknowledged = len(self.delivery.unacked)
         self.gauges.weight_epoch, self.gauges.weight_version = self.weights

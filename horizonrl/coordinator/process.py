@@ -31,7 +31,7 @@ from horizonrl.core.run_events import EventLog, RunEvent, iter_events
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (EVENT_DIED, Control, EpisodeSample, Heartbeat, HeldOutEval, LearnerReport,
                                 ProcessEvent, Registration, encode)
-from horizonrl.protocol.counters import BufferGauges
+from horizonrl.protocol.counters import ActorGauges, BufferGauges
 from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS
 from horizonrl.protocol.transport import make_socket, wire_security
 
@@ -100,7 +100,7 @@ class Coordinator:
 
     @property
     def rollout_paused(self) -> bool:
-        return self.progress.rollout_paused(self.health.gauges(BufferGauges))
+        return self.progress.rollout_paused(self.health.gauges(BufferGauges), self.health.gauges(ActorGauges))
 
     @property
     def awaiting_final_eval(self) -> bool:

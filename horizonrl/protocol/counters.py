@@ -143,6 +143,7 @@ class ActorGauges(msgspec.Struct, kw_only=True):
     weight_epoch: float = 0.0  # the weights its engine holds
     weight_version: float = 0.0
     groups_in_flight: float = 0.0  # group slots running (rollout.concurrency)
+    groups_running: float = 0.0  # groups being played now (their trajectories not yet sent): the rollout's admission
     kv_cache_usage: float = 0.0  # the engine's share of KV blocks in use, 0-1 (0 where it does not report it)
 
 

@@ -18,10 +18,11 @@ Runs go seed by seed, the arms' order alternating between seeds (``report.altern
 hits every arm alike. Reported per arm (median and range over seeds): the final held-out success; the wall time
 at which the run first reaches the synchronous arm's final held-out success of the same seed (linear between
 checkpoints) and the ratio of the two; samples/s, the learner's and the engines' idle shares, the staleness, and
-the trainer-engine mismatch (``mismatch/mean``, ``correction/k3_kl``). The bound a 2-core machine puts on the
-ratio comes from the synchronous run's own phases: generation g and training t per step give
-(g + t) / max(g, t) for a perfect overlap, and (g + t) / (t + g / 2) when the learner's two threads and the
-engine's one must share two cores.
+the trainer-engine mismatch (``mismatch/mean``, ``correction/k3_kl``). Two bounds on the ratio come from the
+synchronous runs themselves: with generation g and training t per step, a perfect overlap on hardware of their
+own would give (g + t) / max(g, t) (``pipeline_bound``); on one machine whose cores both phases already use, the
+overlap can at best fill the CPU time the synchronous loop leaves idle, 1 / its busy CPU share (``cpu_bound``,
+from /proc/stat over the run; the machine must be otherwise quiet).
 
     python -m horizonrl.apps.bench.learning_clock [--out runs/learning-clock] [--seeds 0 1] [--arms ...]
         [--steps 10] [--save-every 2] [--episodes 100] [--peer trl=DIR] [--report]
@@ -73,20 +74,31 @@ def checkpoint_steps(steps: int, save_every: int) -> list[int]:
     return sorted({*range(save_every, steps + 1, save_every), steps})
 
 
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU time of the whole machine so far, in clock ticks (/proc/stat's first line)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - idle, total
+
+
 def train_arm(out: Path, config: Path, arm: str, seed: int, steps: int, save_every: int, extra: list[str]) -> Path:
     """One run (skipped if its last checkpoint exists); writes ``clock.json`` with each checkpoint's wall time
-    since the launch, then drops the checkpoints' optimizer state (only the weights are evaluated)."""
+    since the launch and the machine's busy CPU share over the run, then drops the checkpoints' optimizer state
+    (only the weights are evaluated)."""
     run_dir = out / f"{arm}-s{seed}"
     if (checkpoint_dir(run_dir, steps) / STATE_FILE).exists() and (run_dir / "clock.json").exists():
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    started = time.time()
+    started, (busy0, total0) = time.time(), cpu_times()
     run_training(run_command(config, run_dir, arm, seed, steps, save_every, extra), out / f"{arm}-s{seed}.log",
                  timeout_s=RUN_TIMEOUT_S)
+    busy1, total1 = cpu_times()
     clock = {step: (checkpoint_dir(run_dir, step) / STATE_FILE).stat().st_mtime - started
              for step in checkpoint_steps(steps, save_every)}
-    (run_dir / "clock.json").write_text(json.dumps({"launched": started, "checkpoint_wall_s": clock}, indent=1))
+    (run_dir / "clock.json").write_text(json.dumps({"launched": started, "checkpoint_wall_s": clock,
+                                                    "cpu_busy_share": (busy1 - busy0) / (total1 - total0)}, indent=1))
     for step in clock:
         shutil.rmtree(checkpoint_dir(run_dir, step) / "train_state", ignore_errors=True)
     return run_dir
@@ -155,11 +167,10 @@ def run_figures(run_dir: Path, steps: int) -> dict[str, float]:
     }
 
 
-def overlap_bounds(generate_s: float, train_s: float) -> dict[str, float]:
-    """The speed-up a perfect overlap of a synchronous loop's phases could give: free (g + t) / max(g, t), and on
-    two cores shared by a two-thread learner and a one-thread engine (g + t) / (t + g / 2)."""
-    return {"pipeline_bound": (generate_s + train_s) / max(generate_s, train_s),
-            "two_core_bound": (generate_s + train_s) / (train_s + generate_s / 2)}
+def pipeline_bound(generate_s: float, train_s: float) -> float:
+    """The speed-up a perfect overlap of a synchronous loop's phases could give on hardware of their own:
+    (g + t) / max(g, t)."""
+    return (generate_s + train_s) / max(generate_s, train_s)
 
 
 def peer_curve(peer_dir: Path) -> dict:
@@ -192,8 +203,8 @@ def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int
     for seed in seeds:
         for arm in arms:
             run_dir = out / f"{arm}-s{seed}"
-            clock = json.loads((run_dir / "clock.json").read_text())["checkpoint_wall_s"]
-            clock = {int(step): wall_s for step, wall_s in clock.items()}
+            timing = json.loads((run_dir / "clock.json").read_text())
+            clock = {int(step): wall_s for step, wall_s in timing["checkpoint_wall_s"].items()}
             curve = [(0.0, start)]
             for step, wall_s in sorted(clock.items()):
                 success = evaluate(checkpoint_dir(run_dir, step), evals / f"{arm}-s{seed}-step{step}.json", spec,
@@ -201,7 +212,8 @@ def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int
                 curve.append((wall_s, success))
                 progress("learning-clock", f"{arm} s{seed} step {step}: held-out {success:.3f} "
                          f"at {wall_s / 60:.1f} min")
-            runs[arm][str(seed)] = {"curve": curve, **run_figures(run_dir, steps)}
+            runs[arm][str(seed)] = {"curve": curve, "cpu_busy_share": timing.get("cpu_busy_share", float("nan")),
+                                    **run_figures(run_dir, steps)}
     return {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config), "overrides": extra,
             "arms": {arm: ARMS[arm] for arm in arms}, "seeds": seeds, "steps": steps, "save_every": save_every,
             "episodes": episodes, "start_success": start, "runs": runs}
@@ -231,14 +243,16 @@ def summary(result: dict) -> dict[str, dict]:
             row["reach_baseline_min"] = summarize(reach)
             row["baseline_time_ratio"] = summarize(ratios)
         row["reached"] = f"{len(reach)}/{len(by_seed)}"
-        for key in ("samples_per_s", "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean",
-                    "k3_kl", "truncated_fraction", "generate_s_per_step", "train_s_per_step"):
+        for key in ("cpu_busy_share", "samples_per_s", "learner_idle_share", "engine_idle_share", "staleness",
+                    "mismatch_mean", "k3_kl", "truncated_fraction", "generate_s_per_step", "train_s_per_step"):
             values = [r[key] for r in by_seed.values() if r[key] == r[key]]
             if values:
                 row[key] = summarize(values)
         out[arm] = row
     if base:
-        bounds = [overlap_bounds(r["generate_s_per_step"], r["train_s_per_step"]) for r in base.values()]
+        bounds = [{"pipeline_bound": pipeline_bound(r["generate_s_per_step"], r["train_s_per_step"]),
+                   **({"cpu_bound": 1 / r["cpu_busy_share"]} if r.get("cpu_busy_share", 0) > 0 else {})}
+                  for r in base.values()]
         out[BASELINE]["bounds"] = {k: summarize([b[k] for b in bounds]) for k in bounds[0]}
     return out
 
@@ -250,7 +264,8 @@ def _cell(value) -> str:
 
 
 def table(rows: dict[str, dict]) -> str:
-    columns = ("final_success", "wall_min", "reach_baseline_min", "baseline_time_ratio", "reached", "samples_per_s",
+    columns = ("final_success", "wall_min", "reach_baseline_min", "baseline_time_ratio", "reached", "cpu_busy_share",
+               "samples_per_s",
                "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean", "k3_kl")
     lines = ["| arm | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for arm, row in rows.items():
