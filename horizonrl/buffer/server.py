@@ -74,7 +74,8 @@ from horizonrl.protocol import (
 )
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
-from horizonrl.protocol.validation import MAX_ID_CHARS, trajectory_problem
+from horizonrl.protocol.names import MAX_ID_CHARS, shown
+from horizonrl.protocol.validation import trajectory_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
@@ -103,6 +104,7 @@ class BufferServer:
         self.stop = stop
         self.run_id = config.run.run_id
         self.run_key = read_run_key(config.output_dir)
+        self.env_names = frozenset(env.name for env in config.envs)
         self.events = EventLog(config.output_dir, "buffer")
         # Replay starts from the log's own settings (its Settings records), then this start's apply.
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
@@ -278,7 +280,7 @@ class BufferServer:
             return  # a resend of one still waiting for its weights to be announced
         rollout = self.config.rollout
         problem = (trajectory_problem(t, self.config.model.vocab_size, max_tokens=rollout.max_context_tokens,
-                                      max_group_size=rollout.n)
+                                      max_group_size=rollout.n, env_names=self.env_names)
                    or self._future_problem(t) or self.groups.admission_problem(t))
         if problem is not None:
             self._reject(identity, tid, *problem)
@@ -324,7 +326,7 @@ class BufferServer:
         """Refuse a trajectory: counted by reason (and logged, so that the accounting lists it), acknowledged as
         rejected so that its actor forgets it."""
         self._log(Rejected(trajectory_id[:MAX_ID_CHARS], reason))
-        self._bad_log.warning("rejected trajectory %s: %s (%s)", trajectory_id[:MAX_ID_CHARS], reason, detail)
+        self._bad_log.warning("rejected trajectory %s: %s (%s)", shown(trajectory_id, MAX_ID_CHARS), reason, detail)
         self._ack(identity, trajectory_id, ACK_REJECTED, reason)
 
     def _future_problem(self, t: Trajectory) -> tuple[str, str] | None:

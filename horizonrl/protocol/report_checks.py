@@ -21,11 +21,11 @@ from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_REND
                                          EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS, MAX_SAMPLE_TEXT, STOP_CONTEXT,
                                          STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS, EpisodeSample, Heartbeat, HeldOutEval,
                                          LearnerReport, ProcessEvent, Registration)
+from horizonrl.protocol.names import MAX_NAME_CHARS, is_label, is_name, shown
 
 # The kinds that change the run's state beyond counters: accepted only with the run's key.
 KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval)
 
-MAX_NAME_CHARS = 128  # a counter's, a metric's, an endpoint's name
 MAX_COUNTERS = 1024  # counters in a heartbeat, metrics in a report, endpoints in a registration
 MAX_PID = 2**22  # Linux's pid_max ceiling
 MAX_EXIT_CODE = 255
@@ -145,6 +145,8 @@ def _held_out_problem(result: HeldOutEval, shape: RunShape) -> Problem | None:
         problem = _numbers_problem(metrics, "metric")
         if problem is not None:
             return problem
+        if not all(is_label(key) for key in metrics):  # charted as eval/<env>/<key>: a part of a name
+            return REJECT_NAMES, f"{env}: a metric name over a label's length or charset (protocol/names.py)"
         missing = [key for key in HELD_OUT_REQUIRED if key not in metrics]
         if missing:
             return REJECT_VALUE, f"{env}: no {missing}"
@@ -180,8 +182,7 @@ def _registration_problem(registration: Registration, shape: RunShape) -> Proble
     if not 0 < registration.pid < MAX_PID or not 0 < len(registration.endpoints) <= MAX_COUNTERS:
         return REJECT_RANGE, f"pid {registration.pid}, {len(registration.endpoints)} endpoints"
     for name, value in registration.endpoints.items():
-        if name not in ENDPOINT_NAMES and not (name.startswith(ENDPOINT_LEARNER_RENDEZVOUS)
-                                               and len(name) <= MAX_NAME_CHARS):
+        if name not in ENDPOINT_NAMES and not (name.startswith(ENDPOINT_LEARNER_RENDEZVOUS) and is_name(name)):
             return REJECT_NAMES, f"endpoint name {name[:MAX_NAME_CHARS]!r}"
         if not (_small_number(value) is not None if name == ENDPOINT_WEIGHTS_EPOCH else _is_tcp_endpoint(value)):
             return REJECT_VALUE, f"{name}: {value[:MAX_NAME_CHARS]!r}"
@@ -204,8 +205,10 @@ def _small_number(text: str) -> int | None:
 def _names_problem(values: dict, what: str) -> Problem | None:
     if len(values) > MAX_COUNTERS:
         return REJECT_RANGE, f"{len(values)} {what}s"
-    if any(not name or len(name) > MAX_NAME_CHARS for name in values):
-        return REJECT_NAMES, f"a {what} name is empty or over {MAX_NAME_CHARS} characters"
+    bad = next((name for name in values if not is_name(name)), None)
+    if bad is not None:
+        return REJECT_NAMES, (f"{what} name {shown(bad)}: 1..{MAX_NAME_CHARS} characters of [A-Za-z0-9._-/:+=@] "
+                              "(protocol/names.py)")
     return None
 
 

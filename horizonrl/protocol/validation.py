@@ -17,10 +17,13 @@ import math
 
 import numpy as np
 
+from collections.abc import Collection
+
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
 from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, MAX_SAMPLE_TEXT, Trajectory
+from horizonrl.protocol.names import MAX_ID_CHARS, MAX_LABEL_CHARS, is_id, is_label, shown
 
-MAX_ID_CHARS = 256
+MAX_TIMINGS = 16  # named timings of one episode (the actor sends two)
 LOGPROB_SLACK = 1e-3  # a log-probability is <= 0; float32 rounding may give a hair above
 
 # Rejection reasons (counted by the buffer as rejected_<reason>).
@@ -35,16 +38,22 @@ REJECT_SPANS = "turn_spans"
 REJECT_FIELDS = "fields"
 REJECT_TOO_LONG = "too_long"
 REJECT_SAMPLES = "sample_starts"
+REJECT_NAMES = "names"
 MAX_SAMPLES = 4096  # samples of one episode (one per turn at most)
 
 
 def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_tokens: int | None = None,
-                       max_group_size: int | None = None) -> tuple[str, str] | None:
+                       max_group_size: int | None = None,
+                       env_names: Collection[str] | None = None) -> tuple[str, str] | None:
     """``None`` if ``t`` is consistent, else ``(reason, detail)`` (reason: one of the REJECT_* names).
     ``max_tokens``: the run's context limit (rollout.max_context_tokens: no episode of the run is longer);
-    ``max_group_size``: its group size (rollout.n)."""
-    if not t.trajectory_id or not t.group_id or max(len(t.trajectory_id), len(t.group_id)) > MAX_ID_CHARS:
-        return REJECT_IDS, f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters"
+    ``max_group_size``: its group size (rollout.n); ``env_names``: the run's environments (None: any name)."""
+    if not (is_id(t.trajectory_id) and is_id(t.group_id)):
+        return REJECT_IDS, (f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters of [A-Za-z0-9._-:+=@], "
+                            f"not {shown(t.trajectory_id)}, {shown(t.group_id)}")
+    problem = _names_problem(t, env_names)
+    if problem:
+        return REJECT_NAMES, problem
     longest = max(len(t.token_ids) // TOKEN_DTYPE.itemsize, len(t.loss_mask), len(t.logprobs) // LOGPROB_DTYPE.itemsize)
     problem = _sample_starts_problem(t, longest)
     if problem:
@@ -113,6 +122,23 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
         if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
                                                    *text.observations)):
             return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
+    return None
+
+
+def _names_problem(t: Trajectory, env_names: Collection[str] | None) -> str | None:
+    """The strings a trajectory carries beyond its ids, checked before anything else reads them: the environment,
+    the stop reason and the timings' names become parts of metric and counter names (``protocol/names.py``), the
+    category and the failure message are shown to people."""
+    if not is_label(t.env) or (env_names is not None and t.env not in env_names):
+        return f"environment {shown(t.env)} is not one of this run's"
+    if t.stop_reason and not is_label(t.stop_reason):
+        return f"stop reason {shown(t.stop_reason)}"
+    if len(t.category) > MAX_LABEL_CHARS or not t.category.isprintable():
+        return f"category {shown(t.category)}: at most {MAX_LABEL_CHARS} printable characters"
+    if len(t.failure_message) > MAX_SAMPLE_TEXT:
+        return f"a failure message of {len(t.failure_message)} characters"
+    if len(t.timings) > MAX_TIMINGS or not all(is_label(name) for name in t.timings):
+        return f"{len(t.timings)} timings, named {shown(', '.join(list(t.timings)[:4]))}"
     return None
 
 
