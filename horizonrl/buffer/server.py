@@ -135,6 +135,8 @@ class BufferServer:
         self._pending_since = 0.0
         self._equal_seen_at_request = 0
         self._last_compaction = 0.0
+        self._wal_outage: tuple[float, int] | None = None  # (since, the log's retries then) while its disk refuses
+        self._recorder_failing = False
         self._compacted_size = 0
         # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
         self.recorder = EpisodeRecordWriter(config.run_dir.episode_records,
@@ -226,8 +228,32 @@ class BufferServer:
             self._flush()
             if time.monotonic() - last_beat > HEARTBEAT_PERIOD_S:
                 self._heartbeat()
+                self._watch_the_disk()
                 last_beat = time.monotonic()
             self._maybe_compact()
+
+    def _watch_the_disk(self) -> None:
+        """An outage of the write-ahead log's disk (its writer retries) begins or ends: an event each, written
+        (with the events the disk refused meanwhile) once the disk takes them."""
+        failing = self.wal is not None and self.wal.failing_since is not None
+        if failing and self._wal_outage is None:
+            self._wal_outage = (time.monotonic(), self.wal.write_retries)
+            self.events.emit(RunEvent.WRITE_FAILED, path=str(self.wal.directory), error=self.wal.last_error,
+                             critical=True)
+        elif not failing and self._wal_outage is not None:
+            since, retries = self._wal_outage
+            self._wal_outage = None
+            self.events.emit(RunEvent.WRITE_RECOVERED, path=str(self.wal.directory),
+                             retries=self.wal.write_retries - retries, outage_s=round(time.monotonic() - since, 3))
+        if self.recorder.failing != self._recorder_failing:
+            self._recorder_failing = self.recorder.failing
+            if self._recorder_failing:
+                self.events.emit(RunEvent.WRITE_FAILED, path=str(self.recorder.directory), critical=False,
+                                 error="episode records refused (see the buffer's log)")
+            else:
+                self.events.emit(RunEvent.WRITE_RECOVERED, path=str(self.recorder.directory),
+                                 retries=self.recorder.write_failures, outage_s=None)
+        self.events.retry()
 
     def _flush(self) -> None:
         """Hand the logged records to the log's writer; their consequences (acks, a batch) leave the
@@ -443,9 +469,17 @@ class BufferServer:
         size = self.wal.size_bytes() if time.monotonic() - self._last_compaction > COMPACT_MIN_INTERVAL_S else 0
         if size < max(limit, self._compacted_size + limit / 2):
             return
+        if self.wal.failing_since is not None:
+            return  # the disk refuses the log's own writes: no room for a rewrite either
         start = time.perf_counter()
-        before, after = self.wal.rewrite_closed(lambda record: compacted(record, self.groups))
-        self.wal.merge_closed()
+        try:
+            before, after = self.wal.rewrite_closed(lambda record: compacted(record, self.groups))
+            self.wal.merge_closed()
+        except OSError as exc:  # a full disk has no room for the rewritten copy: the log stays as it was
+            self._last_compaction = time.monotonic()
+            log.warning("cannot compact the write-ahead log %s now (%s: %s); trying again in %.0f s",
+                        self.wal.directory, type(exc).__name__, exc, COMPACT_MIN_INTERVAL_S)
+            return
         self._last_compaction, self._compacted_size = time.monotonic(), self.wal.size_bytes()
         log.info("compacted the write-ahead log: %.1f MB of closed segments -> %.1f MB in %.1f s", before / 2**20,
                  after / 2**20, time.perf_counter() - start)
@@ -471,12 +505,14 @@ class BufferServer:
 
     def stats(self) -> dict[str, float]:
         out = {**self.groups.stats(), "bad_messages": float(sum(self.bad_messages.values())),
-               "early_held": float(len(self._early)), "recovered_records": float(self.recovered_records)}
+               "early_held": float(len(self._early)), "recovered_records": float(self.recovered_records),
+               "episode_record_write_failures": float(self.recorder.write_failures)}
         out.update({f"bad_messages_{k}": float(v) for k, v in self.bad_messages.items()})
         out.update({f"acks_{k}": float(v) for k, v in self.acks.items()})
         out.update({f"messages_read_{k}": float(v) for k, v in self.messages_read.items()})
         if self.wal is not None:
             out["wal_bytes_written"] = float(self.wal.bytes_written)
+            out["wal_write_retries"] = float(self.wal.write_retries)  # a disk fault, not a restart
         return out
 
     def _heartbeat(self) -> None:

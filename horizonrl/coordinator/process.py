@@ -159,6 +159,7 @@ class Coordinator:
             now = time.monotonic()
             if now - last_save >= STATE_SAVE_PERIOD_S:
                 self.save_state()
+                self.events.retry()  # what a full disk refused, once it takes it
                 last_save = now
             if self.restarts and not self.finished and now - last_done_check >= LEARNER_DONE_CHECK_S:
                 self._learner_done_on_disk()
@@ -251,7 +252,7 @@ class Coordinator:
                                actor_scalars(self.health, self.ledger.faults["episodes_lost"]), self.ledger.scalars(),
                                {"time/elapsed_s": time.time() - self._started_wall},
                                self.intake.scalars(self.restarts))
-        self.writers.step(scalars, report.step)
+        self.ledger.count_write_failure(self.writers.step(scalars, report.step))
         self._write_status(report.step, scalars)
 
     def on_held_out_eval(self, result: HeldOutEval) -> None:
@@ -260,7 +261,7 @@ class Coordinator:
         if taken is None:
             return
         step, scalars = taken
-        self.writers.held_out(scalars, step, self.learner_step)
+        self.ledger.count_write_failure(self.writers.held_out(scalars, step, self.learner_step))
         played = "" if step == result.learner_step else f" (asked for step {result.learner_step})"
         success = scalars.get("eval/success_rate", 0.0)
         log.info("held-out success at step %d%s: %.3f (%s)", step, played, success,

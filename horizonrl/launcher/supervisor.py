@@ -159,6 +159,8 @@ class Supervisor:
         self.learner_restarts = RestartPolicy.for_learner(config.supervision)
         self.due: list[tuple[float, str, Callable[[], None]]] = []  # (when, what, start it)
         self._events: CoordinatorEvents | None = None  # made on first use
+        # one writer for the run's whole supervision: the events a full disk refused are kept and written after it
+        self.events = EventLog(config.output_dir, "launcher")
         self._servers_recovering: dict[str, str] = {}  # restarted environment servers -> their URL
 
     # ------------------------------------------------------------------ starting
@@ -194,11 +196,11 @@ class Supervisor:
         while True:
             if stop:
                 log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
-                EventLog(self.config.output_dir, "launcher").emit(RunEvent.RUN_STOPPING,
-                                                                  reason=stop.signal_name or "stop requested")
+                self.events.emit(RunEvent.RUN_STOPPING, reason=stop.signal_name or "stop requested")
                 return 130
             self._start_due()
             self._check_servers_recovered()
+            self.events.retry()
             outcome = self.handle_exits(self.backend.poll(POLL_S))
             if outcome is not None:
                 return outcome
@@ -321,7 +323,7 @@ class Supervisor:
 
     def report(self, name: str, event: str, **fields) -> None:
         """Tell the coordinator (it counts faults/ and writes faults.jsonl); never blocks."""
-        EventLog(self.config.output_dir, "launcher").emit(RunEvent(f"process_{event}"), name=name, **fields)
+        self.events.emit(RunEvent(f"process_{event}"), name=name, **fields)
         if self._events is None:
             self._events = CoordinatorEvents(self.config)
         self._events.report(name, event, **fields)
