@@ -93,3 +93,53 @@ def test_the_accounting_lists_the_rejections_at_the_door_as_the_buffer_counted_t
     finally:
         restarted.close()
     assert account(config.output_dir)["rejected_at_the_door"] == {**counted, "too_long": 4}
+
+
+def test_an_accepted_id_with_other_content_is_refused_as_taken_and_a_true_resend_is_a_duplicate(config):
+    real = trajectory(RUN_ID, "a0-g0-0")
+    forged = msgspec.structs.replace(real, reward=1.0, success=True)  # sent first, under the id the actor will use
+    server = BufferServer(config, StopFlag())
+    try:
+        assert offer(server, forged) == (ACK_ACCEPTED, "")
+        server._outbox.clear()
+        assert offer(server, real) == (ACK_REJECTED, "id_taken")  # the actor hears its episode was refused
+        server._outbox.clear()
+        assert offer(server, forged) == ("duplicate", "")  # the same bytes again: a resend
+        server._flush()
+    finally:
+        server.close()
+    ledger = account(config.output_dir)
+    assert ledger["rejected_at_the_door"] == {"id_taken": 1} and ledger["accepted"] == 1
+    restarted = BufferServer(config, StopFlag())  # the digests come back from the log
+    try:
+        assert offer(restarted, real) == (ACK_REJECTED, "id_taken")
+        restarted._outbox.clear()
+        assert offer(restarted, forged) == ("duplicate", "")
+    finally:
+        restarted.close()
+
+
+def test_a_compacted_log_still_knows_what_each_resolved_id_held(config):
+    from horizonrl.buffer.records import Accepted, Resolved, compacted, content_digest, decode_record, encode_record
+    from horizonrl.buffer.groups import FATE_TRAINED, GroupBuffer
+
+    t = trajectory(RUN_ID, "a0-g0-0")
+    message = encode(t)
+    state = GroupBuffer(capacity_groups=1, max_staleness=0, skip_equal_reward_groups=False, group_timeout_s=1e9)
+    state.fates[t.trajectory_id] = FATE_TRAINED
+    stub = decode_record(compacted(encode_record(Accepted(message)), state))
+    assert isinstance(stub, Resolved) and stub.digest == content_digest(message)
+    replayed = GroupBuffer(capacity_groups=1, max_staleness=0, skip_equal_reward_groups=False, group_timeout_s=1e9)
+    replayed.resolved_stub(stub.trajectory_id, stub.group_id, stub.fate, stub.digest)
+    assert replayed.is_resend(t.trajectory_id, content_digest(message))
+    assert not replayed.is_resend(t.trajectory_id, content_digest(encode(msgspec.structs.replace(t, reward=1.0))))
+
+
+def test_an_actors_group_ids_are_unguessable_from_its_group_number():
+    from horizonrl.actors.actor import group_id_of, new_incarnation
+    from horizonrl.protocol.names import is_id
+
+    first, second = new_incarnation(), new_incarnation()
+    assert first != second and len(first) == 16  # 64 random bits per actor process
+    ids = {group_id_of(0, first, 5), group_id_of(0, second, 5), group_id_of(1, first, 5)}
+    assert len(ids) == 3 and all(is_id(f"{g}-7") and g.endswith("-g5") for g in ids)

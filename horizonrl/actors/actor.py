@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 import zlib
 from collections import defaultdict
@@ -88,6 +89,18 @@ UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance 
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
 EVAL_SEND_TIMEOUT_S = 30.0
 EVAL_METRICS = ("success_rate", "episodes_valid", "infra_failures", "mean_reward", "mean_score", "mean_turns")
+
+
+def new_incarnation() -> str:
+    """64 random bits naming one actor process (see :func:`group_id_of`)."""
+    return secrets.token_hex(8)
+
+
+def group_id_of(actor: int, incarnation: str, number: int) -> str:
+    """``a<actor>-<incarnation>-g<number>``: unique in the run (a group number is never used twice by an actor),
+    and unguessable before the actor uses it (the incarnation is random: a sender that read the group number in
+    ``actors/actor_<i>.json`` still cannot pre-empt the id); its trajectories are ``<group id>-<member>``."""
+    return f"a{actor}-{incarnation}-g{number}"
 
 
 def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str,
@@ -194,6 +207,9 @@ class Actor:
         self.chat = chat
         self.run_id = config.run.run_id
         self.run_key = read_run_key(config.output_dir)  # the coordinator takes held-out evaluations only with it
+        # Part of every group id: random per incarnation, so no one can send an episode under an id this actor is
+        # about to use (the group number alone is in actors/actor_<i>.json, readable to anyone who can read the run)
+        self.incarnation = new_incarnation()
         self.envs = EnvPool(config.envs, make_env)
         self.make_env = make_env
         self.evaluating = False  # a held-out evaluation is running: start no new groups
@@ -569,7 +585,7 @@ class Actor:
         task = self.tasks.next()
         max_turns = self.control.max_turns  # one budget for the whole group
         n = self.config.rollout.n
-        group_id = f"a{self.index}-g{task.number}"
+        group_id = group_id_of(self.index, self.incarnation, task.number)
         env = task.env.name
         try:
             episodes = await asyncio.gather(*(self._play(env, task.task_id, max_turns) for _ in range(n)))

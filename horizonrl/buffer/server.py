@@ -43,6 +43,7 @@ from horizonrl.buffer.records import (
     accepted_parts,
     apply,
     compacted,
+    content_digest,
     decode_record,
     encode_record,
     settings_of,
@@ -84,6 +85,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 DRAIN_PER_POLL = 256
 HEARTBEAT_PERIOD_S = 0.25  # also the latency of the coordinator's rollout pause
 REJECT_FUTURE = "future_version"
+REJECT_ID_TAKEN = "id_taken"  # an accepted id, other content: not a resend
 COMPACT_MIN_INTERVAL_S = 30.0
 
 
@@ -299,8 +301,12 @@ class BufferServer:
 
     def _admit(self, identity: bytes, t: Trajectory, message: bytes) -> None:
         tid = t.trajectory_id
+        digest = content_digest(message)
         if tid in self.groups.seen:
-            self._ack(identity, tid, ACK_DUPLICATE)
+            if self.groups.is_resend(tid, digest):
+                self._ack(identity, tid, ACK_DUPLICATE)
+            else:  # someone else's episode under an accepted id: refused (and counted), never taken for a resend
+                self._reject(identity, tid, REJECT_ID_TAKEN, "an accepted trajectory has this id and other content")
             return
         if tid in self._early_ids:
             return  # a resend of one still waiting for its weights to be announced
@@ -317,7 +323,7 @@ class BufferServer:
             return
         if self.wal is not None:
             self.wal.append(accepted_parts(message))  # encode_record(Accepted(message)), without copying it
-        self.groups.accept(t)  # what applying the record does, without decoding the message again
+        self.groups.accept(t, digest)  # what applying the record does, without decoding the message again
         self._ack(identity, tid, ACK_ACCEPTED)
         if t.text is not None:
             self.recorder.write(episode_record(t))
