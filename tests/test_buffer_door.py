@@ -143,3 +143,45 @@ def test_an_actors_group_ids_are_unguessable_from_its_group_number():
     assert first != second and len(first) == 16  # 64 random bits per actor process
     ids = {group_id_of(0, first, 5), group_id_of(0, second, 5), group_id_of(1, first, 5)}
     assert len(ids) == 3 and all(is_id(f"{g}-7") and g.endswith("-g5") for g in ids)
+
+
+def test_a_flood_of_refusals_grows_the_log_by_one_small_record_per_turn_not_one_per_trajectory(config):
+    server = BufferServer(config, StopFlag())
+    try:
+        before = server.wal.size_bytes() if server.wal.segments() else 0
+        for turn in range(10):
+            for n in range(300):
+                offer(server, trajectory(RUN_ID, f"long{turn}x{n}-0", tokens=CONTEXT + 1))
+            server._outbox.clear()
+            server._flush()
+        server.wal.sync()
+        grown = server.wal.size_bytes() - before
+    finally:
+        server.close()
+    assert grown < 1000, grown  # 10 records of counts; one per refusal was ~90 bytes each (270 kB here)
+    assert account(config.output_dir)["rejected_at_the_door"] == {"too_long": 3000}
+
+
+def test_an_in_limit_message_of_millions_of_turn_spans_is_refused_before_it_is_built(config):
+    import tracemalloc
+
+    import zmq
+
+    t = trajectory(RUN_ID, "spans-0")
+    message = encode(msgspec.structs.replace(t, turn_spans=[(0, 1)] * 2_000_000))  # 6 MB on the wire
+    server = BufferServer(config, StopFlag())
+    sender = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sender.setsockopt(zmq.IDENTITY, b"mallory")
+        sender.connect(server.endpoints["trajectories"])
+        sender.send(message)
+        assert server.intake.poll(5000)
+        tracemalloc.start()
+        server._drain_trajectories()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert server._outbox[b"mallory"] == [("spans-0", ACK_REJECTED, "turns")]
+        assert peak < 2 * len(message), (peak, len(message))  # the message itself, not 2M tuples (~140 MB)
+    finally:
+        sender.close(linger=0)
+        server.close()

@@ -183,10 +183,10 @@ class GroupBuffer:
             del self._pending[traj.group_id]
             self._complete(traj.group_id, group.members)
 
-    def reject(self, reason: str) -> None:
-        """Count a trajectory refused at the door (record Rejected). It was never accepted: a resend of it is
-        judged again, the same way, and counted again."""
-        self.rejected[reason] += 1
+    def reject(self, reason: str, count: int = 1) -> None:
+        """Count trajectories refused at the door (records Rejected, RejectedCounts). They were never accepted: a
+        resend is judged again, the same way, and counted again."""
+        self.rejected[reason] += count
 
     def _complete(self, group_id: str, members: list[Trajectory]) -> None:
         self._closed_groups.add(group_id)

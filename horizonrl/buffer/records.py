@@ -92,7 +92,16 @@ class Rejected(msgspec.Struct, tag="rejected"):
     reason: str
 
 
-Record = Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved | Rejected
+class RejectedCounts(msgspec.Struct, tag="rejected_counts"):
+    """The trajectories refused at the door since the record before, counted by reason: one small record per
+    turn of the buffer's loop however many were refused in it, so a flood of invalid trajectories does not
+    grow the log by a record each (``Rejected``, one per trajectory, is what logs before this one hold)."""
+
+    counts: dict[str, int]
+
+
+Record = (Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved | Rejected
+          | RejectedCounts)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -155,6 +164,9 @@ def apply(buffer: GroupBuffer, record: Record):
         buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate, record.digest)
     elif isinstance(record, Rejected):
         buffer.reject(record.reason)
+    elif isinstance(record, RejectedCounts):
+        for reason, count in record.counts.items():
+            buffer.reject(reason, count)
     else:  # pragma: no cover - the decoder admits only the types above
         raise TypeError(f"unknown record {record!r}")
     return None

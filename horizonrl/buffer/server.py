@@ -36,7 +36,7 @@ from horizonrl.buffer.records import (
     Committed,
     Expired,
     Lineage,
-    Rejected,
+    RejectedCounts,
     RolledBack,
     Served,
     Settings,
@@ -76,7 +76,7 @@ from horizonrl.protocol import (
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
 from horizonrl.protocol.names import MAX_ID_CHARS, shown
-from horizonrl.protocol.validation import trajectory_problem
+from horizonrl.protocol.validation import trajectory_problem, trajectory_size_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
@@ -113,6 +113,8 @@ class BufferServer:
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
         budget = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
+        # no trajectory of the run has more turns than its largest budget (the coordinator's RunShape.max_turns)
+        self.max_turns = max(max(config.algorithm.rounds_ctrl.rounds), budget.final_max_turns)
         self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
@@ -139,6 +141,7 @@ class BufferServer:
         self._last_compaction = 0.0
         self._wal_outage: tuple[float, int] | None = None  # (since, the log's retries then) while its disk refuses
         self._recorder_failing = False
+        self._rejected_since_flush: Counter[str] = Counter()
         self._compacted_size = 0
         # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
         self.recorder = EpisodeRecordWriter(config.run_dir.episode_records,
@@ -260,6 +263,7 @@ class BufferServer:
     def _flush(self) -> None:
         """Hand the logged records to the log's writer; their consequences (acks, a batch) leave the
         process once they are durable — meanwhile this loop goes on reading (group commit)."""
+        self._log_rejections()
         if self._outbox or self._reply is not None:
             ticket = self.wal.submit() if self.wal is not None else 0
             self._undurable.append((ticket, dict(self._outbox), self._reply))
@@ -267,6 +271,13 @@ class BufferServer:
         elif self.wal is not None:
             self.wal.submit()  # records with no consequence of their own (an expiry, a lineage)
         self._release_durable()
+
+    def _log_rejections(self) -> None:
+        """The refusals since the last call as one record (counted already by ``_reject``), ahead of their acks."""
+        if self._rejected_since_flush:
+            if self.wal is not None:
+                self.wal.append(encode_record(RejectedCounts(dict(self._rejected_since_flush))))
+            self._rejected_since_flush.clear()
 
     def _release_durable(self) -> None:
         durable = self.wal.durable if self.wal is not None else 0
@@ -291,6 +302,13 @@ class BufferServer:
             except zmq.Again:
                 return
             self.messages_read["intake"] += 1
+            if len(frames) == 2 and len(frames[1]) <= MAX_TRAJECTORY_BYTES:
+                # the cheap limits first, from the msgpack headers: no in-limit message costs many times its size
+                refused = trajectory_size_problem(frames[1], max_tokens=self.config.rollout.max_context_tokens,
+                                                  max_turns=self.max_turns)
+                if refused is not None:
+                    self._reject(frames[0], *refused)
+                    continue
             received = self._decoded(frames, Trajectory, MAX_TRAJECTORY_BYTES, "intake", "trajectory")
             if received is None:
                 continue
@@ -357,7 +375,8 @@ class BufferServer:
     def _reject(self, identity: bytes, trajectory_id: str, reason: str, detail: str) -> None:
         """Refuse a trajectory: counted by reason (and logged, so that the accounting lists it), acknowledged as
         rejected so that its actor forgets it."""
-        self._log(Rejected(trajectory_id[:MAX_ID_CHARS], reason))
+        self.groups.reject(reason)
+        self._rejected_since_flush[reason] += 1  # logged as one RejectedCounts at the next _flush
         self._bad_log.warning("rejected trajectory %s: %s (%s)", shown(trajectory_id, MAX_ID_CHARS), reason, detail)
         self._ack(identity, trajectory_id, ACK_REJECTED, reason)
 
@@ -547,6 +566,7 @@ class BufferServer:
 
     def close(self) -> None:
         self.recorder.close()
+        self._log_rejections()
         if self.wal is not None:
             self.wal.sync()
             self._release_durable()  # acknowledge what is durable before going

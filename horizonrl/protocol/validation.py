@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 
 from collections.abc import Collection
@@ -40,6 +41,82 @@ REJECT_TOO_LONG = "too_long"
 REJECT_SAMPLES = "sample_starts"
 REJECT_NAMES = "names"
 MAX_SAMPLES = 4096  # samples of one episode (one per turn at most)
+
+
+class _CountedText(msgspec.Struct, kw_only=True):
+    replies: msgspec.Raw = msgspec.Raw(b"")
+    actions: msgspec.Raw = msgspec.Raw(b"")
+    observations: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _CountedTrajectory(msgspec.Struct, tag="trajectory", kw_only=True):
+    """A trajectory message with its arrays and lists left as msgpack (``Raw``: a view of the bytes, nothing
+    built): what :func:`trajectory_size_problem` reads."""
+
+    trajectory_id: str = ""
+    token_ids: msgspec.Raw = msgspec.Raw(b"")
+    turn_spans: msgspec.Raw = msgspec.Raw(b"")
+    turn_versions: msgspec.Raw = msgspec.Raw(b"")
+    turn_epochs: msgspec.Raw = msgspec.Raw(b"")
+    turn_rewards: msgspec.Raw = msgspec.Raw(b"")
+    version_spans: msgspec.Raw = msgspec.Raw(b"")
+    sample_starts: msgspec.Raw = msgspec.Raw(b"")
+    timings: msgspec.Raw = msgspec.Raw(b"")
+    text: _CountedText | None = None
+
+
+_counted_decoder = msgspec.msgpack.Decoder(_CountedTrajectory)
+
+
+def trajectory_size_problem(message: bytes | memoryview, *, max_tokens: int | None = None,
+                            max_turns: int | None = None) -> tuple[str, str, str] | None:
+    """The cheap limits, read from the message's msgpack headers before any of it is built into objects:
+    ``(trajectory id, reason, detail)`` when it breaks one, else None (also when it does not decode: the full
+    decode says why). A list of small items costs far more as Python objects than on the wire (a 3-byte turn
+    span is a ~70-byte tuple), so an in-limit message with millions of them would cost many times its size
+    before :func:`trajectory_problem` could refuse it. ``max_turns``: the run's largest turn budget (every list
+    per turn is at most that long); ``max_tokens``: its context (each sample is at most that long)."""
+    try:
+        counted = _counted_decoder.decode(message)
+    except (msgspec.MsgspecError, ValueError, OverflowError, RecursionError):
+        return None
+    tid = counted.trajectory_id if is_id(counted.trajectory_id) else counted.trajectory_id[:MAX_ID_CHARS]
+    tokens = _msgpack_length(counted.token_ids) // TOKEN_DTYPE.itemsize
+    samples = _msgpack_length(counted.sample_starts)
+    if samples > MAX_SAMPLES:
+        return tid, REJECT_SAMPLES, f"{samples + 1} samples; at most {MAX_SAMPLES + 1}"
+    if max_tokens is not None and tokens > max_tokens * (samples + 1):
+        return tid, REJECT_TOO_LONG, f"{tokens} tokens in {samples + 1} samples; the run's context holds {max_tokens}"
+    turn_limit = tokens if max_turns is None else min(tokens, max_turns)  # every turn generates a token
+    lists = {"turn_spans": counted.turn_spans, "turn_versions": counted.turn_versions,
+             "turn_epochs": counted.turn_epochs, "turn_rewards": counted.turn_rewards}
+    if counted.text is not None:
+        lists.update({"text.replies": counted.text.replies, "text.actions": counted.text.actions,
+                      "text.observations": counted.text.observations})
+    for name, raw in lists.items():
+        if _msgpack_length(raw) > turn_limit:
+            return tid, REJECT_TURNS, f"{_msgpack_length(raw)} {name} for at most {turn_limit} turns"
+    if _msgpack_length(counted.version_spans) > tokens:
+        return tid, REJECT_SPANS, f"{_msgpack_length(counted.version_spans)} version spans for {tokens} tokens"
+    if _msgpack_length(counted.timings) > MAX_TIMINGS:
+        return tid, REJECT_NAMES, f"{_msgpack_length(counted.timings)} timings; at most {MAX_TIMINGS}"
+    return None
+
+
+def _msgpack_length(raw: msgspec.Raw) -> int:
+    """The item count (array, map) or byte length (bin, str) a msgpack value's header states; 0 for others."""
+    data = memoryview(raw)
+    if not data:
+        return 0
+    first = data[0]
+    if 0x90 <= first <= 0x9F or 0x80 <= first <= 0x8F:  # fixarray, fixmap
+        return first & 0x0F
+    if 0xA0 <= first <= 0xBF:  # fixstr
+        return first & 0x1F
+    width = {0xC4: 1, 0xD9: 1, 0xC5: 2, 0xDA: 2, 0xDC: 2, 0xDE: 2, 0xC6: 4, 0xDB: 4, 0xDD: 4, 0xDF: 4}.get(first)
+    if width is None or len(data) < 1 + width:
+        return 0
+    return int.from_bytes(data[1:1 + width], "big")
 
 
 def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_tokens: int | None = None,
