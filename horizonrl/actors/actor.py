@@ -711,7 +711,7 @@ class Actor:
     async def _heartbeat(self) -> None:
         while True:
             beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(),
-                             counters=heartbeat_counters(*self.counts()))
+                             counters=heartbeat_counters(*self.counts()), key=self.run_key)
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)
             except zmq.Again:

@@ -541,7 +541,8 @@ class BufferServer:
         return out
 
     def _heartbeat(self) -> None:
-        beat = Heartbeat(run_id=self.run_id, role="buffer", index=0, pid=os.getpid(), counters=self.stats())
+        beat = Heartbeat(run_id=self.run_id, role="buffer", index=0, pid=os.getpid(), counters=self.stats(),
+                         key=self.run_key)
         try:
             self.reports.send(encode(beat), zmq.NOBLOCK)
         except zmq.Again:

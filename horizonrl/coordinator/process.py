@@ -195,7 +195,7 @@ class Coordinator:
     def take(self, data: bytes) -> None:
         """One message from the report socket: decoded, checked, handled — or counted as what was wrong with it."""
         message = self.intake.accept(data, tuple(self._handlers), self.progress.learner_step,
-                                     self.progress.weight_epoch)
+                                     self.progress.weight_epoch, self.registry.pids)
         if message is not None:
             self._handlers[type(message)](message)
 

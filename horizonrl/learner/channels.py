@@ -222,8 +222,9 @@ class HeartbeatThread(threading.Thread):
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, counters: LearnerCounters, run_id: str,
-                 security=None) -> None:
+                 security=None, key: str = "") -> None:
         super().__init__(name="learner-heartbeat", daemon=True)
+        self.key = key  # the run's: the coordinator takes heartbeats only with it
         self.context = context
         self.endpoint = endpoint
         self.counters = counters
@@ -237,7 +238,7 @@ class HeartbeatThread(threading.Thread):
         try:
             while not self.stopped.is_set():
                 beat = Heartbeat(run_id=self.run_id, role="learner", index=0, pid=os.getpid(),
-                                 counters=heartbeat_counters(self.counters))
+                                 counters=heartbeat_counters(self.counters), key=self.key)
                 try:
                     socket.send(encode(beat), zmq.NOBLOCK)
                 except zmq.Again:

@@ -277,7 +277,8 @@ def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: Lear
     from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
 
     net, run_id = config.network, config.run.run_id
-    res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security)
+    res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security,
+                                    key=read_run_key(config.output_dir))
     res.heartbeat.start()
     if config.eval.stop_after_plateau or not net.batch_port:
         # Also where the buffer is, when it registers instead of having a configured port.

@@ -6,11 +6,12 @@ process rejects and counts messages of another run), and, where it concerns a po
 policy (weight) version. Arrays travel as raw little-endian bytes (see ``arrays.py``);
 nothing is pickled.
 
-The messages that change the run's state beyond counters — a learner's report or batch request, a
-supervision event, a registration, a held-out evaluation — also carry ``key``: the run's key (``<output_dir>/run_key``,
-made by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a
-message only with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end
-the run, re-wire its endpoints or forge its fault record.
+The messages that change the run's state — a learner's report or batch request, a supervision event, a
+registration, a held-out evaluation, a heartbeat (a buffer's pauses the rollout), an engine's join of the
+weight hub, the coordinator's ``Control`` — also carry ``key``: the run's key (``<output_dir>/run_key``, made
+by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a message only
+with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end the run, re-wire its
+endpoints, pause its rollout, join its weight hub or forge its fault record.
 
 Weight versions and epochs: the weight version is the learner step that produced the weights
 (0: the starting model). A learner restarted from the checkpoint of step c starts a new *weight
@@ -318,6 +319,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     index: int
     pid: int
     counters: dict[str, float] = {}
+    key: str = ""  # the run's key (see the module docstring): a buffer's gauges pause the rollout
 
 
 # What happened to a process of the run (ProcessEvent.event).

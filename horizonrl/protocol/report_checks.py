@@ -13,7 +13,7 @@ Who may send what is checked first, by the run's key (protocol/messages.py): :da
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_RENDEZVOUS, ENDPOINT_TRAJECTORIES,
@@ -23,8 +23,8 @@ from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_REND
                                          LearnerReport, ProcessEvent, Registration)
 from horizonrl.protocol.names import MAX_NAME_CHARS, is_label, is_name, shown
 
-# The kinds that change the run's state beyond counters: accepted only with the run's key.
-KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval)
+# The kinds that change the run's state: accepted only with the run's key.
+KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval, Heartbeat)
 
 MAX_COUNTERS = 1024  # counters in a heartbeat, metrics in a report, endpoints in a registration
 MAX_PID = 2**22  # Linux's pid_max ceiling
@@ -45,6 +45,7 @@ REJECT_NUMBER = "non_finite_number"
 REJECT_NAMES = "bad_names"
 REJECT_BACKWARDS = "run_state_backwards"
 REJECT_VALUE = "bad_value"
+REJECT_NOT_REGISTERED = "not_registered"
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,20 @@ def learner_report_order_problem(report: LearnerReport, step: int, epoch: int) -
         return REJECT_BACKWARDS, f"weight epoch {report.weight_epoch} after epoch {epoch}"
     if report.step < step and not (report.startup and report.weight_epoch > epoch):
         return REJECT_BACKWARDS, f"step {report.step} after step {step} in weight epoch {epoch}"
+    return None
+
+
+# Roles whose process registers (Registration, under the role's name) before its first heartbeat.
+REGISTERED_BEFORE_BEATING = ("buffer",)
+
+
+def heartbeat_incarnation_problem(beat: Heartbeat, registered_pids: Mapping[str, int]) -> Problem | None:
+    """A heartbeat of a role that registers before it beats must come from the pid that registered last: any
+    other is a stale incarnation or someone else's, and its gauges would be taken for the run's state (a
+    buffer's ``ready_groups`` pause the rollout)."""
+    registered = registered_pids.get(beat.role) if beat.role in REGISTERED_BEFORE_BEATING else None
+    if registered is not None and registered != beat.pid:
+        return REJECT_NOT_REGISTERED, f"pid {beat.pid}; the {beat.role} that registered last is pid {registered}"
     return None
 
 
