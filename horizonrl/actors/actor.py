@@ -72,8 +72,8 @@ from horizonrl.protocol import (
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
-from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
-from horizonrl.protocol.weights import WeightSyncError
+from horizonrl.protocol.transport import keep_collectives_on, make_socket, split_endpoint, wire_security
+from horizonrl.protocol.weights import RUN_KEY_ENV, WeightSyncError
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
@@ -753,6 +753,9 @@ def load_chat_tokenizer(model_path: str):
 
 async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> None:
     r = config.rollout
+    # The engine's workers (its child processes) join the learner's weight hub with the run's key
+    os.environ[RUN_KEY_ENV] = read_run_key(config.output_dir)
+    keep_collectives_on(config.network.bind_address())  # their gloo sockets listen where the run binds
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index,
                                  cpus=engine_cpus_of(config, index))

@@ -57,7 +57,7 @@ from horizonrl.protocol import (ENDPOINT_COLOCATED_ENGINE, ENDPOINT_WEIGHTS, END
                                 LearnerReport, learner_rendezvous_name)
 from horizonrl.protocol.counters import LearnerCounters
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
-from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
+from horizonrl.protocol.transport import keep_collectives_on, split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
 
 log = logging.getLogger("horizonrl.learner")
@@ -312,7 +312,8 @@ def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: i
     net, lc = config.network, config.learner
     res.weight_hub = WeightHub(net.bind_address(), net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
                                timeout_s=lc.weight_sync_timeout_s, run_id=config.run.run_id,
-                               bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
+                               bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb),
+                               run_key=read_run_key(config.output_dir))
     res.reports.register(config.run.run_id, "learner-0", {
         ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
         ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
@@ -671,13 +672,25 @@ def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, time
     timeout = timedelta(seconds=timeout_s)
     # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
     kind = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-    if ranks.master_port:
+    net = config.network
+    keep_collectives_on(net.bind_address())  # gloo's and NCCL's own sockets listen where the run binds
+    from horizonrl.learner.weight_broadcast import hosted_store
+
+    if ranks.master_port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # under torchrun its agent hosts the store (a cluster: launcher.type=slurm): every rank is its client
         dist.init_process_group(backend=kind, init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
                                 rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
         return
-    net, name = config.network, learner_rendezvous_name(ranks.gang)
+    if ranks.master_port:
+        # the launcher's rendezvous (MASTER_ADDR:MASTER_PORT), rank 0's store listening on MASTER_ADDR alone
+        store = (hosted_store(ranks.master_addr, ranks.master_port, ranks.world_size, timeout) if ranks.rank == 0
+                 else dist.TCPStore(ranks.master_addr, ranks.master_port, ranks.world_size, False, timeout))
+        dist.init_process_group(backend=kind, store=store, rank=ranks.rank, world_size=ranks.world_size,
+                                timeout=timeout)
+        return
+    name = learner_rendezvous_name(ranks.gang)
     if ranks.rank == 0:
-        store = dist.TCPStore(net.bind_address(), 0, ranks.world_size, True, timeout, wait_for_workers=False)
+        store = hosted_store(net.bind_address(), 0, ranks.world_size, timeout)
         endpoint = tcp_endpoint(net.advertised_host(), store.port)
         res.reports.register(config.run.run_id, "learner-0", {name: endpoint})
     else:

@@ -263,6 +263,7 @@ class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
     # A colocated engine (on the learner's GPU) takes its versions through CUDA IPC rather than a two-rank
     # group: the ZeroMQ address (tcp://127.0.0.1:PORT) where it waits for the hub (learner/weight_ipc.py).
     ipc_address: str = ""
+    key: str = ""  # the run's key (see the module docstring): a member receives every version and may evict another
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):

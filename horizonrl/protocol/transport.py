@@ -180,6 +180,23 @@ def bind_endpoint(sock: zmq.Socket, bind_host: str, port: int, advertised: str) 
     return tcp_endpoint(advertised, port)
 
 
+def keep_collectives_on(host: str, environ=None) -> str | None:
+    """gloo and NCCL listen on sockets of their own, on the address the machine's hostname resolves to unless
+    told an interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``): name the interface that holds ``host``
+    (the run's bind address, loopback unless configured otherwise) for this process and its children, where the
+    user has not named one. Returns the interface, or None when no interface holds ``host`` (a name, say)."""
+    import psutil
+
+    environ = os.environ if environ is None else environ
+    wanted = host.strip("[]")
+    name = next((interface for interface, addresses in psutil.net_if_addrs().items()
+                 if any(a.address.split("%")[0] == wanted for a in addresses)), None)
+    if name is not None:
+        environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now (see :func:`free_ports`)."""
     return free_ports(1, host)[0]
