@@ -68,6 +68,7 @@ from horizonrl.protocol import (
     Trajectory,
     decode_as,
     encode,
+    signed_by,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
@@ -381,7 +382,7 @@ class Actor:
             except zmq.Again:
                 break
             try:
-                self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+                self.control = self._signed_control(data)
             except ProtocolError as exc:
                 self._bad_log.warning("rejected control message: %s", exc)
         if self.control is not None:
@@ -452,7 +453,7 @@ class Actor:
         while True:
             data = await self.sub.recv()
             try:
-                control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+                control = self._signed_control(data)
             except ProtocolError as exc:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
@@ -460,6 +461,14 @@ class Actor:
             self.buffer_endpoint.update(control.endpoints)
             self.delivery.backpressure = control.pause_rollout
             self._new_control.set()
+
+    def _signed_control(self, data: bytes) -> Control:
+        """The coordinator's Control; ProtocolError for anything else — another run's, or one not signed with the
+        run's key (anyone can reach the coordinator's ports: a Control could end the run or pause it)."""
+        control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+        if not signed_by(control, self.run_key):
+            raise ProtocolError("a Control not signed with the run's key")
+        return control
 
     def _announced(self) -> tuple[int, int]:
         return (self.control.weight_epoch, self.control.weight_version) if self.control else (0, 0)

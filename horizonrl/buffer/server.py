@@ -22,7 +22,6 @@ stop starting groups. Malformed, oversized, foreign-run or wrong-version message
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -72,6 +71,7 @@ from horizonrl.protocol import (
     TrajectoryAck,
     decode_as,
     encode,
+    signed_by,
 )
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
@@ -421,6 +421,9 @@ class BufferServer:
             except ProtocolError as exc:
                 self._count_bad("control", str(exc))
                 continue
+            if not signed_by(control, self.run_key):  # not the coordinator's: it could claim any version
+                self._count_bad("control_unauthenticated", "a Control not signed with the run's key")
+                continue
             self._hear_weights(control.weight_epoch, control.weight_version)
 
     # ------------------------------------------------------------------ batches out
@@ -432,7 +435,7 @@ class BufferServer:
         if received is None:
             return
         identity, request = received
-        if self.run_key and not hmac.compare_digest(request.key.encode(), self.run_key.encode()):
+        if not signed_by(request, self.run_key):
             # only the learner may roll batches back or commit them (a forged request could have them trained twice)
             self._count_bad("request_unauthenticated", "batch request without the run's key (<output_dir>/run_key)")
             return

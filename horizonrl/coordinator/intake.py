@@ -7,7 +7,6 @@ peer sends can stop the coordinator."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections import Counter
 from collections.abc import Mapping
@@ -15,7 +14,7 @@ from collections.abc import Mapping
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import RateLimitedLog
 from horizonrl.core.schedule import TurnBudgetSchedule
-from horizonrl.protocol import Heartbeat, LearnerReport, Message, ProtocolError, decode
+from horizonrl.protocol import Heartbeat, LearnerReport, Message, ProtocolError, decode, signed_by
 from horizonrl.protocol.report_checks import (KEYED_KINDS, REJECT_UNAUTHENTICATED, RunShape,
                                               heartbeat_incarnation_problem, learner_report_order_problem,
                                               report_problem)
@@ -74,9 +73,9 @@ class ReportIntake:
         """The kinds that change the run's state come only from processes holding the run's key."""
         if not self.run_key or not isinstance(message, KEYED_KINDS):
             return None
-        if hmac.compare_digest(message.key.encode(), self.run_key.encode()):
+        if signed_by(message, self.run_key):
             return None
-        return REJECT_UNAUTHENTICATED, "without the run's key (<output_dir>/run_key)"
+        return REJECT_UNAUTHENTICATED, "not signed with the run's key (<output_dir>/run_key)"
 
     def scalars(self, restarts: int) -> dict[str, float]:
         """Every message on the report socket is read once and counted by what became of it (and its kind)."""

@@ -146,7 +146,7 @@ class Coordinator:
             # while the last evaluation runs, no new training groups: they would never be trained on
             pause_rollout=self.rollout_paused or self.awaiting_final_eval,
             stop=self.done, eval_step=self.held_out.eval_step, end_training=self.held_out.plateau.reached,
-            endpoints=dict(self.registry.endpoints))
+            endpoints=dict(self.registry.endpoints), key=self.run_key)  # signed: subscribers check it
 
     # ------------------------------------------------------------------ the loop
 

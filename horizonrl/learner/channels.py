@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zmq
 
 from horizonrl.protocol import (ENDPOINT_BATCHES, MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat,
-                                LearnerReport, ProtocolError, decode_as, encode)
+                                LearnerReport, ProtocolError, decode_as, encode, signed_by)
 from horizonrl.protocol.counters import LearnerCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket
@@ -262,8 +262,9 @@ class ControlWatch(threading.Thread):
     counts its own)."""
 
     def __init__(self, context: zmq.Context, endpoint: str, run_id: str, end_training: threading.Event,
-                 security=None) -> None:
+                 security=None, key: str = "") -> None:
         super().__init__(name="learner-control-watch", daemon=True)
+        self.key = key  # the run's: only a Control signed with it is the coordinator's
         self.context = context
         self.endpoint = endpoint
         self.run_id = run_id
@@ -283,6 +284,8 @@ class ControlWatch(threading.Thread):
                     control = decode_as(socket.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
                 except ProtocolError:
                     continue
+                if not signed_by(control, self.key):
+                    continue  # not the coordinator's: it could end training or re-wire the buffer
                 self.endpoints = control.endpoints
                 if control.end_training and not self.end_training.is_set():
                     log.info("the coordinator ends training at step %d (held-out success has plateaued): "

@@ -283,7 +283,7 @@ def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: Lear
     if config.eval.stop_after_plateau or not net.batch_port:
         # Also where the buffer is, when it registers instead of having a configured port.
         res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
-                                              res.security)
+                                              res.security, key=read_run_key(config.output_dir))
         res.end_training_watch.start()
     watch = res.end_training_watch
     res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
@@ -714,7 +714,7 @@ def _registered(config: TrainConfig, name: str, timeout_s: float, stop: threadin
     try:
         found = wait_for_endpoints(context, net.endpoint(net.control_port), config.run.run_id,
                                    lambda endpoints: name in endpoints, timeout_s, security=security,
-                                   should_stop=stop.is_set)
+                                   should_stop=stop.is_set, key=read_run_key(config.output_dir))
     finally:
         if security is not None:
             security.stop()

@@ -41,7 +41,6 @@ staging buffer (:class:`~horizonrl.learner.weight_ipc.IpcSender`). Both take a v
 from __future__ import annotations
 
 import gc
-import hmac
 import logging
 import os
 import socket
@@ -57,7 +56,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
+from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode, signed_by
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import (JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_bound_s,
                                         member_prefix)
@@ -635,7 +634,7 @@ class WeightHub:
             self.counters["bad_joins"] += 1
             log.warning("weight hub: refused join %d: %s", number, exc)
             return
-        if self.run_key and not hmac.compare_digest(join.key.encode(), self.run_key.encode()):
+        if not signed_by(join, self.run_key):
             self.counters["unauthenticated_joins"] += 1  # nothing spent on it: no group, no version
             log.warning("weight hub: refused join %d (actor %d, pid %d): without the run's key", number, join.actor,
                         join.pid)

@@ -151,6 +151,7 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     # The registry (see Registration): every endpoint registered so far, by name, the newest registration of a name
     # winning. A process that connects to a registered endpoint follows it here, and reconnects when it changes.
     endpoints: dict[str, str] = {}
+    key: str = ""  # the run's key (see the module docstring): a subscriber takes only the coordinator's Control
 
 
 # Endpoint names (Registration.endpoints, Control.endpoints).
