@@ -74,6 +74,7 @@ class RunEvent(str, Enum):
     # restarts, step, weight_epoch: a restarted coordinator read its state
     COORDINATOR_RESTORED = "coordinator_restored"
     LEARNER_DONE_FROM_DISK = "learner_done_from_disk"  # step: a restarted coordinator found the learner's end here
+    PORT_TAKEN = "port_taken"  # endpoint: another process holds one of its ports; it tries again with back-off
 
 
 class EventLog:

@@ -80,6 +80,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     essential: bool = False  # the run is over when every essential process has exited 0
     health_url: str = ""  # an environment server: it has recovered once this answers /health
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the coordinator: the ports the launcher holds)
 
     @property
     def role(self) -> str:

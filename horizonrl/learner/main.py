@@ -277,18 +277,18 @@ def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: Lear
     from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
 
     net, run_id = config.network, config.run.run_id
+    # What the coordinator knows (its Control): an early end, where a registered buffer is, and which report it
+    # has taken — the newest one goes again with the heartbeats until it has (ReportSender.unacknowledged).
+    res.end_training_watch = watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
+                                                  res.security, key=read_run_key(config.output_dir))
+    watch.start()
     res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security,
-                                    key=read_run_key(config.output_dir))
+                                    key=read_run_key(config.output_dir),
+                                    unacknowledged=lambda: res.reports.unacknowledged(watch.control))
     res.heartbeat.start()
-    if config.eval.stop_after_plateau or not net.batch_port:
-        # Also where the buffer is, when it registers instead of having a configured port.
-        res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
-                                              res.security, key=read_run_key(config.output_dir))
-        res.end_training_watch.start()
-    watch = res.end_training_watch
     res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
                               config.model.vocab_size, res.security,
-                              registry=(lambda: watch.endpoints) if watch is not None else None,
+                              registry=(lambda: watch.endpoints) if not net.batch_port else None,
                               limits=BatchLimits.for_run(config), key=read_run_key(config.output_dir))
 
 
