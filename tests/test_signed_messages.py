@@ -107,3 +107,8 @@ def test_the_learners_control_watch_ignores_a_forged_end_of_training(config):
         watch.stop()
         pub.close(linger=0)
         context.term()
+
+
+def test_a_message_built_with_ints_where_floats_are_typed_is_signed_as_it_is_received():
+    beat = Heartbeat(run_id=RUN_ID, role="actor", index=0, pid=5, counters={"episodes": 3}, key=KEY)  # 3, not 3.0
+    assert signed_by(decode(encode(beat)), KEY)

@@ -91,6 +91,9 @@ def encode(message: Message) -> bytes:
     """The message's bytes; a keyed kind's ``key`` (the run's key) goes as the message's MAC."""
     key = getattr(message, "key", "")
     if key and not key.startswith(MAC_PREFIX) and isinstance(message, KEYED_KINDS):
+        # signed as the receiver will see it: a struct built with an int where a float is typed encodes otherwise
+        # than it decodes, and the receiver's MAC is of what it decoded
+        message = msgspec.msgpack.decode(_encoder.encode(message), type=type(message))
         message = msgspec.structs.replace(message, key=message_mac(message, key))
     return _encoder.encode(message)
 

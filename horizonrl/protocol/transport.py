@@ -203,6 +203,8 @@ def hold_port(host: str, port: int) -> socket.socket:
 
 def held_ports_env(held: dict[int, socket.socket]) -> dict[str, str]:
     """The environment that tells a child which of its ports it finds already bound (``pass_fds`` the sockets)."""
+    if not held:
+        return {}
     return {HELD_PORTS_ENV: ",".join(f"{port}={sock.fileno()}" for port, sock in held.items())}
 
 
