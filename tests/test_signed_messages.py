@@ -112,3 +112,15 @@ def test_the_learners_control_watch_ignores_a_forged_end_of_training(config):
 def test_a_message_built_with_ints_where_floats_are_typed_is_signed_as_it_is_received():
     beat = Heartbeat(run_id=RUN_ID, role="actor", index=0, pid=5, counters={"episodes": 3}, key=KEY)  # 3, not 3.0
     assert signed_by(decode(encode(beat)), KEY)
+
+
+def test_a_colocated_engines_signed_registration_of_its_pid_is_a_registration_the_coordinator_takes():
+    from horizonrl.protocol.report_checks import RunShape, report_problem
+    from horizonrl.protocol.registry import registration
+
+    shape = RunShape(num_actors=1, learner_ranks=1, env_names=frozenset({"signpost"}), total_steps=10, max_turns=4,
+                     env_servers=1)
+    message = decode(registration(RUN_ID, "actor-0", {"colocated_engine": "4242"}, KEY))
+    assert signed_by(message, KEY) and report_problem(message, shape) is None
+    assert report_problem(msgspec.structs.replace(message, endpoints={"colocated_engine": "x"}), shape)[0] == \
+        "bad_value"

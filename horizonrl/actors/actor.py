@@ -264,7 +264,7 @@ class Actor:
         if is_colocated(os.environ):
             # The learner on this GPU waits for this before it touches the GPU (learner/main.py says why).
             await self.reports.send(registration(self.run_id, f"actor-{self.index}",
-                                                 {ENDPOINT_COLOCATED_ENGINE: str(os.getpid())}))
+                                                 {ENDPOINT_COLOCATED_ENGINE: str(os.getpid())}, self.run_key))
         if not await self._unless_stopped(self._resolve_endpoints()):
             return
         host, port = self._weight_hub_address()

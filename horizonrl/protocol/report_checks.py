@@ -16,11 +16,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_RENDEZVOUS, ENDPOINT_TRAJECTORIES,
-                                         ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, EVENT_DIED, EVENT_GAVE_UP,
-                                         EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS, MAX_SAMPLE_TEXT, STOP_CONTEXT,
-                                         STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS, EpisodeSample, Heartbeat, HeldOutEval,
-                                         LearnerReport, ProcessEvent, Registration)
+from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_COLOCATED_ENGINE, ENDPOINT_LEARNER_RENDEZVOUS,
+                                         ENDPOINT_TRAJECTORIES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, EVENT_DIED,
+                                         EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS,
+                                         MAX_SAMPLE_TEXT, STOP_CONTEXT, STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS,
+                                         EpisodeSample, Heartbeat, HeldOutEval, LearnerReport, ProcessEvent,
+                                         Registration)
 from horizonrl.protocol.names import MAX_NAME_CHARS, is_label, is_name, shown
 
 # The kinds that change the run's state: accepted only with the run's key.
@@ -34,7 +35,9 @@ PROCESS_EVENTS = (EVENT_DIED, EVENT_RESTARTED, EVENT_GAVE_UP, EVENT_RECOVERED)
 STOP_REASONS = (STOP_DONE, STOP_MAX_TURNS, STOP_CONTEXT, STOP_FAILURE)
 TRANSCRIPT_ROLES = ("observation", "reply")
 HELD_OUT_REQUIRED = ("success_rate", "episodes_valid")
-ENDPOINT_NAMES = (ENDPOINT_TRAJECTORIES, ENDPOINT_BATCHES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH)
+ENDPOINT_NAMES = (ENDPOINT_TRAJECTORIES, ENDPOINT_BATCHES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH,
+                  ENDPOINT_COLOCATED_ENGINE)
+NUMBER_ENDPOINTS = (ENDPOINT_WEIGHTS_EPOCH, ENDPOINT_COLOCATED_ENGINE)  # a number as text, not an address
 
 # Rejection reasons (counted as rejected_<kind>_<reason>).
 REJECT_UNAUTHENTICATED = "unauthenticated"
@@ -199,7 +202,7 @@ def _registration_problem(registration: Registration, shape: RunShape) -> Proble
     for name, value in registration.endpoints.items():
         if name not in ENDPOINT_NAMES and not (name.startswith(ENDPOINT_LEARNER_RENDEZVOUS) and is_name(name)):
             return REJECT_NAMES, f"endpoint name {name[:MAX_NAME_CHARS]!r}"
-        if not (_small_number(value) is not None if name == ENDPOINT_WEIGHTS_EPOCH else _is_tcp_endpoint(value)):
+        if not (_small_number(value) is not None if name in NUMBER_ENDPOINTS else _is_tcp_endpoint(value)):
             return REJECT_VALUE, f"{name}: {value[:MAX_NAME_CHARS]!r}"
     return None
 
