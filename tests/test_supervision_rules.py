@@ -78,6 +78,15 @@ def test_the_rollout_pauses_once_the_groups_made_and_being_made_fill_the_stalene
         assert c.rollout_paused  # P = 8 over both actors
         c.on_heartbeat(beat("buffer", 20, ready_groups=0.0))  # the learner took a batch
         assert not c.rollout_paused
+        # Step 1 is done; the engines still hold version 0 (L = 1): a group started now is as old as version 0
+        # and waits for P ahead of it, so only P < (2 − 1)·4 = 4 keeps it within 2 versions.
+        c.on_learner_report(LearnerReport(run_id="test-run", step=1, weight_version=1))
+        c.on_heartbeat(beat("buffer", 20, ready_groups=3.0))
+        c.on_heartbeat(beat("actor", 10, groups_running=1.0))
+        c.on_heartbeat(beat("actor", 11, index=1, groups_running=0.0, weight_version=1.0))
+        assert c.rollout_paused  # P = 4, the oldest engine 1 version behind
+        c.on_heartbeat(beat("actor", 10, groups_running=1.0, weight_version=1.0))  # it has the new weights
+        assert not c.rollout_paused  # P = 4 < 8
     finally:
         c.close()
 

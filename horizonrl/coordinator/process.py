@@ -102,7 +102,8 @@ class Coordinator:
 
     @property
     def rollout_paused(self) -> bool:
-        return self.progress.rollout_paused(self.health.gauges(BufferGauges), self.health.gauges(ActorGauges))
+        return self.progress.rollout_paused(self.health.gauges(BufferGauges),
+                                            self.health.levels(ActorGauges, self.config.monitor.heartbeat_timeout_s))
 
     @property
     def awaiting_final_eval(self) -> bool:
