@@ -3,8 +3,12 @@
 vLLM upgrades rename things (weight-update RPCs, engine arguments); keeping every call
 here means an upgrade touches one file. Generation is token-in/token-out: the prompt
 is token ids, and the result is the generated token ids with the behaviour policy's
-log-probabilities of exactly those tokens (``processed_logprobs``: after temperature,
-so they match ``log_softmax(logits / T)`` computed by the learner).
+log-probabilities of exactly those tokens (``processed_logprobs``: of the distribution vLLM sampled
+from, after temperature and top-p, so they match ``log_softmax(nucleus_p(logits / T))`` computed by the
+learner, ``learner/policy_loss.py``). The engine sets no other sampling setting (top-k, min-p, penalties:
+the config refuses them, ``core/config.py`` ``UNREPRODUCED_SAMPLING``); vLLM's generation config of the
+model adds only its end-of-sequence ids to a request (read in 0.16-0.34's
+``SamplingParams.update_from_generation_config``).
 """
 
 from __future__ import annotations
