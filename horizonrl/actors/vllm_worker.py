@@ -37,7 +37,7 @@ import logging
 import os
 import time
 
-from horizonrl.protocol.worker_replies import WorkerReply
+from horizonrl.protocol.worker_replies import RpcReply, WorkerReply
 
 log = logging.getLogger("horizonrl.actors.worker")
 
@@ -111,10 +111,31 @@ keep_unpacked_cpu_linear_weights()
 
 
 class WeightReceiverExtension:
-    """Every weight method returns a ``WorkerReply`` in its wire form (protocol/worker_replies.py) and never
-    raises: with several workers, vLLM's executor answers an RPC with the first worker's exception and leaves
-    the other workers' replies queued, so the *next* RPC would read a stale failure. ``engine.agreed_update``
-    raises for any worker's error."""
+    """The engine calls every method through :meth:`horizonrl_call`, which carries the call's number and its
+    deadline in, and answers with an ``RpcReply`` (protocol/worker_replies.py) that names the call and never
+    raises: with several workers, vLLM's executor answers an RPC with the first worker's exception, or gives up at
+    its timeout, and leaves the other workers' replies queued, so the *next* RPC would read them as its own. The
+    engine drops an answer to an older call (``RolloutEngine._rpc``). Every weight method's payload is a
+    ``WorkerReply`` in its wire form; ``engine.agreed_update`` raises for any worker's error."""
+
+    def horizonrl_call(self, call: int, deadline: float, method: str, args: list) -> list:
+        """Run ``method(*args)`` as the engine's call number ``call``; every wait of a weight transfer in it ends
+        by ``deadline`` (absolute, ``time.time()``), which the engine sets before the RPC's own timeout, so the
+        answer comes before vLLM gives up on it. Returns ``RpcReply(call, what it returned, error)`` in wire form."""
+        if not method.startswith("horizonrl_") or method == "horizonrl_call" or not callable(getattr(self, method, 0)):
+            return RpcReply(call, None, f"not a method of the weight receiver: {method!r}").wire()
+        self._horizonrl_deadline = deadline  # read by this call's weight methods (this thread: vLLM's worker loop)
+        try:
+            return RpcReply(call, getattr(self, method)(*args)).wire()
+        except Exception as exc:  # noqa: BLE001 - reported in the reply (the class docstring)
+            log.warning("worker %d: %s (call %d) failed: %s", self._horizonrl_worker_rank(), method, call, exc)
+            return RpcReply(call, None, f"{type(exc).__name__}: {exc}").wire()
+        finally:
+            self._horizonrl_deadline = None
+
+    def horizonrl_echo(self) -> None:
+        """Nothing: the engine calls it to read an answer still queued behind a late one (``RolloutEngine._rpc``)."""
+        return None
 
     def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
                                   backend: str, connect_timeout_s: float | None = None) -> list:
@@ -208,7 +229,8 @@ class WeightReceiverExtension:
             self._horizonrl_staging = None
         self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
                                                    backend=backend, worker=self._horizonrl_worker_rank(),
-                                                   connect_timeout_s=connect_timeout_s)
+                                                   connect_timeout_s=connect_timeout_s,
+                                                   deadline=self._horizonrl_call_deadline())
         return self._horizonrl_receive()
 
     def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:
@@ -220,6 +242,7 @@ class WeightReceiverExtension:
         then load (extra memory: the whole model) — kept to measure the two against each other."""
         from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
+        deadline = self._horizonrl_call_deadline()
         start = time.perf_counter()
         if self._horizonrl_receiver.backend == "cuda_ipc":
             stream = self._horizonrl_receiver.open_stream()  # waits for the announcement, maps the buffer
@@ -228,11 +251,11 @@ class WeightReceiverExtension:
             self._horizonrl_load(iter(stream))  # each bucket is read in place, then acknowledged
             stream.finish()  # the last acknowledgement: "loaded"
         elif whole:
-            layout, named = receive_weights(self._horizonrl_receiver)
+            layout, named = receive_weights(self._horizonrl_receiver, deadline=deadline)
             receive_s = time.perf_counter() - start
             self._horizonrl_load(iter(named))
         else:
-            stream = open_weight_stream(self._horizonrl_receiver)
+            stream = open_weight_stream(self._horizonrl_receiver, deadline)
             layout = stream.layout
             stream.prefetch()  # one bucket (small models): all of it is here before the engine changes
             opened_s = time.perf_counter() - start - stream.receive_s
@@ -286,6 +309,10 @@ class WeightReceiverExtension:
         else:
             load_by_reload(self, named_tensors)
             self._horizonrl_load_path = "reload"
+
+    def _horizonrl_call_deadline(self) -> float | None:
+        """The deadline of the engine's call being run (None: called directly, as gpu_check does)."""
+        return getattr(self, "_horizonrl_deadline", None)
 
     def _horizonrl_worker_rank(self) -> int:
         """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""

@@ -5,7 +5,10 @@ process group, so nothing here touches it. The join steps and the wire format ar
 ``protocol/weights.py``, the bucket plan in ``protocol/weight_buckets.py``; the sending end is
 ``learner/weight_broadcast.py``.
 
-Two ways to take a version, both bounded by the group's timeout at every collective:
+Two ways to take a version, both bounded by the group's timeout at every collective, and inside an RPC of the
+engine's also by that RPC's deadline (an absolute ``time.time()``, :func:`wait_bound_s`): every wait of the call
+ends by then, so the worker answers before vLLM's executor gives up on the RPC (its late answer would be read by
+the next RPC, ``protocol/worker_replies.RpcReply``):
 
 - :func:`open_weight_stream` — bucket by bucket: each bucket is received when the loader has used
   up the previous one, so the extra memory is about one bucket whatever the model's size (what the
@@ -92,12 +95,24 @@ class WeightReceiver:
                 pass
 
 
+def wait_bound_s(timeout_s: float, deadline: float | None, what: str) -> float:
+    """How long a wait may take now: ``timeout_s``, or what is left before ``deadline`` (an absolute ``time.time()``,
+    the engine's RPC's) when that is less; WeightSyncError when the deadline has passed."""
+    if deadline is None:
+        return timeout_s
+    left = deadline - time.time()
+    if left <= 0:
+        raise WeightSyncError(f"weight sync: {what}: the engine's deadline for this call passed {-left:.1f} s ago")
+    return min(timeout_s, left)
+
+
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
-                    backend: str = "gloo", worker: int = 0,
-                    connect_timeout_s: float | None = None) -> "WeightReceiver | IpcReceiver":
+                    backend: str = "gloo", worker: int = 0, connect_timeout_s: float | None = None,
+                    deadline: float | None = None) -> "WeightReceiver | IpcReceiver":
     """Join the learner's weight hub as ``actor``'s engine worker ``worker`` (WeightSyncError after the
     timeout). The learner answers with its newest version at once: receive it next. ``connect_timeout_s``
-    (default ``timeout_s``) bounds reaching the hub's store: shorter where the hub is known to be up.
+    (default ``timeout_s``) bounds reaching the hub's store: shorter where the hub is known to be up. ``deadline``
+    (absolute, ``time.time()``): reaching the store and forming the group end by then too.
 
     ``backend``: ``gloo`` (CPU) or ``nccl`` — a two-rank group, a :class:`WeightReceiver`; ``cuda_ipc``
     (an engine on the learner's GPU, colocated mode) — an :class:`~horizonrl.actors.weight_ipc.IpcReceiver`."""
@@ -112,9 +127,12 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
         # Work.wait(timeout) must block the host and raise at the timeout, or the .item() after it hangs.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)
+    what = f"actor {actor} worker {worker} joining the hub at {host}:{port}"
     try:
-        store, joins, number = announce_join(host, port, timeout_s, WeightJoin(
-            run_id=run_id, actor=actor, pid=os.getpid(), worker=worker), connect_timeout_s)
+        # The store's timeout bounds the group's forming (it waits for the learner there): the deadline's too.
+        store, joins, number = announce_join(host, port, wait_bound_s(timeout_s, deadline, what), WeightJoin(
+            run_id=run_id, actor=actor, pid=os.getpid(), worker=worker),
+            wait_bound_s(timeout_s if connect_timeout_s is None else connect_timeout_s, deadline, what))
         member_store = dist.PrefixStore(member_prefix(number), joins)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -187,8 +205,10 @@ class WeightStream:
     of this version (the actor then joins again, which sends the whole newest version).
     """
 
-    def __init__(self, receiver: WeightReceiver, layout: WeightLayout, plan: list[Bucket]) -> None:
+    def __init__(self, receiver: WeightReceiver, layout: WeightLayout, plan: list[Bucket],
+                 deadline: float | None = None) -> None:
         self.receiver = receiver
+        self.deadline = deadline  # the engine's RPC's (absolute time.time()), None outside one
         self.layout = layout
         self.plan = plan
         self._next_bucket = 0
@@ -224,7 +244,7 @@ class WeightStream:
         if bucket.index > 0:
             what += " (the engine may hold part of this version)"
         start = time.perf_counter()
-        _broadcast(self.receiver, data, what, self.layout.version)
+        _broadcast(self.receiver, data, what, self.layout.version, self.deadline)
         self.receive_s += time.perf_counter() - start
         return data
 
@@ -238,19 +258,20 @@ class WeightStream:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         _wait(self.receiver, lambda: self.receiver.process_group.allreduce([ack], options), "acknowledgement",
-              self.layout.version)
+              self.layout.version, self.deadline)
         self._finished = True
 
 
-def open_weight_stream(receiver: WeightReceiver) -> WeightStream:
-    """Receive the header and layout of the next version; its buckets come as the stream is iterated."""
+def open_weight_stream(receiver: WeightReceiver, deadline: float | None = None) -> WeightStream:
+    """Receive the header and layout of the next version; its buckets come as the stream is iterated. Every wait
+    of the stream ends by ``deadline`` (absolute, ``time.time()``; None: the group's timeout alone)."""
     header = torch.zeros(2, dtype=torch.int64, device=receiver.device)
-    _broadcast(receiver, header, "header")
+    _broadcast(receiver, header, "header", None, deadline)
     layout_bytes, bucket_bytes = (int(x) for x in header.tolist())  # bounded: the wait above completed
     if layout_bytes <= 0 or bucket_bytes <= 0:
         raise WeightSyncError(f"weight sync (join {receiver.number}): malformed header {[layout_bytes, bucket_bytes]}")
     layout_buffer = torch.empty(layout_bytes, dtype=torch.uint8, device=receiver.device)
-    _broadcast(receiver, layout_buffer, "layout")
+    _broadcast(receiver, layout_buffer, "layout", None, deadline)
     try:
         layout = decode_as(layout_buffer.cpu().numpy().tobytes(), WeightLayout)
         plan = plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
@@ -260,11 +281,11 @@ def open_weight_stream(receiver: WeightReceiver) -> WeightStream:
     if planned != layout.total_bytes:
         raise WeightSyncError(f"weight sync (join {receiver.number}): layout of version {layout.version} says "
                               f"{layout.total_bytes} bytes, its buckets hold {planned}")
-    return WeightStream(receiver, layout, plan)
+    return WeightStream(receiver, layout, plan, deadline)
 
 
-def receive_weights(receiver: WeightReceiver,
-                    in_host: bool = False) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
+def receive_weights(receiver: WeightReceiver, in_host: bool = False,
+                    deadline: float | None = None) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
     """Receive one whole version; returns its layout (version, epoch, ...) and ``[(name, tensor), ...]``.
 
     The tensors are views into the receiver's flat buffer, which the next receive overwrites:
@@ -272,14 +293,15 @@ def receive_weights(receiver: WeightReceiver,
     flat buffer is in host memory and each bucket comes through one device buffer of a bucket's size, so the
     GPU holds one bucket whatever the model's size.
     """
-    stream = open_weight_stream(receiver)
+    stream = open_weight_stream(receiver, deadline)
     total = stream.layout.total_bytes
     flat = receiver.host_buffer(total) if in_host else receiver.flat_buffer(total)
     named, start = [], 0
     for bucket in stream.plan:
         data = flat[start: start + bucket.nbytes]
         received = receiver.bucket_buffer(bucket.nbytes) if in_host else data
-        _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version)
+        _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version,
+                   deadline)
         if received is not data:
             data.copy_(received)  # synchronous: the buffer is free for the next bucket when this returns
         named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
@@ -394,24 +416,26 @@ def _view(data: torch.Tensor, entry) -> torch.Tensor:
     return data[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 
-def _broadcast(receiver: WeightReceiver, tensor: torch.Tensor, what: str, version: int | None = None) -> None:
+def _broadcast(receiver: WeightReceiver, tensor: torch.Tensor, what: str, version: int | None = None,
+               deadline: float | None = None) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
-    _wait(receiver, lambda: receiver.process_group.broadcast([tensor], options), what, version)
+    _wait(receiver, lambda: receiver.process_group.broadcast([tensor], options), what, version, deadline)
 
 
-def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) -> None:
+def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None, deadline: float | None = None) -> None:
     which = "the next version" if version is None else f"version {version}"
-    failure = (f"weight sync (join {receiver.number}, worker {receiver.worker}, receiver): {what} of {which} did not "
-               f"complete within {receiver.timeout_s:.0f} s ({receiver.backend})")
+    where = f"weight sync (join {receiver.number}, worker {receiver.worker}, receiver): {what} of {which}"
+    bound_s = wait_bound_s(receiver.timeout_s, deadline, where)
+    failure = f"{where} did not complete within {bound_s:.0f} s ({receiver.backend})"
 
     def collective() -> bool:
-        return start_work().wait(timedelta(seconds=receiver.timeout_s))
+        return start_work().wait(timedelta(seconds=bound_s))
 
     try:
         completed = collective() if receiver.formed or receiver.backend != "nccl" else _first_collective(
-            receiver, collective, failure)
+            receiver, collective, failure, bound_s)
     except RuntimeError as exc:
         raise WeightSyncError(f"{failure}: {exc}") from exc
     if completed is False:
@@ -419,7 +443,7 @@ def _wait(receiver: WeightReceiver, start_work, what: str, version: int | None) 
     receiver.formed = True
 
 
-def _first_collective(receiver: WeightReceiver, collective, failure: str) -> bool:
+def _first_collective(receiver: WeightReceiver, collective, failure: str, bound_s: float | None = None) -> bool:
     """NCCL forms a group's communicator inside its first collective, waiting for the learner there with no
     time-out of its own: run that one in a thread given the group's timeout (and a margin). A learner that never
     comes leaves the thread behind and this raises, so the worker's RPC (a join) returns and the actor can join
@@ -437,7 +461,7 @@ def _first_collective(receiver: WeightReceiver, collective, failure: str) -> boo
 
     thread = threading.Thread(target=run, name="horizonrl-weight-group-forming", daemon=True)
     thread.start()
-    thread.join(receiver.timeout_s + FORMING_MARGIN_S)
+    thread.join((receiver.timeout_s if bound_s is None else bound_s) + FORMING_MARGIN_S)
     if thread.is_alive():
         raise WeightSyncError(f"{failure}: the NCCL communicator was not formed (is the learner's side frozen?)")
     if "error" in outcome:

@@ -1,5 +1,5 @@
 """What a vLLM engine worker tells the actor's engine client about a weight update (actors/vllm_worker.py ->
-actors/engine.py): its reply to each weight RPC, and how a staged receive ended.
+actors/engine.py): the envelope of every reply, its reply to each weight RPC, and how a staged receive ended.
 
 They cross two boundaries that are not ours to type: vLLM's ``collective_rpc``, which hands a worker's return
 value back as whatever its own serializer makes of it, and a small msgpack message on a ZMQ socket of the
@@ -12,6 +12,27 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+
+class RpcReply(msgspec.Struct, array_like=True, frozen=True):
+    """The envelope of every answer of a worker to the engine (``vllm_worker.WeightReceiverExtension.horizonrl_call``):
+    the number of the call it answers, what the method returned, and ``error`` (never raised through vLLM).
+
+    Why a number: vLLM's multi-process executor (tensor parallelism) gives up on an RPC at its ``timeout`` and
+    leaves the workers' late answers in their queues, where the next RPC reads them as its own (0.33
+    ``v1/executor/multiproc_executor.py``: the dequeue at its timeout raises, nothing drains). The engine numbers its
+    calls, drops an answer to an older one, and reads on (``RolloutEngine._rpc``)."""
+
+    call: int
+    payload: Any
+    error: str = ""
+
+    def wire(self) -> list:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "RpcReply":
+        return msgspec.convert(value, cls)
 
 
 class WorkerReply(msgspec.Struct, array_like=True, frozen=True):
