@@ -62,6 +62,8 @@ class WeightReceiver:
     _flat: torch.Tensor | None = None
     _host_flat: torch.Tensor | None = None  # the staged versions' (pinned when CUDA is there), reused likewise
     _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
+    _stream_buckets: list[torch.Tensor] = field(default_factory=list)  # inline buckets' buffers (stream_bucket)
+    _staging_stream: object | None = None  # the CUDA stream staged receives run on (staging_stream)
     formed: bool = False  # a collective has completed: NCCL's communicator exists (see _wait)
 
     @property
@@ -86,6 +88,29 @@ class WeightReceiver:
             self._bucket = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._bucket[:nbytes]
 
+    def stream_bucket(self, nbytes: int) -> torch.Tensor:
+        """A buffer on the device for one bucket of an inline receive: an earlier one that nothing views any more
+        (the loader dropped every tensor of its bucket), else a new one kept for the next versions. vLLM's
+        layer-wise reload holds a layer's tensors until the layer is complete and a layer may straddle buckets, so a
+        buffer is reused only once no tensor holds its memory (torch's storage use count; where torch does not
+        have it, a new buffer per bucket as before)."""
+        for buffer in self._stream_buckets:
+            if buffer.numel() >= nbytes and _only_held_here(buffer):
+                return buffer[:nbytes]
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if _STORAGE_USE_COUNT is not None:
+            self._stream_buckets.append(buffer)
+        return buffer[:nbytes]
+
+    def staging_stream(self):
+        """The CUDA stream a staged receive's collectives and copies run on, not the engine's. Model Runner V2
+        computes on the default stream (0.33 ``v1/worker/gpu/model_runner.py:602-605``), and NCCL makes its own
+        stream wait for the stream current at each collective: on the default stream every bucket waited behind a
+        generation step (docs/gpu.md)."""
+        if self._staging_stream is None:
+            self._staging_stream = torch.cuda.Stream(device=self.device)
+        return self._staging_stream
+
     def close(self) -> None:
         shutdown = getattr(self.process_group, "shutdown", None)
         if callable(shutdown):
@@ -104,6 +129,14 @@ def wait_bound_s(timeout_s: float, deadline: float | None, what: str) -> float:
     if left <= 0:
         raise WeightSyncError(f"weight sync: {what}: the engine's deadline for this call passed {-left:.1f} s ago")
     return min(timeout_s, left)
+
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _only_held_here(buffer: torch.Tensor) -> bool:
+    """No tensor but ``buffer`` holds its memory. The count includes ``buffer`` and the storage object made to ask."""
+    return _STORAGE_USE_COUNT is not None and _STORAGE_USE_COUNT(buffer.untyped_storage()._cdata) <= 2
 
 
 def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s: float,
@@ -196,9 +229,10 @@ class WeightStream:
     """One version on its way in: its layout at once, then ``(name, tensor)`` bucket by bucket.
 
     Iterating receives bucket ``i + 1`` only after every tensor of bucket ``i`` was handed out; the
-    tensors are views into that bucket's buffer. With several buckets each gets a fresh buffer, so a
-    loader that keeps a reference never sees it overwritten, and one that copies and drops each
-    tensor (vLLM's) keeps the extra memory at about one bucket. With one bucket the receiver's
+    tensors are views into that bucket's buffer. With several buckets each comes into a buffer no tensor
+    still views (``WeightReceiver.stream_bucket``: reused once the loader has dropped its tensors, else a new
+    one), so a loader that keeps a reference never sees it overwritten, and one that copies and drops each
+    tensor (vLLM's) keeps the extra memory at a few buckets. With one bucket the receiver's
     reused buffer serves (no page faults per version; the next version overwrites it).
     :meth:`finish` receives whatever was not iterated and acknowledges the version: call it after
     loading. A failure half-way raises :class:`WeightSyncError` saying the engine may now hold part
@@ -234,12 +268,13 @@ class WeightStream:
             self._next_bucket += 1
             for entry in bucket.entries:
                 yield entry.name, _view(data, entry)
+            del data  # this frame's hold on the buffer: the next bucket may reuse it once the loader lets go
 
     def _receive(self, bucket: Bucket) -> torch.Tensor:
         if len(self.plan) == 1:
             data = self.receiver.flat_buffer(bucket.nbytes)
         else:
-            data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.receiver.device)
+            data = self.receiver.stream_bucket(bucket.nbytes)
         what = f"bucket {bucket.index} of {len(self.plan)}"
         if bucket.index > 0:
             what += " (the engine may hold part of this version)"
@@ -292,7 +327,22 @@ def receive_weights(receiver: WeightReceiver, in_host: bool = False,
     load or copy them before receiving again, and do not resize them. ``in_host`` (a receiver on a GPU): the
     flat buffer is in host memory and each bucket comes through one device buffer of a bucket's size, so the
     GPU holds one bucket whatever the model's size.
+
+    On a GPU with ``in_host`` (the staged receive, beside a generating engine) every collective and copy runs on
+    the receiver's own CUDA stream (:meth:`WeightReceiver.staging_stream`), ordered by events: NCCL's work makes
+    that stream wait for its broadcast (``Work.wait``), the copy to host is recorded on it and waited for by its
+    event alone. The engine's stream is in none of it, so a bucket no longer waits behind a generation step. The
+    CPU's path is unchanged.
     """
+    if in_host and receiver.device.type == "cuda":
+        stream = receiver.staging_stream()
+        with torch.cuda.stream(stream):
+            return _receive_whole(receiver, in_host, deadline, stream)
+    return _receive_whole(receiver, in_host, deadline, None)
+
+
+def _receive_whole(receiver: WeightReceiver, in_host: bool, deadline: float | None,
+                   copy_stream) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
     stream = open_weight_stream(receiver, deadline)
     total = stream.layout.total_bytes
     flat = receiver.host_buffer(total) if in_host else receiver.flat_buffer(total)
@@ -303,12 +353,24 @@ def receive_weights(receiver: WeightReceiver, in_host: bool = False,
         _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version,
                    deadline)
         if received is not data:
-            data.copy_(received)  # synchronous: the buffer is free for the next bucket when this returns
+            _copy_to_host(data, received, copy_stream)  # done when it returns: the buffer serves the next bucket
         named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
         start += bucket.nbytes
     stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
     stream.finish()
     return stream.layout, named
+
+
+def _copy_to_host(host: torch.Tensor, device_bucket: torch.Tensor, copy_stream) -> None:
+    """``device_bucket`` into ``host``, finished on return. On a CUDA stream of its own: recorded there and waited
+    for by an event, so the host waits for this copy alone, not for whatever the engine's stream has queued."""
+    if copy_stream is None:
+        host.copy_(device_bucket)
+        return
+    host.copy_(device_bucket, non_blocking=host.is_pinned())
+    copied = torch.cuda.Event()
+    copied.record(copy_stream)
+    copied.synchronize()
 
 
 @dataclass
