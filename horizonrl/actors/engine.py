@@ -426,13 +426,14 @@ class RolloutEngine:
             self._staged.bind(self._staged_address)
         self._stage_id += 1
         started = await self._rpc("horizonrl_stage_weights", 60, (self._stage_id, self._staged_address))
-        agreed_update(started)  # every worker started its thread
+        agreed_update(started)  # every worker started its thread, or takes the version from TP rank 0 at the load
+        stagers = sum(WorkerReply.from_wire(reply).stages for reply in started)
         outcomes: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
-        while len(outcomes) < len(started):
+        while len(outcomes) < stagers:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
+                raise WeightSyncError(f"{stagers - len(outcomes)} of the engine's {stagers} staging workers did "
                                       f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
             if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
                 # Their message is late. A lost one would cost the weight-sync timeout: the worker has the version
@@ -440,7 +441,7 @@ class RolloutEngine:
                 # waits for the actor (minutes of a run). Ask the workers whether they are done.
                 asked = await self._rpc("horizonrl_staged_outcome", 60, (self._stage_id,))
                 ended = {o.worker: o.reply for o in (StageOutcome.from_wire(a) for a in asked if a is not None)}
-                if len(ended) == len(started):
+                if len(ended) == stagers:
                     log.warning("staged receive %d ended %.0f s ago or more with no word from its workers; "
                                 "took their outcome from them", self._stage_id, STAGED_ASK_AFTER_MS / 1000)
                     self.lost_stage_messages += 1

