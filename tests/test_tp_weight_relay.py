@@ -7,7 +7,7 @@ process), with a model that copies what it is given in place of vLLM's loader. W
 learner sends per version and the host memory each worker holds for a staged version. Before (every worker a
 member of the hub, receiving the whole model): two members per engine, twice the model's bytes per version, and
 each worker staged the whole model in host memory (pinned on a GPU, beside the learner's pinned copy). Now: one
-member, the model's bytes once, and the staged copy on rank 0 alone, pageable (only one bucket is pinned on a GPU,
+member, the model's bytes once, and the staged copy on rank 0 alone, pageable (only 64 MiB is pinned on a GPU,
 ``weight_receiver.HostStaging``; the CPU has no pinned memory to measure).
 """
 

@@ -346,7 +346,7 @@ class WeightReceiverExtension:
         return -1, -1, 0.0, 0.0
 
     def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
-        """Load the staged version. In host memory (a GPU's): bucket by bucket through one pinned bucket into a
+        """Load the staged version. In host memory (a GPU's): bucket by bucket through one pinned 64 MiB buffer into a
         device buffer, relayed to the other TP ranks where there are some; on the CPU straight from the host."""
         from horizonrl.actors.tp_relay import host_buckets, relay
 

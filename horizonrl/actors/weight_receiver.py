@@ -61,7 +61,7 @@ class WeightReceiver:
     # One receive buffer reused by every version of the same size (no page faults per receive).
     _flat: torch.Tensor | None = None
     # The staged versions' host memory (pageable: pinned memory is locked RAM), reused likewise; it crosses to and
-    # from the GPU through one pinned bucket (HostStaging).
+    # from the GPU through one pinned 64 MiB buffer (HostStaging).
     _host_flat: torch.Tensor | None = None
     _bucket: torch.Tensor | None = None  # the device buffer staged buckets pass through, reused likewise
     _stream_buckets: list[torch.Tensor] = field(default_factory=list)  # inline buckets' buffers (stream_bucket)
@@ -145,10 +145,10 @@ def reusable_buffer(pool: list[torch.Tensor], nbytes: int, device: torch.device)
 
 
 class HostStaging:
-    """How a staged version crosses between host memory (pageable) and a GPU: through one pinned buffer of a
-    bucket, each copy waited for by an event on the current stream. Pinned memory is locked RAM the kernel cannot
-    page: one bucket per process, where a pinned copy of the whole model per worker (and per tensor-parallel rank)
-    was. On the CPU the copies are direct."""
+    """How a staged version crosses between host memory (pageable) and a GPU: through one pinned buffer of
+    :data:`PINNED_CHUNK_BYTES`, chunk by chunk, each copy waited for by an event on the current stream. Pinned
+    memory is locked RAM the kernel cannot page: 64 MiB per process, where a pinned copy of the whole model per
+    worker (and per tensor-parallel rank) was. On the CPU the copies are direct."""
 
     def __init__(self) -> None:
         self._pinned: torch.Tensor | None = None
@@ -157,29 +157,35 @@ class HostStaging:
     def pinned_bytes(self) -> int:
         return 0 if self._pinned is None else self._pinned.numel()
 
-    def _bounce(self, nbytes: int) -> torch.Tensor:
-        if self._pinned is None or self._pinned.numel() < nbytes:
-            self._pinned = None
-            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._pinned[:nbytes]
+    def _bounce(self) -> torch.Tensor:
+        if self._pinned is None:
+            self._pinned = torch.empty(PINNED_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        return self._pinned
 
     def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> None:
         if device_bytes.device.type != "cuda":
             host.copy_(device_bytes)
             return
-        bounce = self._bounce(device_bytes.numel())
-        bounce.copy_(device_bytes, non_blocking=True)
-        _wait_for_current_stream()
-        host.copy_(bounce)
+        bounce = self._bounce()
+        for start in range(0, device_bytes.numel(), PINNED_CHUNK_BYTES):
+            chunk = device_bytes[start: start + PINNED_CHUNK_BYTES]
+            bounce[: chunk.numel()].copy_(chunk, non_blocking=True)
+            _wait_for_current_stream()
+            host[start: start + chunk.numel()].copy_(bounce[: chunk.numel()])
 
     def to_device(self, device_bytes: torch.Tensor, host: torch.Tensor) -> None:
         if device_bytes.device.type != "cuda":
             device_bytes.copy_(host)
             return
-        bounce = self._bounce(host.numel())
-        bounce.copy_(host)
-        device_bytes.copy_(bounce, non_blocking=True)
-        _wait_for_current_stream()  # the bounce buffer is free again
+        bounce = self._bounce()
+        for start in range(0, host.numel(), PINNED_CHUNK_BYTES):
+            chunk = host[start: start + PINNED_CHUNK_BYTES]
+            bounce[: chunk.numel()].copy_(chunk)
+            device_bytes[start: start + chunk.numel()].copy_(bounce[: chunk.numel()], non_blocking=True)
+            _wait_for_current_stream()  # the bounce buffer is free again
+
+
+PINNED_CHUNK_BYTES = 64 << 20
 
 
 def _wait_for_current_stream() -> None:
