@@ -49,12 +49,12 @@ class TpWorker(WeightReceiverExtension):
             self.loaded[name] = tensor.clone()
 
 
-def call_both(workers, method: str, args) -> list[WorkerReply]:
+def call_both(workers, method: str, args, timeout_s: float = TIMEOUT_S) -> list[WorkerReply]:
     """``method`` in both workers at once, as vLLM's executor runs an RPC in every worker."""
     replies: dict[int, object] = {}
 
     def run(worker) -> None:
-        replies[worker.rank] = worker.horizonrl_call(1, time.time() + TIMEOUT_S, method, list(args))
+        replies[worker.rank] = worker.horizonrl_call(1, time.time() + timeout_s, method, list(args))
 
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for thread in threads:
@@ -107,6 +107,9 @@ def test_one_receive_per_engine_relayed_over_its_tensor_parallel_group(tmp_path)
         # The join: rank 0 becomes the engine's one member, takes version 0 and relays it bucket by bucket.
         replies = call_both(workers, "horizonrl_join_weight_hub", ["127.0.0.1", hub.port, 0, "tp", TIMEOUT_S, "gloo"])
         assert [(r.version, r.worker) for r in replies] == [(0, 0), (0, 1)]
+        wait_until = time.monotonic() + 10  # the hub records the member once its admission thread returns
+        while not hub.members and time.monotonic() < wait_until:
+            time.sleep(0.05)
         assert list(hub.members) == [(0, 0)]  # before: (0, 0) and (0, 1)
         for worker in workers:
             assert all(torch.equal(worker.loaded[name], tensor) for name, tensor in model(0))
@@ -136,6 +139,20 @@ def test_one_receive_per_engine_relayed_over_its_tensor_parallel_group(tmp_path)
         assert receiver.received_bytes == 2 * model_bytes  # versions 0 and 1, once each
         assert figures["host_staged_bytes"] == [model_bytes, 0]  # before: [model_bytes, model_bytes]
         assert figures["host_staged_pinned"] == [False, False]  # before: pinned on a GPU, on every rank
+        # The learner goes away: rank 0's receive fails at once and it tells rank 1 there is no version, which
+        # answers at once too (no collective left pending on the engine's group), and the engine joins again.
+        hub.close()
+        start = time.monotonic()
+        failed = call_both(workers, "horizonrl_receive_weights", [], timeout_s=20)
+        assert time.monotonic() - start < 10 and all(r.version == -1 for r in failed), failed
+        assert "no version" in failed[1].error, failed
+        hub = WeightHub("127.0.0.1", 0, backend="gloo", timeout_s=TIMEOUT_S, run_id="tp", bucket_bytes=40 << 10)
+        hub.pack(2, model(2))
+        hub.start()
+        rejoined = call_both(workers, "horizonrl_join_weight_hub", ["127.0.0.1", hub.port, 0, "tp", TIMEOUT_S, "gloo"])
+        assert [(r.version, r.error) for r in rejoined] == [(2, ""), (2, "")]
+        for worker in workers:
+            assert all(torch.equal(worker.loaded[name], tensor) for name, tensor in model(2))
     finally:
         actor.close(linger=0)
         context.term()

@@ -542,8 +542,9 @@ class RolloutEngine:
         return update
 
     async def _worker_rpc(self, method: str, timeout_s: float, args: tuple) -> WeightUpdate:
-        """``method`` in every worker of the engine (one per tensor-parallel rank), each with its own membership
-        of the weight hub; all must report the same version (:func:`agreed_update`). A failure inside a worker
+        """``method`` in every worker of the engine (one per tensor-parallel rank; TP rank 0 is the engine's member
+        of the weight hub and relays to the others); all must report the same version (:func:`agreed_update`). A
+        failure inside a worker
         (the learner gone, a timeout) is raised here; the worker itself carries on."""
         return agreed_update(await self._rpc(method, timeout_s, args))
 

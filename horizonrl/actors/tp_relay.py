@@ -72,26 +72,61 @@ def _broadcast(tp: TensorParallelGroup, tensor: torch.Tensor, what: str, deadlin
                               f"within {bound:.0f} s")
 
 
-def relay(tp: TensorParallelGroup, layout: WeightLayout, bucket_bytes: int,
-          buckets: Iterable[tuple[Bucket, torch.Tensor]], deadline: float | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """TP rank 0: the header and layout, then each ``(bucket, its bytes on the group's device)`` as ``buckets``
-    yields it, to every other rank; yields each bucket's named tensors (views into those bytes) for rank 0's own
-    loader after the bucket went out. Consume it to the end (the other ranks wait for every bucket)."""
-    layout_bytes = encode(layout)
-    header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64, device=tp.device)
-    _broadcast(tp, header, "header", deadline)
-    _broadcast(tp, torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8).to(tp.device), "layout", deadline)
-    for bucket, data in buckets:
-        _broadcast(tp, data, f"bucket {bucket.index} of version {layout.version}", deadline)
-        yield from ((entry.name, view(data, entry)) for entry in bucket.entries)
+# The other ranks wait this much past the call's deadline, so that TP rank 0, whose own waits end by the deadline,
+# always gets to tell them (a version, or none): a collective given up on would leave vLLM's group out of step.
+FOLLOWER_MARGIN_S = 10.0
+
+
+class RankZeroRelay:
+    """TP rank 0's side of one call: :meth:`stream` relays a version; :meth:`abort`, where no version came (the hub
+    failed before its layout), tells the other ranks so with an empty header. Either way every collective the other
+    ranks wait for is made, so none is left pending on the group."""
+
+    def __init__(self, tp: TensorParallelGroup, deadline: float | None) -> None:
+        self.tp, self.deadline, self.opened = tp, deadline, False
+
+    def abort(self) -> None:
+        if not self.opened:
+            self.opened = True
+            _broadcast(self.tp, torch.zeros(2, dtype=torch.int64, device=self.tp.device), "header (no version)",
+                       self.deadline)
+
+    def stream(self, layout: WeightLayout, bucket_bytes: int, plan: list[Bucket],
+               buckets: Iterable[tuple[Bucket, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The header and layout, then each ``(bucket, its bytes on the group's device)`` of ``plan`` as ``buckets``
+        yields it; yields each bucket's named tensors (views into those bytes) for rank 0's own loader after the
+        bucket went out. Consume it to the end (the other ranks wait for every bucket). Should ``buckets`` fail
+        half-way (the learner gone), the rest of the plan goes out as zeros, and the error is raised: the engine
+        then holds part of a version and rejoins, as a single worker does."""
+        tp, deadline = self.tp, self.deadline
+        self.opened = True
+        layout_bytes = encode(layout)
+        header = torch.tensor([len(layout_bytes), bucket_bytes], dtype=torch.int64, device=tp.device)
+        _broadcast(tp, header, "header", deadline)
+        _broadcast(tp, torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8).to(tp.device), "layout", deadline)
+        sent = 0
+        try:
+            for bucket, data in buckets:
+                _broadcast(tp, data, f"bucket {bucket.index} of version {layout.version}", deadline)
+                sent += 1
+                yield from ((entry.name, view(data, entry)) for entry in bucket.entries)
+        except Exception:
+            for bucket in plan[sent:]:  # keep the other ranks' collectives matched
+                filler = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=tp.device)
+                _broadcast(tp, filler, f"bucket {bucket.index} (filler: rank 0 lost the version)", deadline)
+            raise
 
 
 def follow(tp: TensorParallelGroup, buffer_for, deadline: float | None) -> tuple[WeightLayout, Iterator]:
     """TP rank > 0: the version rank 0 relays; returns its layout and ``(name, tensor)`` bucket by bucket, each
     bucket received into ``buffer_for(nbytes)`` when the loader has taken the previous one's tensors."""
+    deadline = None if deadline is None else deadline + FOLLOWER_MARGIN_S
     header = torch.zeros(2, dtype=torch.int64, device=tp.device)
     _broadcast(tp, header, "header", deadline)
     layout_size, bucket_bytes = (int(x) for x in header.tolist())
+    if layout_size == 0 and bucket_bytes == 0:
+        raise WeightSyncError(f"tensor-parallel relay (rank {tp.rank}): TP rank 0 got no version to relay (its own "
+                              "error says why)")
     if layout_size <= 0 or bucket_bytes <= 0:
         raise WeightSyncError(f"tensor-parallel relay: malformed header {[layout_size, bucket_bytes]}")
     layout_buffer = torch.empty(layout_size, dtype=torch.uint8, device=tp.device)
@@ -112,13 +147,17 @@ def follow(tp: TensorParallelGroup, buffer_for, deadline: float | None) -> tuple
     return layout, tensors()
 
 
+def host_plan(layout: WeightLayout, bucket_bytes: int) -> list[Bucket]:
+    return plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes)
+
+
 def host_buckets(layout: WeightLayout, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, buffer_for,
                  staging) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """A staged version (``named``: views into host memory) bucket by bucket on ``buffer_for``'s device: each
     bucket's tensors copied into a buffer of one bucket, through ``staging`` (a ``HostStaging``: one pinned
     bucket on a GPU) where the device is a GPU."""
     by_name = dict(named)
-    for bucket in plan_buckets(layout.names, layout.dtypes, layout.shapes, bucket_bytes):
+    for bucket in host_plan(layout, bucket_bytes):
         data = buffer_for(bucket.nbytes)
         for entry in bucket.entries:
             staging.to_device(data[entry.offset: entry.offset + entry.nbytes], _bytes_of(by_name[entry.name]))

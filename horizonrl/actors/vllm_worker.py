@@ -1,11 +1,12 @@
 """Code that runs inside the vLLM worker process (``worker_extension_cls``).
 
 vLLM mixes this class into its Worker, so ``self`` is the worker. Methods are called
-from the actor with ``collective_rpc("horizonrl_...")``, which runs them in *every* worker of
-the engine: with tensor parallelism each worker is its own member of the learner's weight hub
-(``WeightJoin.worker`` = its rank), receives the full tensors and lets vLLM's loader keep its
-shard. Kept apart from ``engine.py`` because it executes in another process; both are the
-only vLLM-specific modules.
+from the actor through ``collective_rpc("horizonrl_call", ...)`` (a call number and a deadline, see
+:meth:`WeightReceiverExtension.horizonrl_call`), which runs them in *every* worker of the engine:
+with tensor parallelism TP rank 0 alone is the engine's member of the learner's weight hub and
+relays each version to the other workers over vLLM's tensor-parallel group (``tp_relay.py``); every
+worker hands the full tensors to vLLM's loader, which keeps its shard. Kept apart from ``engine.py``
+because it executes in another process; both are the only vLLM-specific modules.
 
 Two ways to take a version. *Staged* (what the actor does): ``horizonrl_stage_weights`` starts a
 thread that receives the whole version into a staging buffer (the model's size in the engine's
@@ -32,6 +33,7 @@ the tensor-parallel test of tests/integration/test_engine_weights.py does).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -248,11 +250,28 @@ class WeightReceiverExtension:
         device = torch_device(backend)
         self._horizonrl_tp = self._horizonrl_tensor_parallel(device, timeout_s)
         if self._horizonrl_tp is None or self._horizonrl_tp.rank == 0:
-            self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
-                                                       backend=backend, worker=self._horizonrl_worker_rank(),
-                                                       connect_timeout_s=connect_timeout_s,
-                                                       deadline=self._horizonrl_call_deadline())
+            with self._horizonrl_relay_guard() as relay:
+                self._horizonrl_receiver = join_weight_hub(
+                    host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, backend=backend,
+                    worker=self._horizonrl_worker_rank(), connect_timeout_s=connect_timeout_s,
+                    deadline=self._horizonrl_call_deadline())
+                return self._horizonrl_receive(relay=relay)
         return self._horizonrl_receive()
+
+    @contextlib.contextmanager
+    def _horizonrl_relay_guard(self):
+        """TP rank 0's relay for one call (None without tensor parallelism); if the call fails before the relay
+        began, the other ranks are told there is no version, so that none of them waits for one."""
+        from horizonrl.actors.tp_relay import RankZeroRelay
+
+        tp = getattr(self, "_horizonrl_tp", None)
+        relay = RankZeroRelay(tp, self._horizonrl_call_deadline()) if tp is not None and tp.rank == 0 else None
+        try:
+            yield relay
+        except Exception:
+            if relay is not None:
+                relay.abort()
+            raise
 
     def _horizonrl_tensor_parallel(self, device, timeout_s: float):
         """The engine's tensor-parallel group (``tp_relay.TensorParallelGroup``), None without one. A test stands
@@ -277,7 +296,7 @@ class WeightReceiverExtension:
         self._horizonrl_load_all(named)
         return layout.version, layout.epoch, 0.0, time.perf_counter() - start
 
-    def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:
+    def _horizonrl_receive(self, whole: bool = False, relay=None) -> tuple[int, int, float, float]:
         """Receive one version and load it in place; returns (version, epoch, receive seconds, load seconds).
 
         By default bucket by bucket: vLLM's loader consumes each bucket's tensors before the next
@@ -285,13 +304,19 @@ class WeightReceiverExtension:
         layerwise reload holds until the layer is complete). ``whole``: receive every bucket first,
         then load (extra memory: the whole model) — kept to measure the two against each other. With tensor
         parallelism rank 0 relays each bucket to the other ranks as it comes (``tp_relay.py``)."""
-        from horizonrl.actors.tp_relay import host_buckets, relay
+        deadline = self._horizonrl_call_deadline()
+        if self._horizonrl_following() is not None:
+            return self._horizonrl_follow(self._horizonrl_tp, deadline)
+        if relay is not None:  # a join's: its guard is the join's
+            return self._horizonrl_receive_relaying(whole, relay, deadline)
+        with self._horizonrl_relay_guard() as relay:
+            return self._horizonrl_receive_relaying(whole, relay, deadline)
+
+    def _horizonrl_receive_relaying(self, whole: bool, relay, deadline) -> tuple[int, int, float, float]:
+        """Rank 0's receive (or the only worker's), relaying each bucket as it comes where ``relay`` is given."""
+        from horizonrl.actors.tp_relay import host_buckets, host_plan
         from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
-        deadline = self._horizonrl_call_deadline()
-        tp = getattr(self, "_horizonrl_tp", None)
-        if self._horizonrl_following() is not None:
-            return self._horizonrl_follow(tp, deadline)
         receiver = self._horizonrl_receiver
         start = time.perf_counter()
         if receiver.backend == "cuda_ipc":
@@ -303,17 +328,18 @@ class WeightReceiverExtension:
         elif whole:
             layout, named = receive_weights(receiver, deadline=deadline)
             receive_s = time.perf_counter() - start
-            if tp is not None:
-                named = relay(tp, layout, receiver.bucket_bytes, host_buckets(
-                    layout, named, receiver.bucket_bytes, receiver.stream_bucket, receiver.host_staging), deadline)
+            if relay is not None:
+                named = relay.stream(layout, receiver.bucket_bytes, host_plan(layout, receiver.bucket_bytes),
+                                     host_buckets(layout, named, receiver.bucket_bytes, receiver.stream_bucket,
+                                                  receiver.host_staging))
             self._horizonrl_load_all(named)
         else:
             stream = open_weight_stream(receiver, deadline)
             layout = stream.layout
             stream.prefetch()  # one bucket (small models): all of it is here before the engine changes
             opened_s = time.perf_counter() - start - stream.receive_s
-            named = iter(stream) if tp is None else relay(tp, layout, receiver.bucket_bytes, stream.buckets(),
-                                                          deadline)
+            named = iter(stream) if relay is None else relay.stream(layout, receiver.bucket_bytes, stream.plan,
+                                                                    stream.buckets())
             self._horizonrl_load_all(named)
             stream.finish()  # acknowledges after the load: the learner's ack means "in the engine"
             receive_s = opened_s + stream.receive_s  # header, layout and buckets; the rest is loading
@@ -348,26 +374,27 @@ class WeightReceiverExtension:
     def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
         """Load the staged version. In host memory (a GPU's): bucket by bucket through one pinned 64 MiB buffer into a
         device buffer, relayed to the other TP ranks where there are some; on the CPU straight from the host."""
-        from horizonrl.actors.tp_relay import host_buckets, relay
+        from horizonrl.actors.tp_relay import host_buckets, host_plan
 
         tp = self._horizonrl_following()
         if tp is not None:
             return self._horizonrl_follow(tp, self._horizonrl_call_deadline())
-        staging = getattr(self, "_horizonrl_staging", None)
-        if staging is None or staging.layout is None:
-            raise RuntimeError("no staged version to load")
-        tp = getattr(self, "_horizonrl_tp", None)
-        receiver = self._horizonrl_receiver
-        start = time.perf_counter()
-        if tp is None and receiver.device.type == "cpu":
-            self._horizonrl_load(iter(staging.named))
-        else:
-            buckets = host_buckets(staging.layout, staging.named, receiver.bucket_bytes, receiver.stream_bucket,
-                                   receiver.host_staging)
-            named = (bucket_views(buckets) if tp is None
-                     else relay(tp, staging.layout, receiver.bucket_bytes, buckets, self._horizonrl_call_deadline()))
-            self._horizonrl_load_all(named)
-        load_s = time.perf_counter() - start
+        with self._horizonrl_relay_guard() as relay:
+            staging = getattr(self, "_horizonrl_staging", None)
+            if staging is None or staging.layout is None:
+                raise RuntimeError("no staged version to load")
+            receiver = self._horizonrl_receiver
+            start = time.perf_counter()
+            if relay is None and receiver.device.type == "cpu":
+                self._horizonrl_load(iter(staging.named))
+            else:
+                size = receiver.bucket_bytes
+                buckets = host_buckets(staging.layout, staging.named, size, receiver.stream_bucket,
+                                       receiver.host_staging)
+                named = (bucket_views(buckets) if relay is None
+                         else relay.stream(staging.layout, size, host_plan(staging.layout, size), buckets))
+                self._horizonrl_load_all(named)
+            load_s = time.perf_counter() - start
         self._horizonrl_staging = None  # its buffer is the receiver's, reused by the next version
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
