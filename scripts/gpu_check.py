@@ -951,7 +951,7 @@ def _staged_receive_while_busy(own_stream: bool, packed, busy_steps: int) -> dic
         if own_stream:
             _, named = weight_receiver.receive_weights(receiver, in_host=True)
         else:  # the code before: the default stream, a synchronous copy
-            _, named = weight_receiver._receive_whole(receiver, True, None, None)
+            _, named = weight_receiver._receive_whole(receiver, True, None)
         out["receive_s"] = time.perf_counter() - start
         out["named"] = named
 

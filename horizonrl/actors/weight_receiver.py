@@ -406,12 +406,12 @@ def receive_weights(receiver: WeightReceiver, in_host: bool = False,
     if in_host and receiver.device.type == "cuda":
         stream = receiver.staging_stream()
         with torch.cuda.stream(stream):
-            return _receive_whole(receiver, in_host, deadline, stream)
-    return _receive_whole(receiver, in_host, deadline, None)
+            return _receive_whole(receiver, in_host, deadline)
+    return _receive_whole(receiver, in_host, deadline)
 
 
-def _receive_whole(receiver: WeightReceiver, in_host: bool, deadline: float | None,
-                   copy_stream) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
+def _receive_whole(receiver: WeightReceiver, in_host: bool,
+                   deadline: float | None) -> tuple[WeightLayout, list[tuple[str, torch.Tensor]]]:
     stream = open_weight_stream(receiver, deadline)
     total = stream.layout.total_bytes
     flat = receiver.host_buffer(total) if in_host else receiver.flat_buffer(total)
