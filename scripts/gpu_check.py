@@ -39,6 +39,12 @@ the way the learner loads: meta device, sharded, rank 0 reads). Checks, each PAS
                            trains a step and publishes version 1; the engine's logits must equal the
                            learner's bf16 logits at each version; then the engine takes no more, and
                            version 2 must drop it within the hub's 3 s bound                    [CUDA]
+    staging_stream         a staged receive (actors/weight_receiver.py receive_weights, in host memory through
+                           one device bucket) while the default stream is busy with ~1.5 s of matmuls, as
+                           both model runners compute on it: on the receiver's own stream it must finish well
+                           before that work, and the same receive on the default stream (the code before) must
+                           wait behind it; every byte checked. The learner is a stand-in group that copies
+                           each bucket on the current stream, where NCCL orders its broadcast      [CUDA]
 
 Prints a table; ``--out`` writes the JSON. Exit status 1 if any check FAILED (SKIPPED is not a failure).
 """
@@ -897,9 +903,105 @@ def check_colocated_training(ctx: Context) -> CheckResult:
                        "engine logits equal the learner's bf16 logits at versions 0 and 1" if ok else "; ".join(errors))
 
 
+class _DeviceDone:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _StreamOrderedGroup:
+    """The learner's side of one version for a receiver on this GPU: each broadcast copies the next tensor into the
+    receiver's on the stream current at the call, which is where NCCL orders a collective (its stream waits for
+    that one)."""
+
+    def __init__(self, tensors) -> None:
+        self.pending = list(tensors)
+
+    def broadcast(self, tensors, options) -> _DeviceDone:
+        tensors[0].copy_(self.pending.pop(0), non_blocking=True)
+        return _DeviceDone()
+
+    def allreduce(self, tensors, options) -> _DeviceDone:
+        tensors[0].fill_(1)
+        return _DeviceDone()
+
+
+def _staged_receive_while_busy(own_stream: bool, packed, busy_steps: int) -> dict:
+    """Queue ``busy_steps`` matmuls on the default stream (an engine's generation step), then receive ``packed``
+    in host memory from a thread; how long the receive took and how long the default stream's work did."""
+    import threading
+
+    import torch
+
+    from horizonrl.actors import weight_receiver
+    from horizonrl.actors.weight_receiver import WeightReceiver
+
+    device = torch.device("cuda", 0)
+    header = torch.tensor([len(packed.layout_bytes), packed.bucket_bytes], dtype=torch.int64, device=device)
+    layout = torch.frombuffer(bytearray(packed.layout_bytes), dtype=torch.uint8).to(device)
+    sources = [header, layout, *(bucket.to(device) for bucket in packed.buckets)]
+    receiver = WeightReceiver(1, "nccl", 60.0, _StreamOrderedGroup(sources), store=None, stage_in_host=True)
+    receiver.formed = True  # no communicator to form: the stand-in group has none
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    out: dict = {}
+
+    def receive() -> None:
+        torch.cuda.set_device(device)
+        start = time.perf_counter()
+        if own_stream:
+            _, named = weight_receiver.receive_weights(receiver, in_host=True)
+        else:  # the code before: the default stream, a synchronous copy
+            _, named = weight_receiver._receive_whole(receiver, True, None)
+        out["receive_s"] = time.perf_counter() - start
+        out["named"] = named
+
+    start = time.perf_counter()
+    for _ in range(busy_steps):
+        a = (a @ a).clamp_(-1, 1)
+    thread = threading.Thread(target=receive)
+    thread.start()
+    thread.join(120)
+    torch.cuda.current_stream(device).synchronize()
+    out["busy_s"] = time.perf_counter() - start
+    return out
+
+
+def check_staging_stream(ctx: Context) -> CheckResult:
+    """Item 2 of issue 56: a staged receive must not wait behind the engine's generation on the default stream."""
+    if not ctx.cuda:
+        raise Skip("needs CUDA")
+    import torch
+
+    from horizonrl.learner.weight_broadcast import WeightHub
+
+    named = [(f"layer.{i}.weight", torch.randn(2048, 2048, dtype=torch.bfloat16)) for i in range(16)]  # 128 MiB
+    hub = WeightHub("127.0.0.1", 0, backend="gloo", timeout_s=5, run_id="gpu-check", bucket_bytes=32 << 20)
+    try:
+        packed = hub.pack(1, named)
+    finally:
+        hub.close()
+    # About 1.5 s of matmuls on this GPU: time 20 of them first.
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+    steps = max(20, int(20 * 1.5 / (time.perf_counter() - start)))
+    runs = {mode: _staged_receive_while_busy(mode == "own_stream", packed, steps) for mode in ("own_stream", "default")}
+    exact = all(torch.equal(got, sent) for mode in runs for (_, got), (_, sent) in zip(runs[mode]["named"], named))
+    figures = {mode: {"receive_s": round(r["receive_s"], 3), "default_stream_busy_s": round(r["busy_s"], 3)}
+               for mode, r in runs.items()}
+    figures.update(buckets=len(packed.plan), bytes=packed.nbytes, busy_steps=steps, exact=exact)
+    own, default = runs["own_stream"], runs["default"]
+    ok = exact and own["receive_s"] < 0.5 * own["busy_s"] and default["receive_s"] >= 0.8 * default["busy_s"]
+    return CheckResult("staging_stream", "PASS" if ok else "FAIL", figures,
+                       "the staged receive overlaps the default stream's work; on the default stream it waited")
+
+
 CHECKS: list[Callable[[Context], CheckResult]] = [
     check_dtype_policy, check_mixed_precision_step, check_activation_formula, check_loss_parity, check_peak_memory,
-    check_bucket_broadcast, check_cuda_ipc, check_colocated_handoff, check_colocated_training,
+    check_bucket_broadcast, check_cuda_ipc, check_colocated_handoff, check_colocated_training, check_staging_stream,
 ]
 
 

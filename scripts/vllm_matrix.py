@@ -10,6 +10,7 @@ and, with ``--json``, writes the same facts as data.
     python scripts/vllm_matrix.py                      # every minor release in the declared range
     python scripts/vllm_matrix.py --versions 0.16.0 0.33.0 --json matrix.json
     python scripts/vllm_matrix.py --source /path/to/site-packages --label installed   # a tree already here
+    python scripts/vllm_matrix.py --from-json matrix.json    # the table again from an earlier --json
 
 Cells: ✓ the entry holds, ✗ it does not (the problems are listed under the table), · not applicable (a model
 runner that release does not have). Needed entries stop an engine at start; optional ones are handled in
@@ -108,7 +109,7 @@ def _long(entry) -> bool:
 
 def _label(entry) -> str:
     """The entry's name, a long parameter list shortened (it is spelled out under the table)."""
-    name = entry.name
+    name = entry.name if entry.owner else f"{entry.module}.{entry.name}"  # a module's own function: say whose
     if _long(entry):
         mark = SUPERSCRIPTS[[e for e in ENGINE_API if _long(e)].index(entry)]
         name = f"{entry.owner}({len(entry.parameters)} fields{mark})"
@@ -119,6 +120,8 @@ def _label(entry) -> str:
 def _runner_default(column: dict) -> str:
     if "v2" not in column["runners"]:
         return "no V2"
+    if "v1" not in column["runners"]:
+        return "V2 only"
     if column["v2_runner_decided_by_config"]:
         return "config"
     return f"{column['v2_runner_env_default']!s}"
@@ -141,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, help="read the tree under this directory instead of downloading")
     parser.add_argument("--label", help="the column's name for --source (default: its vllm/_version.py)")
     parser.add_argument("--json", type=Path, help="also write the columns as JSON here")
+    parser.add_argument("--from-json", type=Path, help="print the table of an earlier --json (nothing downloaded)")
     args = parser.parse_args(argv)
-    if args.source is not None:
+    if args.from_json is not None:
+        columns = json.loads(args.from_json.read_text())
+    elif args.source is not None:
         columns = [read_release(args.source, args.label)]
     else:
         columns = []

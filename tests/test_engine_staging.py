@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fake_engine_rpc import enveloped_rpc
 
 from horizonrl.actors import engine as engine_module
 from horizonrl.actors.engine import RolloutEngine
@@ -34,7 +35,9 @@ class StagingLLM:
         self.answers: list[object] = []  # what each horizonrl_staged_outcome returned
         self.asked = threading.Event()  # a silent receive ends only once asked (so the first answer is "not yet")
 
-    async def collective_rpc(self, method: str, timeout=None, args=()):
+    collective_rpc = enveloped_rpc
+
+    async def direct_rpc(self, method: str, timeout=None, args=()):
         self.rpcs.append(method)
         if method == "horizonrl_stage_weights":
             stage_id, address = args

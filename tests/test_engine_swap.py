@@ -9,6 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from fake_engine_rpc import enveloped_rpc
 
 from horizonrl.actors.engine import RolloutEngine, spans_of_request
 from horizonrl.actors.engine_api import ENGINE_API, EngineApi, EngineVersionError
@@ -79,7 +80,9 @@ class FakeLLM:
     async def resume_generation(self):
         self.resumed.set()
 
-    async def collective_rpc(self, method, timeout=None, args=()):
+    collective_rpc = enveloped_rpc
+
+    async def direct_rpc(self, method, timeout=None, args=()):
         self.rpcs.append(method)
         if method == "horizonrl_output_counts":  # by vLLM's internal ids: ours + "-" + 8 characters
             return [{f"{rid}-0a1b2c3d": len(state["ids"]) for rid, state in self.running.items()
@@ -155,14 +158,14 @@ async def test_a_request_started_during_a_swap_waits_and_runs_on_the_new_weights
     llm = FakeLLM()
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="recompute")
     gate_closed = asyncio.Event()
-    original = llm.collective_rpc
+    original = llm.direct_rpc
 
     async def slow_rpc(method, timeout=None, args=()):
         gate_closed.set()
         await asyncio.sleep(0.05)
         return await original(method, timeout, args)
 
-    llm.collective_rpc = slow_rpc
+    llm.direct_rpc = slow_rpc
     swap = asyncio.ensure_future(engine.load_staged())
     await gate_closed.wait()
     generation = await engine.generate([1], max_tokens=10, temperature=1.0, top_p=1.0, stop_token_ids=[])
@@ -253,7 +256,7 @@ async def test_the_wait_for_the_engine_to_end_its_step_is_not_counted_as_stall()
         await asyncio.sleep(step_s)  # the step in progress ends first
         await pause(**kwargs)
 
-    rpc = llm.collective_rpc
+    rpc = llm.direct_rpc
 
     async def slow_load(method, timeout=None, args=()):
         if method != "horizonrl_output_counts":
@@ -261,7 +264,7 @@ async def test_the_wait_for_the_engine_to_end_its_step_is_not_counted_as_stall()
         return await rpc(method, timeout, args)
 
     llm.pause_generation = pause_after_a_step
-    llm.collective_rpc = slow_load
+    llm.direct_rpc = slow_load
     update = await engine.load_staged()
     await asyncio.gather(*requests)
     assert update.pause_wait_s >= step_s and update.stall_s >= load_s, update
@@ -377,14 +380,14 @@ async def test_with_vllms_labels_kept_requests_are_tagged_without_the_model_runn
     is kept like the others."""
     llm = FakeLLM(labels=True)
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep", api=VLLM_0_33)
-    rpc = llm.collective_rpc
+    rpc = llm.direct_rpc
 
     async def no_request_states(method, timeout=None, args=()):
         if method == "horizonrl_output_counts":
             raise AttributeError("'GPUModelRunner' object has no attribute 'requests'")  # Model Runner V2
         return await rpc(method, timeout, args)
 
-    llm.collective_rpc = no_request_states
+    llm.direct_rpc = no_request_states
     kwargs = dict(max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[])
     requests = [asyncio.ensure_future(engine.generate([1, 2, 3], **kwargs)) for _ in range(4)]
     while engine.clock.in_flight < 4 or any(len(state["ids"]) < 5 for state in llm.running.values()):
@@ -423,14 +426,14 @@ async def test_a_model_runner_without_what_the_updates_need_is_refused_at_the_fi
     """Before vLLM 0.32, keep counts tokens in the V1 runner's request states; a worker on Model Runner V2 (asked
     for by hand) is refused at the first join, before any weights move, naming what is missing and the way out."""
     llm = FakeLLM()
-    rpc = llm.collective_rpc
+    rpc = llm.direct_rpc
 
     async def runner_facts(method, timeout=None, args=()):
         if method == "horizonrl_model_runner":
             return [{"runner": runner, "class": "GPUModelRunner", "holds_requests": holds_requests}]
         return await rpc(method, timeout, args)
 
-    llm.collective_rpc = runner_facts
+    llm.direct_rpc = runner_facts
     engine = RolloutEngine(llm, on_gpu=False, on_weight_update="keep", api=VLLM_0_31)
     join = engine.join_weights("127.0.0.1", 1, actor=0, run_id="r", timeout_s=5)
     if refused:

@@ -63,7 +63,7 @@ def test_an_older_reload_weights_is_refused_with_version_and_range():
     assert "GPUModelRunner.reload_weights(weights_iterator=, is_checkpoint_format=): the installed one takes " \
            "(no parameters), without weights_iterator, is_checkpoint_format" in message
     assert f"vllm{SUPPORTED_VLLM}" in message
-    assert message.count("\n  - ") == 2  # one per runner; the other entries are fine
+    assert message.count("\n  - ") == 3  # the range, then one per runner; the other entries are fine
 
 
 def test_every_re_signed_or_missing_entry_is_listed():
@@ -260,3 +260,16 @@ def test_without_the_stat_loggers_the_engine_starts_without_them(monkeypatch):
     STARTED_WITH.clear()
     engine, _ = started_engine_args(monkeypatch, 1, None)
     assert "stat_loggers" not in STARTED_WITH[-1] and engine.load.reports == 0
+
+
+@pytest.mark.parametrize("version", ["0.35.0", "0.15.1", "unknown"])
+def test_a_version_outside_the_checked_range_is_refused_even_with_every_entry(version):
+    tree = resigned({"vllm._version": [(r"__version__ = version = '[^']*'", f"__version__ = version = '{version}'")]})
+    with pytest.raises(EngineVersionError) as info:
+        check_engine_api(tree)
+    assert f"vLLM {version} is outside the range" in str(info.value) and SUPPORTED_VLLM in str(info.value)
+
+
+def test_a_local_build_in_the_range_is_accepted():
+    tree = resigned({"vllm._version": [(r"__version__ = version = '[^']*'", "__version__ = version = '0.34.0+cu130'")]})
+    assert check_engine_api(tree).version == "0.34.0+cu130"

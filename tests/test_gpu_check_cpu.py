@@ -27,7 +27,7 @@ def test_cpu_checks_pass_and_cuda_checks_say_skipped(tmp_path):
     status = {check["name"]: check for check in report["checks"]}
     for name in ("dtype_policy", "mixed_precision_step", "activation_formula", "bucket_broadcast"):
         assert status[name]["status"] == "PASS", status[name]
-    for name in ("loss_parity", "peak_memory", "cuda_ipc", "colocated_handoff", "colocated_training"):
+    for name in ("loss_parity", "peak_memory", "cuda_ipc", "colocated_handoff", "colocated_training", "staging_stream"):
         assert status[name]["status"] == "SKIPPED" and "CUDA" in status[name]["note"], status[name]
     step = status["mixed_precision_step"]["figures"]["tiny"]
     assert step["param_dtypes"] == ["torch.float32"] and step["compute_input_dtype"] == "torch.bfloat16"

@@ -3,13 +3,18 @@
 vLLM upgrades rename things (weight-update RPCs, engine arguments); keeping every call
 here means an upgrade touches one file. Generation is token-in/token-out: the prompt
 is token ids, and the result is the generated token ids with the behaviour policy's
-log-probabilities of exactly those tokens (``processed_logprobs``: after temperature,
-so they match ``log_softmax(logits / T)`` computed by the learner).
+log-probabilities of exactly those tokens (``processed_logprobs``: of the distribution vLLM sampled
+from, after temperature and top-p, so they match ``log_softmax(nucleus_p(logits / T))`` computed by the
+learner, ``learner/policy_loss.py``). The engine sets no other sampling setting (top-k, min-p, penalties:
+the config refuses them, ``core/config.py`` ``UNREPRODUCED_SAMPLING``); vLLM's generation config of the
+model adds only its end-of-sequence ids to a request (read in 0.16-0.34's
+``SamplingParams.update_from_generation_config``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -23,13 +28,20 @@ from horizonrl.actors.concurrency import EngineLoad, load_logger_factory
 from horizonrl.actors.engine_api import ENGINE_LOAD_KEYS, EngineApi, EngineVersionError, check_engine_api
 from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.programs import VLLM_WORKER_EXTENSION
-from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
+from horizonrl.protocol.worker_replies import RpcReply, StageOutcome, WorkerReply
 from horizonrl.core.runtime import BusyClock
 
 log = logging.getLogger("horizonrl.actors.engine")
 
 SUBMIT_WAIT_S = 60.0  # a weight swap waits this long at most for requests being submitted
 STAGED_ASK_AFTER_MS = 10_000  # a staging worker's word this late: ask it directly (stage_weights)
+# Every call into the workers carries a deadline (absolute); vLLM's executor is given this much more to bring the
+# answer (a bucket's load after the last wait, the reply's way back), so it never gives up on an answer that comes.
+RPC_REPLY_MARGIN_S = 30.0
+# A join forms a group with the learner (which admits members one at a time) and then takes a whole version: its
+# deadline is this many weight-sync timeouts.
+JOIN_DEADLINE_TIMEOUTS = 2
+ECHO_READS_MAX = 8  # answers still queued behind late ones that one call reads at most (RolloutEngine._rpc)
 # At shutdown vLLM sends its engine process SIGTERM and kills it (with its workers) after a grace period, 5 s by
 # default. On the CPU the processes hold nothing to release, and their teardown alone outlasts those 5 s (the
 # worker's interpreter exit ~3 s, then the engine process's): each vLLM-CPU engine stopped in 5 s and a kill.
@@ -169,6 +181,9 @@ class RolloutEngine:
         self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
         self.kept_requests = 0  # requests a swap kept in the engine (on_weight_update=keep)
         self.lost_stage_messages = 0  # staged receives whose end the workers' message never told (stage_weights)
+        self._calls = 0  # the number of the last call into the workers (_rpc)
+        self._echoes: collections.deque[int] = collections.deque(maxlen=64)  # the numbers of recent echo calls
+        self.stale_replies = 0  # workers' answers to older calls, read late and dropped (_rpc)
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
@@ -362,7 +377,8 @@ class RolloutEngine:
         args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ),
                 connect_timeout_s)
         await self._check_model_runner()
-        return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
+        return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub",
+                                                         JOIN_DEADLINE_TIMEOUTS * timeout_s, args))
 
     async def _check_model_runner(self) -> None:
         """Once, before the first weights move: the model runner vLLM gave the workers has what a weight update
@@ -370,7 +386,7 @@ class RolloutEngine:
         Which runner a worker gets is vLLM's choice at start, so this cannot be known earlier."""
         if self._runner_checked:
             return
-        facts = await self._llm.collective_rpc("horizonrl_model_runner", timeout=SUBMIT_WAIT_S)
+        facts = await self._rpc("horizonrl_model_runner", SUBMIT_WAIT_S)
         problems = []
         for fact in facts:
             problems += self.api.runner_problems(fact["runner"])
@@ -409,23 +425,23 @@ class RolloutEngine:
             self._staged_address = f"ipc://{tempfile.gettempdir()}/horizonrl-staged-{os.getpid()}-{id(self):x}"
             self._staged.bind(self._staged_address)
         self._stage_id += 1
-        started = await self._llm.collective_rpc("horizonrl_stage_weights", timeout=60,
-                                                 args=(self._stage_id, self._staged_address))
-        agreed_update(started)  # every worker started its thread
+        started = await self._rpc("horizonrl_stage_weights", 60, (self._stage_id, self._staged_address))
+        agreed_update(started)  # every worker started its thread, or takes the version from TP rank 0 at the load
+        stagers = sum(WorkerReply.from_wire(reply).stages for reply in started)
         outcomes: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s + 30  # each worker's collectives time out after timeout_s
-        while len(outcomes) < len(started):
+        while len(outcomes) < stagers:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise WeightSyncError(f"{len(started) - len(outcomes)} of the engine's {len(started)} workers did "
+                raise WeightSyncError(f"{stagers - len(outcomes)} of the engine's {stagers} staging workers did "
                                       f"not say within {timeout_s + 30:.0f} s whether the next version arrived")
             if not await self._staged.poll(min(left_ms, STAGED_ASK_AFTER_MS)):
                 # Their message is late. A lost one would cost the weight-sync timeout: the worker has the version
                 # and the learner its acknowledgement, while the actor waits it out and the learner's next version
                 # waits for the actor (minutes of a run). Ask the workers whether they are done.
-                asked = await self._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(self._stage_id,))
+                asked = await self._rpc("horizonrl_staged_outcome", 60, (self._stage_id,))
                 ended = {o.worker: o.reply for o in (StageOutcome.from_wire(a) for a in asked if a is not None)}
-                if len(ended) == len(started):
+                if len(ended) == stagers:
                     log.warning("staged receive %d ended %.0f s ago or more with no word from its workers; "
                                 "took their outcome from them", self._stage_id, STAGED_ASK_AFTER_MS / 1000)
                     self.lost_stage_messages += 1
@@ -513,7 +529,7 @@ class RolloutEngine:
 
     async def _change_counting_tokens(self, change) -> WeightUpdate:
         """The worker's part of a kept swap where vLLM does not label tokens (see above)."""
-        [generated, *_] = await self._llm.collective_rpc("horizonrl_output_counts", timeout=SUBMIT_WAIT_S)
+        [generated, *_] = await self._rpc("horizonrl_output_counts", SUBMIT_WAIT_S)
         # vLLM's internal id is ours + "-" + 8 characters of its own (ours are hex, no "-")
         generated = {internal.rsplit("-", 1)[0]: int(count) for internal, count in generated.items()}
         await self._cut_off_requests([r for r in self._in_flight if r not in generated])
@@ -526,10 +542,54 @@ class RolloutEngine:
         return update
 
     async def _worker_rpc(self, method: str, timeout_s: float, args: tuple) -> WeightUpdate:
-        """``method`` in every worker of the engine (one per tensor-parallel rank), each with its own membership
-        of the weight hub; all must report the same version (:func:`agreed_update`). A failure inside a worker
+        """``method`` in every worker of the engine (one per tensor-parallel rank; TP rank 0 is the engine's member
+        of the weight hub and relays to the others); all must report the same version (:func:`agreed_update`). A
+        failure inside a worker
         (the learner gone, a timeout) is raised here; the worker itself carries on."""
-        return agreed_update(await self._llm.collective_rpc(method, timeout=timeout_s + 30, args=args))
+        return agreed_update(await self._rpc(method, timeout_s, args))
+
+    async def _rpc(self, method: str, timeout_s: float, args: tuple = ()) -> list:
+        """``method(*args)`` in every worker (through ``vllm_worker``'s ``horizonrl_call``): what each returned, in
+        rank order. The worker ends every wait of a weight transfer by the deadline ``timeout_s`` from now;
+        vLLM's executor is given :data:`RPC_REPLY_MARGIN_S` more, so it does not give up on an answer that comes.
+
+        Should it give up all the same (a worker stuck where no deadline reaches, with tensor parallelism; TP = 1
+        has no executor time-out), the late answer stays queued and the next RPC reads it (0.33
+        ``multiproc_executor.py:466,503-509``). So each call has a number, echoed in every answer: an answer to an
+        older call is dropped (``stale_replies``), and that worker's answer to this call, queued behind it, is
+        read with ``horizonrl_echo`` calls. A worker once behind stays one answer behind (every call sends one
+        request to each worker and reads one answer from each), so from then on each call costs one echo call
+        more (milliseconds). RuntimeError when a worker's method raised."""
+        self._calls += 1
+        call = self._calls
+        deadline = time.time() + timeout_s
+        answers: dict[int, RpcReply] = {}
+        replies = await self._llm.collective_rpc("horizonrl_call", timeout=timeout_s + RPC_REPLY_MARGIN_S,
+                                                 args=(call, deadline, method, list(args)))
+        for _ in range(ECHO_READS_MAX):
+            for index, wire in enumerate(replies):
+                reply = RpcReply.from_wire(wire)
+                if reply.call == call and index not in answers:
+                    answers[index] = reply
+                elif reply.call < call and reply.call not in self._echoes:
+                    self.stale_replies += 1
+                    log.warning("worker %d answered call %d late (an RPC vLLM gave up on); dropped it, reading on "
+                                "(each later call reads one answer more: one echo call)", index, reply.call)
+            if len(answers) == len(replies):
+                break
+            # The missing answers are queued behind late ones: each call reads one answer per worker.
+            self._calls += 1
+            self._echoes.append(self._calls)
+            replies = await self._llm.collective_rpc("horizonrl_call", timeout=RPC_REPLY_MARGIN_S,
+                                                     args=(self._calls, deadline, "horizonrl_echo", []))
+        if len(answers) != len(replies):
+            raise RuntimeError(f"{method}: {len(replies) - len(answers)} of the engine's {len(replies)} workers did "
+                               f"not answer call {call} within {ECHO_READS_MAX} reads")
+        errors = {index: reply.error for index, reply in answers.items() if reply.error}
+        if errors:
+            raise RuntimeError(f"{method} failed in {len(errors)} of the engine's {len(replies)} workers: "
+                               + "; ".join(f"worker {index}: {error}" for index, error in sorted(errors.items())))
+        return [answers[index].payload for index in range(len(replies))]
 
     @property
     def dead(self) -> bool:

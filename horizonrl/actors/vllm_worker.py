@@ -1,11 +1,12 @@
 """Code that runs inside the vLLM worker process (``worker_extension_cls``).
 
 vLLM mixes this class into its Worker, so ``self`` is the worker. Methods are called
-from the actor with ``collective_rpc("horizonrl_...")``, which runs them in *every* worker of
-the engine: with tensor parallelism each worker is its own member of the learner's weight hub
-(``WeightJoin.worker`` = its rank), receives the full tensors and lets vLLM's loader keep its
-shard. Kept apart from ``engine.py`` because it executes in another process; both are the
-only vLLM-specific modules.
+from the actor through ``collective_rpc("horizonrl_call", ...)`` (a call number and a deadline, see
+:meth:`WeightReceiverExtension.horizonrl_call`), which runs them in *every* worker of the engine:
+with tensor parallelism TP rank 0 alone is the engine's member of the learner's weight hub and
+relays each version to the other workers over vLLM's tensor-parallel group (``tp_relay.py``); every
+worker hands the full tensors to vLLM's loader, which keeps its shard. Kept apart from ``engine.py``
+because it executes in another process; both are the only vLLM-specific modules.
 
 Two ways to take a version. *Staged* (what the actor does): ``horizonrl_stage_weights`` starts a
 thread that receives the whole version into a staging buffer (the model's size in the engine's
@@ -32,12 +33,13 @@ the tensor-parallel test of tests/integration/test_engine_weights.py does).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import time
 
-from horizonrl.protocol.worker_replies import WorkerReply
+from horizonrl.protocol.worker_replies import RpcReply, WorkerReply
 
 log = logging.getLogger("horizonrl.actors.worker")
 
@@ -107,14 +109,51 @@ def load_by_reload(worker, named_tensors) -> None:
             quant_method.process_weights_after_loading(lm_head)
 
 
+def torch_device(backend: str):
+    """The device a weight transfer over ``backend`` moves memory on (NCCL: this worker's GPU)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def bucket_views(buckets):
+    """``(name, tensor)`` of each ``(bucket, bytes)``: views into the bytes."""
+    from horizonrl.actors.tp_relay import view
+
+    for bucket, data in buckets:
+        yield from ((entry.name, view(data, entry)) for entry in bucket.entries)
+        del data
+
+
 keep_unpacked_cpu_linear_weights()
 
 
 class WeightReceiverExtension:
-    """Every weight method returns a ``WorkerReply`` in its wire form (protocol/worker_replies.py) and never
-    raises: with several workers, vLLM's executor answers an RPC with the first worker's exception and leaves
-    the other workers' replies queued, so the *next* RPC would read a stale failure. ``engine.agreed_update``
-    raises for any worker's error."""
+    """The engine calls every method through :meth:`horizonrl_call`, which carries the call's number and its
+    deadline in, and answers with an ``RpcReply`` (protocol/worker_replies.py) that names the call and never
+    raises: with several workers, vLLM's executor answers an RPC with the first worker's exception, or gives up at
+    its timeout, and leaves the other workers' replies queued, so the *next* RPC would read them as its own. The
+    engine drops an answer to an older call (``RolloutEngine._rpc``). Every weight method's payload is a
+    ``WorkerReply`` in its wire form; ``engine.agreed_update`` raises for any worker's error."""
+
+    def horizonrl_call(self, call: int, deadline: float, method: str, args: list) -> list:
+        """Run ``method(*args)`` as the engine's call number ``call``; every wait of a weight transfer in it ends
+        by ``deadline`` (absolute, ``time.time()``), which the engine sets before the RPC's own timeout, so the
+        answer comes before vLLM gives up on it. Returns ``RpcReply(call, what it returned, error)`` in wire form."""
+        if not method.startswith("horizonrl_") or method == "horizonrl_call" or not callable(getattr(self, method, 0)):
+            return RpcReply(call, None, f"not a method of the weight receiver: {method!r}").wire()
+        self._horizonrl_deadline = deadline  # read by this call's weight methods (this thread: vLLM's worker loop)
+        try:
+            return RpcReply(call, getattr(self, method)(*args)).wire()
+        except Exception as exc:  # noqa: BLE001 - reported in the reply (the class docstring)
+            log.warning("worker %d: %s (call %d) failed: %s", self._horizonrl_worker_rank(), method, call, exc)
+            return RpcReply(call, None, f"{type(exc).__name__}: {exc}").wire()
+        finally:
+            self._horizonrl_deadline = None
+
+    def horizonrl_echo(self) -> None:
+        """Nothing: the engine calls it to read an answer still queued behind a late one (``RolloutEngine._rpc``)."""
+        return None
 
     def horizonrl_join_weight_hub(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
                                   backend: str, connect_timeout_s: float | None = None) -> list:
@@ -182,14 +221,16 @@ class WeightReceiverExtension:
     def _horizonrl_reply(self, method, *args) -> list:
         rank = self._horizonrl_worker_rank()
         try:
-            version, epoch, receive_s, load_s = method(*args)
-            return WorkerReply(version, epoch, receive_s, load_s, rank).wire()
+            version, epoch, receive_s, load_s, *stages = method(*args)
+            return WorkerReply(version, epoch, receive_s, load_s, rank, "", *stages).wire()
         except Exception as exc:  # noqa: BLE001 - reported to the actor in the reply (see the class docstring)
             log.warning("worker %d: weight update failed: %s", rank, exc)
             return WorkerReply(-1, -1, 0.0, 0.0, rank, f"{type(exc).__name__}: {exc}").wire()
 
     def _horizonrl_join(self, host: str, port: int, actor: int, run_id: str, timeout_s: float,
                         backend: str, connect_timeout_s: float | None = None) -> tuple[int, int, float, float]:
+        """TP rank 0 (or the only worker) joins the hub; with tensor parallelism the other ranks take each version
+        from rank 0 over the engine's own group (``tp_relay.py``), in the same RPC."""
         from horizonrl.actors.weight_receiver import join_weight_hub
 
         previous = getattr(self, "_horizonrl_receiver", None)
@@ -206,45 +247,110 @@ class WeightReceiverExtension:
                 log.warning("worker %d: staged receive %d still waits on the old membership; joining without it",
                             self._horizonrl_worker_rank(), staging.stage_id)
             self._horizonrl_staging = None
-        self._horizonrl_receiver = join_weight_hub(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s,
-                                                   backend=backend, worker=self._horizonrl_worker_rank(),
-                                                   connect_timeout_s=connect_timeout_s)
+        device = torch_device(backend)
+        self._horizonrl_tp = self._horizonrl_tensor_parallel(device, timeout_s)
+        if self._horizonrl_tp is None or self._horizonrl_tp.rank == 0:
+            with self._horizonrl_relay_guard() as relay:
+                self._horizonrl_receiver = join_weight_hub(
+                    host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, backend=backend,
+                    worker=self._horizonrl_worker_rank(), connect_timeout_s=connect_timeout_s,
+                    deadline=self._horizonrl_call_deadline())
+                return self._horizonrl_receive(relay=relay)
         return self._horizonrl_receive()
 
-    def _horizonrl_receive(self, whole: bool = False) -> tuple[int, int, float, float]:
+    @contextlib.contextmanager
+    def _horizonrl_relay_guard(self):
+        """TP rank 0's relay for one call (None without tensor parallelism); if the call fails before the relay
+        began, the other ranks are told there is no version, so that none of them waits for one."""
+        from horizonrl.actors.tp_relay import RankZeroRelay
+
+        tp = getattr(self, "_horizonrl_tp", None)
+        relay = RankZeroRelay(tp, self._horizonrl_call_deadline()) if tp is not None and tp.rank == 0 else None
+        try:
+            yield relay
+        except Exception:
+            if relay is not None:
+                relay.abort()
+            raise
+
+    def _horizonrl_tensor_parallel(self, device, timeout_s: float):
+        """The engine's tensor-parallel group (``tp_relay.TensorParallelGroup``), None without one. A test stands
+        a group of its own in here."""
+        from horizonrl.actors.tp_relay import vllm_tensor_parallel_group
+
+        return vllm_tensor_parallel_group(device, timeout_s)
+
+    def _horizonrl_following(self):
+        """This worker's tensor-parallel group when it takes versions from TP rank 0, else None."""
+        tp = getattr(self, "_horizonrl_tp", None)
+        return tp if tp is not None and tp.rank > 0 else None
+
+    def _horizonrl_follow(self, tp, deadline) -> tuple[int, int, float, float]:
+        """Load the version TP rank 0 relays (the receive is the relay: its time counts as loading)."""
+        from horizonrl.actors.tp_relay import follow
+        from horizonrl.actors.weight_receiver import reusable_buffer
+
+        pool = self.__dict__.setdefault("_horizonrl_relay_buffers", [])
+        start = time.perf_counter()
+        layout, named = follow(tp, lambda nbytes: reusable_buffer(pool, nbytes, tp.device), deadline)
+        self._horizonrl_load_all(named)
+        return layout.version, layout.epoch, 0.0, time.perf_counter() - start
+
+    def _horizonrl_receive(self, whole: bool = False, relay=None) -> tuple[int, int, float, float]:
         """Receive one version and load it in place; returns (version, epoch, receive seconds, load seconds).
 
         By default bucket by bucket: vLLM's loader consumes each bucket's tensors before the next
         bucket is received (extra memory about one bucket plus a layer's weights, which vLLM's
         layerwise reload holds until the layer is complete). ``whole``: receive every bucket first,
-        then load (extra memory: the whole model) — kept to measure the two against each other."""
+        then load (extra memory: the whole model) — kept to measure the two against each other. With tensor
+        parallelism rank 0 relays each bucket to the other ranks as it comes (``tp_relay.py``)."""
+        deadline = self._horizonrl_call_deadline()
+        if self._horizonrl_following() is not None:
+            return self._horizonrl_follow(self._horizonrl_tp, deadline)
+        if relay is not None:  # a join's: its guard is the join's
+            return self._horizonrl_receive_relaying(whole, relay, deadline)
+        with self._horizonrl_relay_guard() as relay:
+            return self._horizonrl_receive_relaying(whole, relay, deadline)
+
+    def _horizonrl_receive_relaying(self, whole: bool, relay, deadline) -> tuple[int, int, float, float]:
+        """Rank 0's receive (or the only worker's), relaying each bucket as it comes where ``relay`` is given."""
+        from horizonrl.actors.tp_relay import host_buckets, host_plan
         from horizonrl.actors.weight_receiver import open_weight_stream, receive_weights
 
+        receiver = self._horizonrl_receiver
         start = time.perf_counter()
-        if self._horizonrl_receiver.backend == "cuda_ipc":
-            stream = self._horizonrl_receiver.open_stream()  # waits for the announcement, maps the buffer
+        if receiver.backend == "cuda_ipc":
+            stream = receiver.open_stream()  # waits for the announcement, maps the buffer
             layout = stream.layout
             receive_s = time.perf_counter() - start
             self._horizonrl_load(iter(stream))  # each bucket is read in place, then acknowledged
             stream.finish()  # the last acknowledgement: "loaded"
         elif whole:
-            layout, named = receive_weights(self._horizonrl_receiver)
+            layout, named = receive_weights(receiver, deadline=deadline)
             receive_s = time.perf_counter() - start
-            self._horizonrl_load(iter(named))
+            if relay is not None:
+                named = relay.stream(layout, receiver.bucket_bytes, host_plan(layout, receiver.bucket_bytes),
+                                     host_buckets(layout, named, receiver.bucket_bytes, receiver.stream_bucket,
+                                                  receiver.host_staging))
+            self._horizonrl_load_all(named)
         else:
-            stream = open_weight_stream(self._horizonrl_receiver)
+            stream = open_weight_stream(receiver, deadline)
             layout = stream.layout
             stream.prefetch()  # one bucket (small models): all of it is here before the engine changes
             opened_s = time.perf_counter() - start - stream.receive_s
-            self._horizonrl_load(iter(stream))
+            named = iter(stream) if relay is None else relay.stream(layout, receiver.bucket_bytes, stream.plan,
+                                                                    stream.buckets())
+            self._horizonrl_load_all(named)
             stream.finish()  # acknowledges after the load: the learner's ack means "in the engine"
             receive_s = opened_s + stream.receive_s  # header, layout and buckets; the rest is loading
         total_s = time.perf_counter() - start
         return layout.version, layout.epoch, receive_s, total_s - receive_s
 
-    def _horizonrl_start_staging(self, stage_id: int, notify_address: str) -> tuple[int, int, float, float]:
+    def _horizonrl_start_staging(self, stage_id: int, notify_address: str) -> tuple:
         from horizonrl.actors.weight_receiver import StagedReceive
 
+        if self._horizonrl_following() is not None:
+            return -1, -1, 0.0, 0.0, False  # TP rank 0 stages; this rank takes the version from it at the load
         staging = getattr(self, "_horizonrl_staging", None)
         if staging is not None and staging.thread.is_alive():
             if staging.adopt(stage_id, notify_address):
@@ -266,14 +372,40 @@ class WeightReceiverExtension:
         return -1, -1, 0.0, 0.0
 
     def _horizonrl_load_staging(self) -> tuple[int, int, float, float]:
-        staging = getattr(self, "_horizonrl_staging", None)
-        if staging is None or staging.layout is None:
-            raise RuntimeError("no staged version to load")
-        start = time.perf_counter()
-        self._horizonrl_load(iter(staging.named))
-        load_s = time.perf_counter() - start
+        """Load the staged version. In host memory (a GPU's): bucket by bucket through one pinned 64 MiB buffer into a
+        device buffer, relayed to the other TP ranks where there are some; on the CPU straight from the host."""
+        from horizonrl.actors.tp_relay import host_buckets, host_plan
+
+        tp = self._horizonrl_following()
+        if tp is not None:
+            return self._horizonrl_follow(tp, self._horizonrl_call_deadline())
+        with self._horizonrl_relay_guard() as relay:
+            staging = getattr(self, "_horizonrl_staging", None)
+            if staging is None or staging.layout is None:
+                raise RuntimeError("no staged version to load")
+            receiver = self._horizonrl_receiver
+            start = time.perf_counter()
+            if relay is None and receiver.device.type == "cpu":
+                self._horizonrl_load(iter(staging.named))
+            else:
+                size = receiver.bucket_bytes
+                buckets = host_buckets(staging.layout, staging.named, size, receiver.stream_bucket,
+                                       receiver.host_staging)
+                named = (bucket_views(buckets) if relay is None
+                         else relay.stream(staging.layout, size, host_plan(staging.layout, size), buckets))
+                self._horizonrl_load_all(named)
+            load_s = time.perf_counter() - start
         self._horizonrl_staging = None  # its buffer is the receiver's, reused by the next version
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
+
+    def _horizonrl_load_all(self, named) -> None:
+        """Load ``named``, then take whatever the loader left of it: with tensor parallelism every rank must see
+        every bucket of the relay, or the others wait for it."""
+        try:
+            self._horizonrl_load(named)
+        finally:
+            for _ in named:
+                pass
 
     def _horizonrl_load(self, named_tensors) -> None:
         # Only vLLM-CPU packs layers, so the model says which path applies; nothing here imports vLLM on the
@@ -286,6 +418,10 @@ class WeightReceiverExtension:
         else:
             load_by_reload(self, named_tensors)
             self._horizonrl_load_path = "reload"
+
+    def _horizonrl_call_deadline(self) -> float | None:
+        """The deadline of the engine's call being run (None: called directly, as gpu_check does)."""
+        return getattr(self, "_horizonrl_deadline", None)
 
     def _horizonrl_worker_rank(self) -> int:
         """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""

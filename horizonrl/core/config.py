@@ -198,6 +198,38 @@ class RolloutConfig(_Frozen):
     engine: EngineConfig = EngineConfig()
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _only_sampling_the_learner_reproduces(cls, data: Any) -> Any:
+        """Sampling settings of vLLM's other than temperature and top_p, which users of verl / AgentGym-RL bring:
+        accepted at the value that turns them off (and dropped), refused otherwise. The importance ratio divides the
+        learner's probability of each token by the engine's, of the distribution it sampled from (vLLM's
+        processed_logprobs: after temperature, top-k, top-p, min-p and penalties); the learner reproduces temperature
+        and top_p (learner/policy_loss.py nucleus_logits), so any other setting would bias every ratio silently."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key, off in UNREPRODUCED_SAMPLING.items():
+            if key in data:
+                value = data.pop(key)
+                if value not in off:
+                    raise ValueError(
+                        f"rollout.{key}={value!r} is not supported: the engine's logprobs of a token are those of the "
+                        f"distribution it sampled from, and the learner reproduces temperature and top_p only (the "
+                        f"importance ratio would be biased on every token); remove it, or set it to "
+                        f"{' or '.join(repr(v) for v in off)} (off)")
+        return data
+
+
+# vLLM's sampling settings the learner does not reproduce, with the values that turn each off.
+UNREPRODUCED_SAMPLING: dict[str, tuple] = {
+    "top_k": (-1, 0, None),
+    "min_p": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+}
+
 
 class RoundsCtrlConfig(_Frozen):
     """The max-turn budget schedule (AgentGym-RL's ``algorithm.rounds_ctrl``)."""

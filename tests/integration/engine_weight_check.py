@@ -69,7 +69,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     hub.pack(0, weights_to_send(original.config, original.state_dict()))
     hub.start()
     joined = await engine.join_weights("127.0.0.1", port, actor=0, run_id="check", timeout_s=60)
-    members = sorted(hub.members)  # (actor, worker): every worker of the engine is a member
+    members = sorted(hub.members)  # (actor, worker): TP rank 0 alone, which relays to the others (tp_relay.py)
     prompt = chat.prompt_ids("Follow the signs to the exit.\nA sign points left.")
     kwargs = dict(max_tokens=24, temperature=temperature, top_p=1.0, stop_token_ids=[])
     before = await engine.generate(prompt, **kwargs)
@@ -80,7 +80,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     update = await engine.receive_weights(60)
     version, seconds = update.version, update.stall_s
     sender.join()
-    load_paths = await engine._llm.collective_rpc("horizonrl_load_path")  # per worker: how it loaded version 1
+    load_paths = await engine._rpc("horizonrl_load_path", 60)  # per worker: how it loaded version 1
     after = await engine.generate(prompt, **kwargs)
     # Nucleus sampling: the engine's logprobs are over the renormalised nucleus, and so must the learner's be.
     top_p = 0.6
@@ -215,12 +215,15 @@ async def update_in_flight(engine, hub, learner, prompt, temperature, version: i
     staged = await engine.stage_weights(60)
     still_running = sum(not r.done() for r in requests)
     # What the engine asks the real worker when its staging thread's message is late (tests/test_engine_staging.py)
-    asked = await engine._llm.collective_rpc("horizonrl_staged_outcome", timeout=60, args=(engine._stage_id,))
+    # (TP rank 0 alone stages: the other ranks answer None and take the version from it at the load)
+    asked = await engine._rpc("horizonrl_staged_outcome", 60, (engine._stage_id,))
+    asked_ranks = [rank for rank, outcome in enumerate(asked) if outcome is not None]
     update = await engine.load_staged()
     sender.join()
     generations = await asyncio.gather(*requests)
     result = {"staged": [staged.epoch, staged.version], "running_at_swap": still_running,
-              "asked": [[outcome[2], outcome[1]] for outcome in asked],
+              "asked": [[outcome[2], outcome[1]] for outcome in asked if outcome is not None],
+              "asked_ranks": asked_ranks,
               "loaded": [update.epoch, update.version], "stall_s": update.stall_s, "lengths": [],
               "finish_reasons": [], "spans": [], "old_span_vs_v1": 0.0, "new_span_vs_v2": 0.0,
               "new_span_vs_v1": 0.0, "new_span_ratio_vs_1": 0.0, "old_span_ratio_error": 0.0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_engine_rpc import enveloped_rpc
 
 from horizonrl.actors.engine import RolloutEngine, WeightUpdateMismatch, agreed_update
 from horizonrl.protocol.weights import WeightSyncError
@@ -20,7 +21,9 @@ class FakeLLM:
         self.calls: list[tuple] = []
         self.prefix_resets = 0
 
-    async def collective_rpc(self, method, timeout=None, args=()):
+    collective_rpc = enveloped_rpc
+
+    async def direct_rpc(self, method, timeout=None, args=()):
         self.calls.append((method, timeout, args))
         return self.replies
 
