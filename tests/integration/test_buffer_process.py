@@ -66,8 +66,10 @@ class Run:
         return make_trajectory(group, index, run_id=self.run_id, **kw)
 
     def publish(self, weight_version, weight_epoch=0):
+        # signed with the run's key, as the coordinator's is: the buffer ignores any other Control
         self.control.send(encode(Control(run_id=self.run_id, learner_step=weight_version, max_turns=6,
-                                         weight_version=weight_version, weight_epoch=weight_epoch)))
+                                         weight_version=weight_version, weight_epoch=weight_epoch,
+                                         key=read_run_key(self.config.output_dir))))
 
     def counters(self, predicate, timeout=30):
         def latest():
