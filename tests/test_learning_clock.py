@@ -3,6 +3,8 @@ paired ratios and the bounds a two-core machine puts on them. The runs themselve
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from horizonrl.apps.bench.learning_clock import (
     ARMS,
     checkpoint_steps,
     cpu_times,
+    peer_curve,
+    peer_summary,
     pipeline_bound,
     reach_time,
     run_command,
@@ -69,3 +73,21 @@ def test_every_arm_runs_the_same_config_with_its_own_overrides():
     assert "rollout.synchronous=true" in commands["synchronous"]
     assert "algorithm.rollout_correction.is_level=none" in commands["async_stale"]
     assert "learner.decoupled_loss=true" in commands["async_stale_corrected"]
+
+
+def test_a_peer_is_read_on_its_scripts_clock_and_against_the_baselines_median(tmp_path):
+    """peer_trl.py's heldout.jsonl: the peer's clock counts from its script's start (script_wall_s), like a
+    launch; its curve starts at the shared model's success; it is read against the baseline seeds' medians."""
+    rows = [{"step": 10, "wall_s": 500.0, "script_wall_s": 560.0, "success_rate": 0.5},
+            {"step": 5, "wall_s": 240.0, "script_wall_s": 300.0, "success_rate": 0.3}]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peer = peer_curve(tmp_path, 0.2)
+    assert peer["curve"] == [(0.0, 0.2), (300.0, 0.3), (560.0, 0.5)]
+    base = {str(seed): {"curve": [(0.0, 0.2), (wall, final)]}
+            for seed, (wall, final) in enumerate([(400.0, 0.4), (480.0, 0.35), (600.0, 0.45)])}
+    row = peer_summary(peer, base)
+    # the baseline's median final 0.4 is reached half-way from 300 s (0.3) to 560 s (0.5): 430 s; median wall 480 s
+    assert row["reach_baseline_min"] == pytest.approx(430.0 / 60)
+    assert row["baseline_time_ratio"] == pytest.approx(480.0 / 430.0)
+    assert row["reached"] == "1/1" and row["final_success"] == 0.5
+    assert peer_summary({"curve": [(0.0, 0.2), (300.0, 0.3)]}, base)["reached"] == "0/1"

@@ -173,10 +173,27 @@ def pipeline_bound(generate_s: float, train_s: float) -> float:
     return (generate_s + train_s) / max(generate_s, train_s)
 
 
-def peer_curve(peer_dir: Path) -> dict:
-    """A peer's run written by scripts/peer_trl.py: ``heldout.jsonl`` (step, wall_s, success_rate) per checkpoint."""
+def peer_curve(peer_dir: Path, start_success: float) -> dict:
+    """A peer's run written by scripts/peer_trl.py: ``heldout.jsonl`` (step, wall seconds, success_rate) per
+    checkpoint. Its clock is ``script_wall_s`` where the peer wrote it (since its script began, model loading
+    included, as horizonrl's runs count from their launch); its curve starts, as theirs, at the shared starting
+    model's success."""
     rows = [json.loads(line) for line in (peer_dir / "heldout.jsonl").read_text().splitlines() if line.strip()]
-    return {"curve": [(r["wall_s"], r["success_rate"]) for r in sorted(rows, key=lambda r: r["wall_s"])]}
+    points = sorted((r.get("script_wall_s", r["wall_s"]), r["success_rate"]) for r in rows)
+    return {"curve": [(0.0, start_success), *points]}
+
+
+def peer_summary(peer: dict, base: dict[str, dict]) -> dict:
+    """A peer's one run against the baseline's seeds: its final success and wall time, and the time it took to
+    reach the baseline runs' median final success, with the baseline's median wall time over that."""
+    finals = sorted(r["curve"][-1][1] for r in base.values())
+    walls = sorted(r["curve"][-1][0] for r in base.values())
+    row: dict = {"final_success": peer["curve"][-1][1], "wall_min": peer["curve"][-1][0] / 60, "reached": "0/1"}
+    if finals:
+        t = reach_time(peer["curve"], finals[len(finals) // 2])
+        if t:
+            row.update(reach_baseline_min=t / 60, baseline_time_ratio=walls[len(walls) // 2] / t, reached="1/1")
+    return row
 
 
 def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int, save_every: int, episodes: int,
@@ -260,7 +277,7 @@ def summary(result: dict) -> dict[str, dict]:
 def _cell(value) -> str:
     if isinstance(value, dict) and "median" in value:
         return f"{value['median']:.3g} [{value['min']:.3g}–{value['max']:.3g}]"
-    return str(value)
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -330,9 +347,11 @@ def main(argv: list[str] | None = None) -> None:
     peers = {}
     for item in args.peer:
         name, _, directory = item.partition("=")
-        peers[name] = peer_curve(Path(directory))
+        peers[name] = peer_curve(Path(directory), result["start_success"])
     result["peers"] = peers
     result["summary"] = summary(result)
+    for name, peer in peers.items():  # one run each: its own row, read against the baseline's median
+        result["summary"][name] = peer_summary(peer, result["runs"].get(BASELINE, {}))
     path.write_text(json.dumps(result, indent=1))
     plot(result, peers, args.out / "learning-clock.png")
     print(table(result["summary"]))
