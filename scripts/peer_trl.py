@@ -417,7 +417,7 @@ def train(args: argparse.Namespace) -> int:
     clock = Clock(script_start, None if args.budget_min is None else args.budget_min * 60, max_steps, args.save_every)
     trainer_ref = {"trainer": trainer}
     trainer.add_callback(timeline_callback(trainer_ref, out_dir, clock, player.stats, memory))
-    write_settings(out_dir, args, model, grpo_kwargs)
+    write_settings(out_dir, args, model, grpo_kwargs, trainer)
     print(f"[peer-trl] TRL {grpo_kwargs['num_generations']}x{config.learner.groups_per_step} episodes per step, "
           f"budget {args.budget_min} min, max steps {args.max_steps}, model {model}", flush=True)
     try:
@@ -452,7 +452,9 @@ def build_trainer(config: TrainConfig, model_path: str, grpo_kwargs: dict):
     return trainer, player
 
 
-def write_settings(out_dir: Path, args: argparse.Namespace, model: str, grpo_kwargs: dict) -> None:
+def write_settings(out_dir: Path, args: argparse.Namespace, model: str, grpo_kwargs: dict, trainer: Any) -> None:
+    """What ran: the command, the GRPOConfig, the versions, and how accelerate set up the precision (bf16
+    autocast wraps the model's forward, so TRL's generate runs under it too)."""
     import torch
     import transformers
     import trl
@@ -461,7 +463,9 @@ def write_settings(out_dir: Path, args: argparse.Namespace, model: str, grpo_kwa
         "command": sys.argv, "model": model, "config": str(args.config), "budget_min": args.budget_min,
         "max_steps": args.max_steps, "save_every": args.save_every, "grpo_config": grpo_kwargs,
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}, indent=1))
+        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "mixed_precision": str(trainer.accelerator.mixed_precision), "native_amp": trainer.accelerator.native_amp,
+        "forward_under_autocast": hasattr(trainer.model, "_original_forward")}, indent=1))
 
 
 def print_summary(out_dir: Path, clock: Clock, memory: MemoryPeak) -> int:
