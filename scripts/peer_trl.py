@@ -50,6 +50,9 @@ TIMELINE = "timeline.jsonl"
 HELDOUT = "heldout.jsonl"
 MEMORY_SAMPLE_S = 0.5
 TRL_VERSION = "1.16.0"  # the version read for what follows (rollout_func, env_mask, _generate_single_turn)
+# horizonrl's learner.loss_agg_mode -> TRL's loss_type with the same normaliser: token-mean divides by the loss tokens
+# of the whole step (TRL's "dapo", its default), seq-mean-token-mean averages each sequence first ("grpo").
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
 
 
 # ------------------------------------------------------------------------------------- the settings, mapped
@@ -72,6 +75,10 @@ def check_mappable(config: TrainConfig) -> None:
         raise ValueError("learner.lr_schedule must be constant (a decay would depend on TRL's max_steps)")
     if lc.ppo_epochs != 1 or lc.ppo_mini_batch_size is not None:
         raise ValueError("learner.ppo_epochs=1 and ppo_mini_batch_size=null expected (one update per batch)")
+    if lc.loss_agg_mode not in LOSS_TYPES:
+        raise ValueError(f"learner.loss_agg_mode={lc.loss_agg_mode} has no TRL loss_type (one of {list(LOSS_TYPES)})")
+    if lc.clip_ratio_c is not None or lc.decoupled_loss:
+        raise ValueError("learner.clip_ratio_c and decoupled_loss have no TRL counterpart; leave them unset")
     if (lc.groups_per_step * config.rollout.n) % lc.micro_batch_size:
         raise ValueError("learner.micro_batch_size must divide groups_per_step * rollout.n")
 
@@ -98,8 +105,8 @@ def grpo_arguments(config: TrainConfig, out_dir: Path, max_steps: int, gradient_
         max_grad_norm=lc.grad_clip,
         epsilon=lc.clip_low,
         epsilon_high=lc.clip_high,
-        # horizonrl's token-mean divides by the loss tokens of the whole step: TRL's "dapo" (its default).
-        loss_type={"token-mean": "dapo", "seq-mean-token-mean": "grpo"}[lc.loss_agg_mode],
+        loss_type=LOSS_TYPES[lc.loss_agg_mode],
+        entropy_coef=lc.entropy_coeff,
         scale_rewards="group" if alg.norm_adv_by_std_in_grpo else "none",
         beta=lc.kl_loss_coef if lc.use_kl_loss else 0.0,
         # Sampling: max_completion_length is TRL's max_new_tokens of one generate() call, i.e. one turn here.
@@ -279,8 +286,9 @@ class EpisodePlayer:
         task_ids = task_ids_of(prompts, r.n)
         while len(self.envs) < len(task_ids):
             self.envs.append(self.make_env(spec.name, dict(spec.settings)))
+        # No turn or episode timeout: a lock-step turn lasts as long as the whole batch's generate, and TRL has none.
         sampling = SamplingSettings(r.temperature, r.top_p, r.max_tokens_per_turn, r.max_context_tokens,
-                                    r.system_prompt, r.turn_timeout_s, r.episode_timeout_s)
+                                    r.system_prompt)
         turns = LockstepTurns(lambda batch: trl_generate(trainer, batch), temperature=r.temperature, top_p=r.top_p,
                               max_tokens=r.max_tokens_per_turn, stop_token_ids=self.chat.stop_token_ids)
         started = time.perf_counter()

@@ -160,11 +160,14 @@ def test_the_trl_settings_are_the_configs_where_they_map(peer, config, tmp_path)
     assert (kw["temperature"], kw["top_p"], kw["max_completion_length"]) == (1.0, 1.0, 24)
     assert (kw["epsilon"], kw["epsilon_high"], kw["max_grad_norm"], kw["weight_decay"]) == (0.2, 0.2, 1.0, 0.0)
     assert (kw["loss_type"], kw["scale_rewards"], kw["beta"], kw["num_iterations"]) == ("dapo", "group", 0.0, 1)
+    assert kw["entropy_coef"] == 0.0
     assert kw["bf16"] and kw["use_cpu"] and not kw["use_vllm"] and not kw["gradient_checkpointing"]
     assert kw["max_steps"] == 7 and kw["seed"] == config.run.seed
     for override, message in (("algorithm.adv_estimator=gigpo", "GRPO only"),
                               ("learner.lr_schedule=cosine", "constant"),
-                              ("algorithm.rounds_ctrl.type=scaling_inter_stepwise", "fixed turn budget")):
+                              ("algorithm.rounds_ctrl.type=scaling_inter_stepwise", "fixed turn budget"),
+                              ("learner.loss_agg_mode=seq-mean-token-sum", "no TRL loss_type"),
+                              ("learner.decoupled_loss=true", "no TRL counterpart")):
         with pytest.raises(ValueError, match=message):
             peer.grpo_arguments(load_config(CONFIG, [override]), tmp_path, 7, False)
 
