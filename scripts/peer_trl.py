@@ -432,7 +432,7 @@ def train(args: argparse.Namespace) -> int:
         trainer.train()
     finally:
         memory.stop()
-    return print_summary(out_dir, clock, memory)
+    return print_summary(out_dir, memory)
 
 
 def build_trainer(config: TrainConfig, model_path: str, grpo_kwargs: dict):
@@ -476,7 +476,7 @@ def write_settings(out_dir: Path, args: argparse.Namespace, model: str, grpo_kwa
         "forward_under_autocast": hasattr(trainer.model, "_original_forward")}, indent=1))
 
 
-def print_summary(out_dir: Path, clock: Clock, memory: MemoryPeak) -> int:
+def print_summary(out_dir: Path, memory: MemoryPeak) -> int:
     records = read_jsonl(out_dir / TIMELINE)
     if not records:
         print("[peer-trl] no optimizer step finished", flush=True)
