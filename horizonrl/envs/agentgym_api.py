@@ -28,9 +28,9 @@ What the clients send (read from agentenv's client code):
   "terminated", "truncated", "info"}`` (no ``done``).
 
 What they read: ``id`` (create; WebArena's ``env_idx``), ``observation``, ``reward``, ``score`` (BabyAI
-and SciWorld use ``score`` as the reward), ``done`` (WebArena's ``terminated``); SciWorld's reset also ``task_description`` (the client shows
-``task_description + "\\n" + observation``). AgentGym's servers answer every failure with HTTP 200
-and ``{"error": message}``; its clients assert status 200.
+and SciWorld use ``score`` as the reward), ``done`` (WebArena's ``terminated``); SciWorld's reset also
+``task_description`` (the client shows ``task_description + "\\n" + observation``).
+AgentGym's servers answer every failure with HTTP 200 and ``{"error": message}``; its clients assert status 200.
 """
 
 from __future__ import annotations
