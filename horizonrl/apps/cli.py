@@ -22,6 +22,7 @@ Commands:
   view RUN_DIR                   browse a run's recorded episodes in the browser, live (docs/episodes.md)
   report RUN_DIR [RUN_DIR ...]   learning curves of runs from their TensorBoard events: PNG + table (docs/learning.md)
   env ...                        list / check / serve environments
+  endpoint --model DIR           the OpenAI-compatible endpoint alone in front of one engine (docs/agents.md)
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
 """
@@ -239,6 +240,8 @@ def _add_tiny(sub) -> None:
                                             "format warm-up (see `horizonrl make-warmup-data --help`)")
     sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf "
                                        "--help`)")
+    sub.add_parser("endpoint", help="the OpenAI-compatible endpoint alone in front of one engine (see `horizonrl "
+                                    "endpoint --help`)")
 
 
 def _add_env(sub) -> None:
@@ -477,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.apps.warmup_data import main as warmup_main
 
         return warmup_main(argv[1:])
+    if argv[:1] == ["endpoint"]:
+        from horizonrl.actors.openai_endpoint.standalone import main as endpoint_main
+
+        return endpoint_main(argv[1:])
     if argv[:1] in (["make-model"], ["import-gguf"]):
         from horizonrl.apps.model_import import import_gguf_main, make_model_main
 
