@@ -4,16 +4,32 @@ and an endpoint served on a free port in the test's event loop."""
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Tools in the system turn, tool calls as <tool_call> blocks after the assistant's content, each run of tool
-# results as one user turn of <tool_response> blocks.
+# results as one user turn of <tool_response> blocks. Like some real templates it refuses what it cannot render
+# (raise_exception): here a tool whose parameters are not an object schema.
 HERMES_TOOLS_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{%- for tool in tools %}"
+    "{%- if tool.function.parameters is defined and tool.function.parameters.type is defined"
+    " and tool.function.parameters.type != 'object' %}"
+    "{{- raise_exception('tool ' + tool.function.name + ': parameters must be an object schema') }}"
+    "{%- endif %}"
+    "{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>"
     "<|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
@@ -66,3 +82,64 @@ class ScriptedGenerator:
         logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
         finish = "stop" if ids[-1] in stop_token_ids else "length"
         return Generation(ids, logprobs, finish, [(len(ids), 0, self.version)])
+
+
+_LISTENING = re.compile(r"serving the OpenAI endpoint on (http://127\.0\.0\.1:\d+)")
+
+
+class EndpointProcess:
+    """``horizonrl endpoint`` in its own process on a free port it binds itself (its address read from stderr);
+    ended by its pid with SIGINT."""
+
+    def __init__(self, model_dir: Path, out_dir: Path, *extra: str, key: str | None = None,
+                 timeout_s: float = 180.0) -> None:
+        args = [sys.executable, "-m", "horizonrl.actors.openai_endpoint.standalone", "--model", str(model_dir),
+                "--port", "0", "--out", str(out_dir), *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        if key:
+            env["HORIZONRL_ENDPOINT_KEY"] = key
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        self.log: list[str] = []
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
+        try:
+            self.url = self._wait_for_address(lines, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _drain(self, lines: queue.Queue) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode(errors="replace")
+            self.log.append(line)
+            lines.put(line)
+
+    def _wait_for_address(self, lines: queue.Queue, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                match = _LISTENING.search(lines.get(timeout=0.5))
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if match:
+                return match.group(1)
+        raise TimeoutError(f"the endpoint printed no address within {timeout_s:.0f} s (exit code "
+                           f"{self.proc.poll()}): {''.join(self.log)[-3000:]}")
+
+    def health(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as response:
+            return json.loads(response.read())
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        return self.proc.returncode
