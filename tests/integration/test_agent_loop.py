@@ -48,6 +48,11 @@ def test_an_openai_agent_trains_through_the_whole_system(tiny_model, tmp_path):
         prompt = tokenizer.decode(ids[:t.prompt_length])
         assert '"name": "look"' in prompt and '"name": "act"' in prompt  # the agent's tools, in the prompt
         assert sum(mask) == sum(e - s for s, e in t.turn_spans) and t.text.replies
-    assert any(t.reward > 0 for t in played)  # the environment's rewards, through the agent's act calls
+        # what the agent was told after each act call is the environment's answer (the scripted-model test in
+        # tests/test_openai_endpoint_http.py checks that its rewards are the episode's); the untrained model,
+        # under a tool prompt it never saw, rarely names a valid action
+        assert all(o.startswith(("Invalid action", "Dead end", "A sign points", "You reached the exit"))
+                   for o in t.text.observations), t.text.observations
+        assert t.stop_reason in ("max_turns", "done")
     agent_log = run_dir / "logs" / "agents-actor-0.log"
     assert agent_log.exists() and "Traceback" not in agent_log.read_text()

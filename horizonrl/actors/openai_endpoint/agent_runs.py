@@ -139,11 +139,16 @@ async def _end(proc, grace_s: float) -> None:
             return
         except asyncio.TimeoutError:
             pass
-    proc.terminate()
     try:
+        proc.terminate()
         await asyncio.wait_for(proc.wait(), 5.0)
+    except ProcessLookupError:
+        return  # it exited meanwhile
     except asyncio.TimeoutError:
-        proc.kill()
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            return
         await proc.wait()
 
 

@@ -195,7 +195,8 @@ class EndpointApp:
                 session.failure, session.failure_message = FAILURE_ENVIRONMENT, f"{type(error).__name__}: {error}"
                 raise RequestError(502, f"the environment failed: {type(error).__name__}", "environment_failure",
                                    kind="server_error") from None
-            session.add_env_reward(float(result.reward), result.done, bool(result.success), float(result.score))
+            session.add_env_reward(float(result.reward), result.done, bool(result.success), float(result.score),
+                                   bool((result.info or {}).get("invalid_action")))
             session.last_env_observation = result.observation
         return web.json_response({"observation": result.observation, "reward": result.reward, "done": result.done,
                                   "success": result.success})

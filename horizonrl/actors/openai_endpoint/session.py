@@ -192,8 +192,11 @@ class AgentSession:
 
     # ----------------------------------------------------------------- outcome
 
-    def add_env_reward(self, reward: float, done: bool, success: bool, score: float) -> None:
-        """An environment step's result: its reward goes to the latest model call's turn."""
+    def add_env_reward(self, reward: float, done: bool, success: bool, score: float,
+                       invalid_action: bool = False) -> None:
+        """An environment step's result: its reward goes to the latest model call's turn; an action the
+        environment could not read counts as the agent's invalid action (as in ``episode.py``)."""
+        self.episode.invalid_actions += bool(invalid_action)
         if self.call_rewards:
             self.call_rewards[-1] += reward
         else:
