@@ -173,6 +173,8 @@ class AgentSession:
                 self.branches += 1
             ep.append_context(plan.new_ids)
         self.pending, self.previous, self.previous_text = choices, request, plan.text
+        if ep.stop_reason == STOP_CONTEXT:  # an earlier call did not fit; the agent shortened its history
+            ep.stop_reason = ""
         self.calls += 1
         self.call_rewards.append(0.0)
         self.tool_parse_failures += sum(bool(c.parse_error) for c in choices)
