@@ -244,6 +244,18 @@ async def test_a_tool_call_that_does_not_parse_is_content_counted_and_kept(token
     assert episode.token_ids[slice(*episode.turn_spans[0])] == choice.ids and episode.invalid_actions == 1
 
 
+async def test_tool_call_markup_that_the_tokenizer_makes_special_is_still_parsed(tokenizer):
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<tool_call>",
+                                                              "</tool_call>"]})
+    chat = ChatTokenizer(special)
+    assert chat.tokenizer.convert_tokens_to_ids("<tool_call>") in chat.encode(CALL_ACT)
+    endpoint, _ = endpoint_of(chat, [CALL_ACT])
+    result = await endpoint.complete(endpoint.open_session(), request([{"role": "user", "content": "Go."}],
+                                                                      tools=TOOLS))
+    assert result.choices[0].message.tool_calls[0].arguments == {"action": "turn left"}
+
+
 def test_tool_call_formats():
     hermes = parse_reply("Let me act.\n" + CALL_ACT + "\n<tool_call>\n{\"name\": \"look\", \"arguments\": {}}\n"
                          "</tool_call>", "hermes")

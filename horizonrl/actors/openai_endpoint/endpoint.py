@@ -94,6 +94,8 @@ class AgentEndpoint:
 
     def __post_init__(self) -> None:
         self.renderer = ChatRenderer(self.chat, self.settings.tool_call_format, self.settings.tool_prompt)
+        special = set(getattr(self.chat.tokenizer, "all_special_tokens", ()))
+        self._markup_is_special = bool(special & {"<tool_call>", "</tool_call>", "<|python_tag|>"})
 
     # ---------------------------------------------------------------- sessions
 
@@ -183,6 +185,17 @@ class AgentEndpoint:
         self.stats.tool_parse_failures += sum(bool(c.parse_error) for c in choices)
         return CallResult(session, call_index, plan, choices, weights)
 
+    def reply_text(self, ids: list[int], tools_allowed: bool) -> str:
+        """A reply's text as the agent reads it: without special tokens, except where the tokenizer makes the
+        tool-call markup special (it must stay for the parser to see the calls)."""
+        if tools_allowed and self._markup_is_special:
+            stops = set(self.chat.stop_token_ids)
+            end = len(ids)
+            while end and ids[end - 1] in stops:
+                end -= 1
+            return self.chat.decode(ids[:end], skip_special_tokens=False)
+        return self.chat.decode(ids)
+
     def _sampling(self, request: ChatRequest) -> tuple[float, float]:
         s = self.settings
         if s.temperature is None:
@@ -216,9 +229,9 @@ class AgentEndpoint:
     def _choice(self, session_id: str, call_index: int, index: int, gen, weights: tuple[int, int],
                 request: ChatRequest) -> Choice:
         ids, logprobs, spans = list(gen.token_ids), list(gen.logprobs), list(gen.version_spans)
-        text, stopped = self.chat.decode(ids), gen.finish_reason == "stop"
+        text, stopped = self.reply_text(ids, request.tools_allowed), gen.finish_reason == "stop"
         if request.stop:
-            cut = cut_at_stop(ids, request.stop, self.chat.decode)
+            cut = cut_at_stop(ids, request.stop, lambda part: self.reply_text(part, request.tools_allowed))
             if cut is not None:
                 keep, text = cut
                 ids, logprobs, stopped = ids[:keep], logprobs[:keep], True

@@ -95,6 +95,7 @@ class AgentSession:
     branches: int = 0
     unadopted_choices: int = 0
     tool_parse_failures: int = 0
+    finished: bool = False  # finish() ran: the episode is handed over, no more calls
     failure: str = ""  # not the agent's fault (its environment failed, the agent program crashed or hung)
     failure_message: str = ""
     last_used: float = field(default_factory=time.monotonic)
@@ -104,7 +105,7 @@ class AgentSession:
 
     def check_open_for_call(self) -> None:
         """RequestError unless one more model call may be made (turn budget, environment still going)."""
-        if self.closed is not None and self.closed.done():
+        if self.finished:
             raise RequestError(404, f"session {self.session_id} is closed", "unknown_session")
         if self.env_done:
             raise RequestError(400, "the episode is over: its environment said done; close the session",
@@ -216,6 +217,7 @@ class AgentSession:
 
     def finish(self) -> Episode:
         """End the episode: the last call's choice becomes its last turn, the rewards go on the turns."""
+        self.finished = True
         self._commit_pending(None)
         ep = self.episode
         ep.turn_rewards = list(self.call_rewards[:ep.num_turns])
