@@ -192,3 +192,9 @@ def test_a_key_is_required_off_loopback():
     check_binding("0.0.0.0", "key")
     with pytest.raises(ValueError, match="not loopback"):
         check_binding("0.0.0.0", None)
+
+
+async def test_in_training_only_the_trainer_opens_sessions(served):
+    served.http.open_sessions = False  # as the actor serves it
+    status, answer = await served.post("/v1/sessions", {})
+    assert status == 403 and answer["error"]["code"] == "sessions_closed_to_clients"
