@@ -61,7 +61,7 @@ class AgentRunner:
                                     turn_timeout_s=turn_timeout_s)
         endpoint = AgentEndpoint(generator, chat, settings, weights=weights)
         http = EndpointApp(endpoint, api_key=api_key, max_body_bytes=e.max_body_bytes)
-        runner = web.AppRunner(http.app())
+        runner = web.AppRunner(http.app(), access_log=None)  # a line per model call is noise
         await runner.setup()
         await web.TCPSite(runner, e.host, e.port).start()
         http.public_url = f"http://{e.host}:{runner.addresses[0][1]}"

@@ -109,7 +109,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
                                  on_finished=write)
         http = EndpointApp(endpoint, api_key=api_key, max_body_bytes=args.max_body_bytes, open_sessions=True,
                            make_env=open_env)
-        runner = web.AppRunner(http.app())
+        runner = web.AppRunner(http.app(), access_log=None)  # a line per model call is noise
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         port = runner.addresses[0][1]
