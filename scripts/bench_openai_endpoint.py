@@ -1,7 +1,8 @@
 """The OpenAI endpoint's overhead: generated tokens/s of agents through it against the same episodes played by
 direct engine calls, side by side on one engine, as a ratio.
 
-    python scripts/bench_openai_endpoint.py [--model DIR] [--dtype D] [--sessions 32] [--turns 5] [--max-tokens 32] [--rounds 2]
+    python scripts/bench_openai_endpoint.py [--model DIR] [--dtype D] [--sessions 32] [--turns 5] [--max-tokens 32]
+        [--rounds 2]
 
 One vLLM engine in this process, with the endpoint in front of it on the same event loop, as in an actor with
 ``rollout.agent``. Rounds alternate so that both see the same machine:
