@@ -126,7 +126,8 @@ async def test_the_session_header_n_choices_and_streaming(served):
             text += c.delta.content or ""
             finish = c.finish_reason or finish
     assert text == "Action: c" and finish == "stop"
-    await served.post(f"/sessions/{session['id']}/close")
+    status, summary = await served.post(f"/sessions/{session['id']}/close", {"reward": 0.5, "success": False})
+    assert status == 200 and summary["reward"] == 0.5 and summary["success"] is False  # the reward in the close
     (_, episode), = served.finished
     assert episode.num_turns == 2 and len(episode.sample_starts) == 1  # the second call re-sent the first prompt
 
@@ -174,6 +175,8 @@ async def test_bad_input_gets_a_4xx_and_the_server_stays_up(served):
                                                                                             "content": "x"}])
     status, _ = await served.post(f"/sessions/{sid}/close", key=None)
     assert status == 401
+    status, answer = await served.post(f"/sessions/{sid}/reward", {"reward": "much"})
+    assert status == 400 and "reward" in answer["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="tools"):
         await served.client(sid).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                                          tools=[{"type": "function", "function": {"name": ""}}])

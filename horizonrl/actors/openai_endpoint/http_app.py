@@ -14,7 +14,8 @@ Routes (``{sid}`` is a session id; a session is named by its base URL or by the 
   environment);
 - ``GET /sessions/{sid}/env/observation``, ``POST /sessions/{sid}/env/step {"action"}``: the session's project
   environment, which verifies the outcome itself (its rewards are the episode's);
-- ``POST /sessions/{sid}/close`` (or ``DELETE /sessions/{sid}``): ends the episode -> its summary;
+- ``POST /sessions/{sid}/close`` (or ``DELETE /sessions/{sid}``): ends the episode -> its summary; a body
+  ``{"reward", ...}`` sets the agent's reward first;
 - ``GET /health``: open sessions and the endpoint's counters (no key needed).
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with real status codes: 400 a
@@ -166,14 +167,7 @@ class EndpointApp:
 
     async def reward(self, request: web.Request) -> web.Response:
         session = self.endpoint.session(request.match_info["sid"])
-        body = parse_json_body(await request.read())
-        reward, success, score = body.get("reward"), body.get("success"), body.get("score")
-        if not _finite(reward) or (success is not None and not isinstance(success, bool)) or (
-                score is not None and not _finite(score)):
-            raise RequestError(400, "the body is {\"reward\": number, \"success\"?: bool, \"score\"?: number}")
-        if session.env is not None:
-            raise RequestError(409, "this session's reward comes from its environment", "reward_from_environment")
-        session.set_agent_reward(float(reward), success, None if score is None else float(score))
+        _set_reward(session, parse_json_body(await request.read()))
         return web.json_response({"ok": True})
 
     async def env_observation(self, request: web.Request) -> web.Response:
@@ -202,6 +196,11 @@ class EndpointApp:
                                   "success": result.success})
 
     async def close(self, request: web.Request) -> web.Response:
+        """Ends the episode; a body ``{"reward", ...}`` sets the agent's reward first (as ``.../reward``)."""
+        raw = await request.read()
+        body = parse_json_body(raw) if raw.strip() else {}
+        if "reward" in body:
+            _set_reward(self.endpoint.session(request.match_info["sid"]), body)
         episode = await self.endpoint.close(request.match_info["sid"])
         return web.json_response({"closed": True, "turns": episode.num_turns, "samples": len(episode.sample_starts)
                                   + 1, "tokens": len(episode.token_ids), "reward": episode.reward,
@@ -277,6 +276,16 @@ async def _stream(request: web.Request, answer: dict[str, Any]) -> web.StreamRes
 
 def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(RequestError(status, message, code, kind=kind).body(), status=status)
+
+
+def _set_reward(session, body: dict[str, Any]) -> None:
+    reward, success, score = body.get("reward"), body.get("success"), body.get("score")
+    if not _finite(reward) or (success is not None and not isinstance(success, bool)) or (
+            score is not None and not _finite(score)):
+        raise RequestError(400, "the body is {\"reward\": number, \"success\"?: bool, \"score\"?: number}")
+    if session.env is not None:
+        raise RequestError(409, "this session's reward comes from its environment", "reward_from_environment")
+    session.set_agent_reward(float(reward), success, None if score is None else float(score))
 
 
 def _finite(value: Any) -> bool:
