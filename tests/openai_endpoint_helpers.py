@@ -93,7 +93,7 @@ class EndpointProcess:
 
     def __init__(self, model_dir: Path, out_dir: Path, *extra: str, key: str | None = None,
                  timeout_s: float = 180.0) -> None:
-        args = [sys.executable, "-m", "horizonrl.actors.openai_endpoint.standalone", "--model", str(model_dir),
+        args = [sys.executable, "-m", "horizonrl", "endpoint", "--model", str(model_dir),
                 "--port", "0", "--out", str(out_dir), *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         if key:

@@ -23,6 +23,7 @@ Commands:
   report RUN_DIR [RUN_DIR ...]   learning curves of runs from their TensorBoard events: PNG + table (docs/learning.md)
   env ...                        list / check / serve environments
   endpoint --model DIR           the OpenAI-compatible endpoint alone in front of one engine (docs/agents.md)
+  agent-eval CONFIG              held-out success of the config's agent program through the endpoint
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
 """
@@ -242,6 +243,8 @@ def _add_tiny(sub) -> None:
                                        "--help`)")
     sub.add_parser("endpoint", help="the OpenAI-compatible endpoint alone in front of one engine (see `horizonrl "
                                     "endpoint --help`)")
+    sub.add_parser("agent-eval", help="held-out success of a config's agent program (rollout.agent) through the "
+                                      "endpoint (see `horizonrl agent-eval --help`)")
 
 
 def _add_env(sub) -> None:
@@ -481,9 +484,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return warmup_main(argv[1:])
     if argv[:1] == ["endpoint"]:
-        from horizonrl.actors.openai_endpoint.standalone import main as endpoint_main
+        from horizonrl.apps.endpoint import main as endpoint_main
 
         return endpoint_main(argv[1:])
+    if argv[:1] == ["agent-eval"]:
+        from horizonrl.apps.agent_eval import main as agent_eval_main
+
+        return agent_eval_main(argv[1:])
     if argv[:1] in (["make-model"], ["import-gguf"]):
         from horizonrl.apps.model_import import import_gguf_main, make_model_main
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from horizonrl.envs.base import extract_react_action
+from horizonrl.core.environment import as_reply  # noqa: F401 - the bottom layer's now (the endpoint uses it too)
 
 
 @dataclass(frozen=True)
@@ -96,17 +96,3 @@ def agentgym_action(env_name: str | None, reply: str) -> str:
         reply = reply[:-len("</s>")]
     parts = reply.split("Action:")
     return (parts[1] if len(parts) > 1 else parts[0]).strip()
-
-
-def as_reply(text: str, reply_format: str = "react") -> str:
-    """A step's action as the whole reply an environment parses.
-
-    AgentGym's clients send the bare action (``turn left``); horizonrl's environments read the
-    action after ``Action:`` in the model's reply. Text with no ``Action:`` is taken as the action
-    itself, so a valid bare action is applied and an invalid one gets the environment's "invalid
-    action" answer (not its "invalid format" one). Environments whose replies are not ReAct
-    (SearchQA's tags) get the text unchanged.
-    """
-    if reply_format != "react" or extract_react_action(text) is not None:
-        return text
-    return f"Action: {text.strip()}"

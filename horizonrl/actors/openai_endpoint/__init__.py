@@ -7,6 +7,8 @@ play episodes through it, recorded token for token (docs/agents.md).
 - ``session.py``: one session = one episode: prompts as appends, extensions or branches of the tokens held;
 - ``endpoint.py``: sessions and calls, no HTTP;
 - ``http_app.py``: the HTTP routes (aiohttp), keys, errors;
-- ``agent_runs.py``: the actor's episodes played by an agent program, one session each;
-- ``standalone.py``: ``horizonrl endpoint``, the endpoint alone in front of one engine.
+- ``agent_runs.py``: the actor's episodes played by an agent program, one session each.
+
+``horizonrl endpoint`` (``apps/endpoint.py``) serves it alone in front of one engine; ``horizonrl agent-eval``
+(``apps/agent_eval.py``) measures an agent's held-out success through it.
 """

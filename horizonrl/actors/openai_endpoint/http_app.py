@@ -42,7 +42,7 @@ from aiohttp import web
 from horizonrl.actors.openai_endpoint.endpoint import AgentEndpoint, CallResult
 from horizonrl.actors.openai_endpoint.session import Choice
 from horizonrl.actors.openai_endpoint.wire import RequestError, parse_chat_request, parse_json_body
-from horizonrl.envs.agentgym_api import as_reply
+from horizonrl.core.environment import as_reply
 from horizonrl.protocol import FAILURE_ENVIRONMENT
 
 log = logging.getLogger("horizonrl.actors.openai_endpoint")

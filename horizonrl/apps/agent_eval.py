@@ -2,7 +2,7 @@
 test-split tasks of the config's first environment through the endpoint, as in training (one session and one run
 of the program per episode), and one JSON line of metrics is printed (``actors/evaluate.py``'s ``summarise``).
 
-``python -m horizonrl.actors.openai_endpoint.agent_eval CONFIG [--model DIR] [--episodes N] [key=value ...]``:
+``horizonrl agent-eval CONFIG [--model DIR] [--episodes N] [key=value ...]``:
 run it on ``model.path`` before training and on the final checkpoint after, for the agent's before -> after
 (docs/agents.md). Sampling is at ``eval.temperature``; the turn budget ``eval.max_turns`` (default: the turn
 schedule's last value).
@@ -23,8 +23,7 @@ MAX_CONCURRENT_EPISODES = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m horizonrl.actors.openai_endpoint.agent_eval",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="horizonrl agent-eval", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the config")
     p.add_argument("--model", default=None, help="the model directory (default: the config's model.path)")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-log = logging.getLogger("horizonrl.actors.openai_endpoint")
+log = logging.getLogger("horizonrl.apps.endpoint")
 
 REAP_INTERVAL_S = 10.0
 
@@ -42,6 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-sessions", type=int, default=1024)
     p.add_argument("--idle-timeout", type=float, default=600.0, help="end sessions idle this long (seconds)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--env-settings", default="{}", help='settings of the environments sessions may ask for, as JSON: '
+                   '{"babyai": {"observation": "compact"}}')
     return p.parse_args(argv)
 
 
@@ -78,6 +81,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from horizonrl.envs.registry import make_env
     from horizonrl.protocol import encode
 
+    env_settings = json.loads(args.env_settings)
     engine = RolloutEngine.start(args.model, dtype=None, engine=EngineConfig(kv_cache_gib=args.kv_cache_gib),
                                  max_model_len=args.max_context_tokens, seed=0)
     out = Path(args.out) if args.out else None
@@ -98,7 +102,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
                 f.write(framed(encode(trajectory)))
 
         async def open_env(name: str, task_id: int):
-            env = make_env(name)
+            env = make_env(name, env_settings.get(name, {}))
             return env, await env.reset(task_id)
 
         settings = EndpointSettings(model_name=args.served_model_name or Path(args.model).name,
