@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from horizonrl.core.agent_config import AgentConfig
 from horizonrl.core.run_dirs import RunDir
 from horizonrl.protocol.names import LABEL_PATTERN
 from horizonrl.protocol.transport import advertise_host, tcp_endpoint
@@ -197,6 +198,8 @@ class RolloutConfig(_Frozen):
                                    "learner steps (and after its last); buffer.max_staleness must be at least N - 1")
     engine: EngineConfig = EngineConfig()
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
+    agent: AgentConfig | None = Field(None, description="play the episodes with an agent program through an "
+                                      "OpenAI-compatible endpoint in front of each actor's engine (docs/agents.md)")
 
     @model_validator(mode="before")
     @classmethod
