@@ -739,7 +739,8 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvF
     r = config.rollout
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index,
-                                 cpus=engine_cpus_of(config, index))
+                                 cpus=engine_cpus_of(config, index),
+                                 lora_rank=config.learner.lora.rank if config.learner.lora else None)
     actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path), make_env)
     try:
         await actor.run()

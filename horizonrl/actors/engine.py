@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from horizonrl.actors.concurrency import EngineLoad, load_logger_factory
 from horizonrl.actors.engine_api import ENGINE_LOAD_KEYS, EngineApi, EngineVersionError, check_engine_api
+from horizonrl.actors.lora_adapter import AdapterSlot, engine_lora_args
 from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.programs import VLLM_WORKER_EXTENSION
 from horizonrl.protocol.worker_replies import StageOutcome, WorkerReply
@@ -133,7 +134,7 @@ class RolloutEngine:
     """
 
     def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep", api: EngineApi | None = None,
-                 load: EngineLoad | None = None) -> None:
+                 load: EngineLoad | None = None, adapter: AdapterSlot | None = None) -> None:
         self._llm = llm
         # The scheduler's KV-cache use and preemptions (actors/concurrency.py), filled by the stat logger start()
         # gives vLLM where the installed vLLM has it; ``load.reports`` stays 0 otherwise.
@@ -169,15 +170,21 @@ class RolloutEngine:
         self.continued_requests = 0  # requests a swap cut off and that went on under the new weights
         self.kept_requests = 0  # requests a swap kept in the engine (on_weight_update=keep)
         self.lost_stage_messages = 0  # staged receives whose end the workers' message never told (stage_weights)
+        # learner.lora: where the workers keep the policy's adapter; every request names it (actors/lora_adapter.py)
+        self.adapter = adapter
+        self._adapter_announced = False
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
-              seed: int, cpus: Sequence[int] | None = None) -> "RolloutEngine":
+              seed: int, cpus: Sequence[int] | None = None, lora_rank: int | None = None) -> "RolloutEngine":
         """Start an AsyncLLM (an EngineCore and one Worker process per tensor-parallel rank). The caller
         needs a ``if __name__ == "__main__"`` guard: vLLM spawns its processes.
 
         ``cpus``: the CPU cores the engine's processes run on (``resources.engine_cpus``) when they are not
         this process's (``starting_on_cpus``).
+
+        ``lora_rank`` (``learner.lora.rank``): the engine serves the policy as the model plus one LoRA adapter of
+        that rank, and each weight version is that adapter (actors/lora_adapter.py).
 
         The device follows the launcher's placement (core/placement.py): it put this engine's
         ``tensor_parallel_size`` GPUs in CUDA_VISIBLE_DEVICES, or hid every GPU for a CPU plan, so the
@@ -240,6 +247,7 @@ class RolloutEngine:
             # One worker process per shard; with one shard vLLM's default (a single worker) stays.
             distributed_executor_backend="mp" if tp > 1 else None,
             disable_log_stats=True,  # vLLM's own loggers off; the stat logger below still gets the scheduler's stats
+            **(engine_lora_args(lora_rank) if lora_rank else {}),
         )
         load = EngineLoad()
         reports_load = all(api.has(key) for key in ENGINE_LOAD_KEYS)
@@ -248,7 +256,8 @@ class RolloutEngine:
             # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (likely an
             # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
             # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
-            return cls(AsyncLLM.from_engine_args(args, **stat_loggers), on_gpu, engine.on_weight_update, api, load)
+            return cls(AsyncLLM.from_engine_args(args, **stat_loggers), on_gpu, engine.on_weight_update, api, load,
+                       adapter=AdapterSlot.create() if lora_rank else None)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
@@ -319,7 +328,8 @@ class RolloutEngine:
             prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt or cache_salt(weights))
             self.clock.enter()
             try:
-                queue = await self._llm.add_request(request_id, prompt, params)
+                queue = await self._llm.add_request(
+                    request_id, prompt, params, **({"lora_request": self.adapter.request()} if self.adapter else {}))
             except BaseException as exc:
                 self.clock.exit()
                 if isinstance(exc, asyncio.CancelledError):  # it may have reached the engine: end it there
@@ -362,6 +372,10 @@ class RolloutEngine:
         args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ),
                 connect_timeout_s)
         await self._check_model_runner()
+        if self.adapter is not None and not self._adapter_announced:
+            await self._llm.collective_rpc("horizonrl_use_adapter", timeout=SUBMIT_WAIT_S,
+                                           args=(self.adapter.directory,))
+            self._adapter_announced = True
         return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub", timeout_s, args))
 
     async def _check_model_runner(self) -> None:
@@ -537,6 +551,8 @@ class RolloutEngine:
         return self._llm is None or bool(self._llm.errored)
 
     def shutdown(self) -> None:
+        if self.adapter is not None:
+            self.adapter.remove()
         if self._staged is not None:
             self._staged.close(linger=0)
             self._staged_context.term()

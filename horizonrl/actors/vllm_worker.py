@@ -33,10 +33,12 @@ the tensor-parallel test of tests/integration/test_engine_weights.py does).
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 import time
 
+from horizonrl.core.adapter_format import is_adapter_tensor
 from horizonrl.protocol.worker_replies import WorkerReply
 
 log = logging.getLogger("horizonrl.actors.worker")
@@ -174,9 +176,18 @@ class WeightReceiverExtension:
         return {"runner": kind, "class": type(runner).__qualname__,
                 "holds_requests": isinstance(getattr(runner, "requests", None), dict)}
 
+    def horizonrl_use_adapter(self, directory: str) -> bool:
+        """Take every adapter version (``learner.lora``) into ``directory`` (actors/lora_adapter.py ``AdapterSlot``);
+        called once, before the first version, by an engine started with LoRA."""
+        from horizonrl.actors.lora_adapter import AdapterSlot
+
+        self._horizonrl_adapter = AdapterSlot(directory)
+        return True
+
     def horizonrl_load_path(self) -> str:
         """How this worker loads a version: "in-place" (load_weights, then repack on vLLM-CPU; the module
-        docstring), "reload" (vLLM's layer-wise reload_weights) or "" before the first version."""
+        docstring), "reload" (vLLM's layer-wise reload_weights), "adapter" (a LoRA adapter version,
+        actors/lora_adapter.py) or "" before the first version."""
         return getattr(self, "_horizonrl_load_path", "")
 
     def _horizonrl_reply(self, method, *args) -> list:
@@ -276,6 +287,14 @@ class WeightReceiverExtension:
         return staging.layout.version, staging.layout.epoch, staging.receive_s, load_s
 
     def _horizonrl_load(self, named_tensors) -> None:
+        named_tensors = iter(named_tensors)
+        first = next(named_tensors, None)
+        if first is None:
+            raise RuntimeError("a weight version with no tensors")
+        named_tensors = itertools.chain([first], named_tensors)
+        if is_adapter_tensor(first[0]):  # learner.lora: the version is the policy's adapter, not the model
+            self._horizonrl_load_adapter(named_tensors)
+            return
         # Only vLLM-CPU packs layers, so the model says which path applies; nothing here imports vLLM on the
         # reload path (scripts/gpu_check.py drives this class with a transformers model on a GPU without vLLM).
         model = self.model_runner.get_model()
@@ -286,6 +305,16 @@ class WeightReceiverExtension:
         else:
             load_by_reload(self, named_tensors)
             self._horizonrl_load_path = "reload"
+
+    def _horizonrl_load_adapter(self, named_tensors) -> None:
+        from horizonrl.actors.lora_adapter import load_adapter_version
+
+        slot = getattr(self, "_horizonrl_adapter", None)
+        if slot is None:
+            raise RuntimeError("the learner sends LoRA adapter versions (learner.lora), but this engine was not "
+                               "started to serve an adapter")
+        load_adapter_version(self, named_tensors, slot, self._horizonrl_worker_rank())
+        self._horizonrl_load_path = "adapter"
 
     def _horizonrl_worker_rank(self) -> int:
         """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""

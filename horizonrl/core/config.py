@@ -273,6 +273,22 @@ class AlgorithmConfig(_Frozen):
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
+# The linear layers of a Llama/Qwen2-style decoder layer (attention and MLP): what learner.lora adapts by default.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Frozen):
+    """Low-rank adapters (Hu et al. 2021): the learner trains only A (r x in) and B (out x r) of each target layer,
+    ΔW = (alpha / r) · B A, and the engines load each new adapter version in place (docs/learning.md, LoRA)."""
+
+    rank: int = Field(..., ge=1, le=512, description="r: the adapter's rank (vLLM serves ranks up to 512)")
+    alpha: float = Field(32.0, gt=0, description="lora_alpha: the update is scaled by alpha / r. A fixed alpha (not "
+                         "one proportional to r) keeps the best learning rate about the same across ranks")
+    target_modules: list[str] = Field(list(LORA_DEFAULT_TARGETS), min_length=1,
+                                      description="names of the decoder layers' linear layers to adapt (every layer's "
+                                                  "module of that name)")
+
+
 class LearnerConfig(_Frozen):
     num_ranks: int = Field(1, ge=1, description="FSDP world size")
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
@@ -326,6 +342,9 @@ class LearnerConfig(_Frozen):
     step_timeout_s: float = Field(3600.0, gt=0, description="a learner step (advantages and updates) running longer "
                                   "fails the learner, which the launcher restarts from its newest checkpoint; at a "
                                   "stop signal a step is abandoned after monitor.stop_timeout_s / 2")
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters instead of every weight "
+                                    "(learner.lora.rank=16); the engines then take each adapter "
+                                    "version, megabytes, in place of the model. None: full training")
     weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
                                     "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
                                     "a model smaller than one bucket is one collective per update")

@@ -227,21 +227,30 @@ def _restore_non_persistent_buffers(model: nn.Module, device: torch.device) -> N
 
 
 def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device: torch.device,
-                        activation_checkpointing: bool = False, read_weights: bool | None = None) -> nn.Module:
+                        activation_checkpointing: bool = False, read_weights: bool | None = None,
+                        lora=None, seed: int = 0) -> nn.Module:
     """A collective: the model at ``path`` FSDP2-sharded over the default process group, loaded so that
     only rank 0 reads the weight files (see the module docstring).
 
     kind: "policy" (trained), "reference" (frozen, eval mode) or "critic" (:class:`Critic`).
     read_weights: whether this rank reads the checkpoint (default: rank 0 only; tests pass False to prove
-    the other ranks need no files)."""
+    the other ranks need no files).
+    lora: a policy's :class:`~horizonrl.learner.lora.LoraSettings`: low-rank adapters on its decoder layers, the
+    only trained parameters, first valued by ``initial_adapter(model, seed)`` (learner/lora.py)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if kind not in ("policy", "reference", "critic"):
         raise ValueError(f"unknown model kind {kind!r}")
+    if lora is not None and kind != "policy":
+        raise ValueError(f"LoRA adapts the policy, not the {kind}")
     rank = dist.get_rank()
     read_weights = rank == 0 if read_weights is None else read_weights
     model = _empty_model(path, kind, policy)
+    if lora is not None:
+        from horizonrl.learner.lora import add_lora
+
+        add_lora(model, lora)
     if activation_checkpointing and kind != "reference":
         enable_activation_checkpointing(model)
     # Rank 0 prepares the full state dict before any collective, and tells the others if it failed,
@@ -249,7 +258,12 @@ def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device
     full, error = {}, None
     if read_weights:
         try:
-            full = full_state_dict_for(model, checkpoint_tensors(path))
+            checkpoint = checkpoint_tensors(path)
+            if lora is not None:
+                from horizonrl.learner.lora import initial_adapter
+
+                checkpoint.update(initial_adapter(model, seed))
+            full = full_state_dict_for(model, checkpoint)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = f"{type(exc).__name__}: {exc}"
     errors = [error]
