@@ -219,7 +219,7 @@ class RolloutEngine:
                               "with `horizonrl train`, which gives each engine its GPUs (docs/gpu.md)")
         kv_cache = {}
         if not on_gpu:
-            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib, api.has("kv_cache_bytes"))
+            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib_or_default, api.has("kv_cache_bytes"))
             if tp > 1:
                 # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses
                 # to start on a host with fewer nodes than workers. Each worker gets its share of this engine's

@@ -38,9 +38,14 @@ class LoraSettings:
         return self.alpha / self.rank
 
     @classmethod
-    def from_config(cls, config) -> "LoraSettings | None":
-        lora = config.learner.lora
+    def of(cls, lora) -> "LoraSettings | None":
+        """From a ``LoraConfig`` (core/config.py), None for None."""
         return None if lora is None else cls(lora.rank, lora.alpha, tuple(lora.target_modules))
+
+    @classmethod
+    def from_config(cls, config) -> "LoraSettings | None":
+        """A training run's ``learner.lora``."""
+        return cls.of(config.learner.lora)
 
 
 class LoRALinear(nn.Linear):

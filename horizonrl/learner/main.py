@@ -125,7 +125,7 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
 
     def build(kind, lora=None):
         return build_sharded_model(config.model.path, kind=kind, policy=precision, device=device,
-                                   activation_checkpointing=lc.activation_checkpointing, lora=lora,
+                                   activation_checkpointing=lc.checkpointing, lora=lora,
                                    seed=config.run.seed)
 
     model = build("policy", LoraSettings.from_config(config))

@@ -93,7 +93,8 @@ def load_model(path: str, dtype: str | None, device: torch.device) -> nn.Module:
     return model
 
 
-def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The (N, V) logits predicting the N loss tokens: ``logits[:, :-1][selected]`` for ``selected`` (B, T-1), rows in
     the same order, but the output layer runs only at the K positions where some sequence has a loss token.
 
@@ -102,11 +103,14 @@ def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch
     micro-batch of 8 × 1,024 took 1.39× as long and ~1.4 GB more (scripts/bench_learner_logits.py). Hugging Face
     causal LMs take the positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks
     where they are.
+
+    ``position_ids`` (B, T): rows of packed sequences (learner/packing.py); None: one sequence per row from 0.
     """
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     if not takes_logits_to_keep(model):  # a model class from before transformers 4.50, or a custom one
-        return model(input_ids=input_ids, use_cache=False).logits[:, :-1][selected]
+        return model(input_ids=input_ids, use_cache=False, **extra).logits[:, :-1][selected]
     positions = selected.any(0).nonzero().squeeze(-1)  # (K,) ascending: the rows come in the same order
-    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions, **extra).logits  # (B, K, V)
     return logits[selected[:, positions]]
 
 

@@ -99,8 +99,7 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, config) -> "UpdateSettings":
         lc = config.learner
-        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip,
-                   lc.max_tokens_per_micro_batch)
+        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip, lc.micro_batch_token_cap)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

@@ -1,0 +1,62 @@
+"""Packed rows (learner/packing.py): first-fit decreasing within the row limit, and a packed forward that gives
+each sequence exactly its unpacked log-probabilities (no token attends to another sequence), so the SFT loss and
+its gradient are those of padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from horizonrl.learner.packing import pack_rows, packed_batch, padding_share
+
+
+def test_first_fit_decreasing_keeps_every_row_within_the_limit():
+    lengths = [300, 120, 500, 80, 260, 200, 541, 90]
+    rows = pack_rows(lengths, 600)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))  # each sequence exactly once
+    assert all(sum(lengths[i] for i in row) <= 600 for row in rows)
+    assert len(rows) == 4  # 2,091 tokens in rows of 600: four is the fewest
+    assert rows[0][0] == 6  # the longest first
+    assert pack_rows([700, 10], 600) == [[0], [1]]  # too long for a row: a row of its own
+    assert padding_share(lengths, rows) < padding_share(lengths, [[i] for i in range(len(lengths))])
+    with pytest.raises(ValueError):
+        pack_rows([1], 0)
+
+
+def test_packed_rows_restart_positions_and_mask_each_sequences_first_token():
+    sequences = [(np.array([5, 6, 7]), np.array([0, 1, 1])), (np.array([8, 9]), np.array([1, 1]))]
+    ids, mask, positions = packed_batch(sequences, [[0, 1]], torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1]]
+    assert mask.tolist() == [[0, 1, 1, 0, 1]]  # 8 is not predicted from 7
+
+
+def test_a_packed_forward_gives_each_sequence_its_own_logprobs():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from horizonrl.learner.offline import sequence_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                         attn_implementation="sdpa")).eval()
+    rng = np.random.default_rng(0)
+    sequences = []
+    for length in (17, 9, 30, 12, 5):
+        mask = (rng.random(length) < 0.5).astype(np.uint8)
+        mask[0] = 0
+        sequences.append((rng.integers(1, 64, size=length), mask))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        rows = pack_rows([len(ids) for ids, _ in sequences], 40)
+        assert len(rows) < len(sequences)  # several sequences share a row, so attention across them could leak
+        ids, mask, positions = packed_batch(sequences, rows, cpu)
+        packed = sequence_logprobs(model, ids, mask, positions)[0]
+        # the packed loss tokens come row by row, each row's sequences in placement order
+        alone = torch.cat([sequence_logprobs(model, *packed_batch([sequences[i]], [[0]], cpu))[0]
+                           for row in rows for i in row])
+        leaking = sequence_logprobs(model, ids, mask)[0]  # the same rows read as one sequence each
+    assert packed.numel() == alone.numel() == sum(int(m[1:].sum()) for _, m in sequences)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+    assert float((leaking - alone).abs().max()) > 1e-2  # the check can fail: attention across sequences shows
