@@ -333,6 +333,11 @@ class LearnerConfig(_Frozen):
                             "trajectory longer than that is a micro-batch of its own. None: trajectories only. auto: "
                             "the launcher takes the most that fits the learner's share of the host's memory on the "
                             "CPU (core/memory_plan.py), None on GPUs")
+    pack_tokens: int | None = Field(
+        None, ge=8, description="pack each micro-batch's trajectories end to end into one row of at most this many "
+                                "tokens (each keeps its own positions and attends only to itself: learner/packing.py) "
+                                "instead of padding micro_batch_size rows to the longest. None: padding. Outcome "
+                                "estimators only (grpo, rloo, gigpo): gae and reinforce_plus_plus scan along a row")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="master weights, gradients and AdamW state (bfloat16 rounds lr-1e-6 updates away)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -698,6 +703,11 @@ class TrainConfig(_Frozen):
             if per_actor is not None and len(per_actor) != self.rollout.num_actors:
                 raise ValueError(f"resources.{name} has {len(per_actor)} core lists for rollout.num_actors="
                                  f"{self.rollout.num_actors}: give one list per actor")
+        if self.learner.pack_tokens is not None and self.algorithm.adv_estimator in ("gae", "reinforce_plus_plus"):
+            raise ValueError(f"learner.pack_tokens packs trajectories into one row, but adv_estimator="
+                             f"{self.algorithm.adv_estimator} computes returns along each row, which would run from "
+                             "one trajectory into the next: unset learner.pack_tokens, or use an outcome estimator "
+                             "(grpo)")
         if self.eval.stop_after_plateau and not self.eval.every:
             raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
                              "(e.g. eval.every=10)")

@@ -82,3 +82,26 @@ class ModelShape:
                    int(c.get("head_dim") or int(c["hidden_size"]) // heads),
                    bool(c.get("tie_word_embeddings", False)),
                    bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+
+    @property
+    def layer_linear_params(self) -> int:
+        """One decoder layer's matmul weights (attention projections and MLP), no biases or norms."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
+
+    def training_flops(self, length: int, loss_tokens: int, *, frozen_weights: bool = False) -> float:
+        """Useful FLOPs of one forward and backward of a sequence of ``length`` tokens whose output layer runs at
+        its ``loss_tokens`` loss positions only (learner/model.py ``loss_token_logits``), counting 2 per
+        multiply-add (padding, recomputation and the softmax's elementwise work are not useful FLOPs):
+
+            matmuls    forward 2·P_lin·L; backward the input gradient 2·P_lin·L, the weight gradient 2·P_lin·L
+                       (none when the weights are frozen: LoRA)
+            attention  causal QKᵀ and AV: forward 2 · 2 · (L²/2) · q_dim per layer, backward twice that
+            output     forward 2·H·V per loss token, backward 4·H·V (2·H·V when frozen)
+
+        Model FLOPs utilisation (MFU) = these / seconds / the matmul peak (scripts/bench_learner_mfu.py)."""
+        passes = 2 if frozen_weights else 3  # forward, input gradient[, weight gradient]
+        linear = 2 * self.layers * self.layer_linear_params * length * passes
+        attention = 3 * self.layers * 2 * length * length * self.heads * self.head_dim
+        output = 2 * self.hidden * self.vocab * loss_tokens * passes
+        return float(linear + attention + output)

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-PAD_TOKEN_ID = 0  # as learner/batching.py's: padding never has a loss
+PAD_TOKEN_ID = 0  # right padding (and a packed row's tail): with causal attention it never influences real tokens
 
 
 def pack_rows(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -60,3 +60,45 @@ def test_a_packed_forward_gives_each_sequence_its_own_logprobs():
     assert packed.numel() == alone.numel() == sum(int(m[1:].sum()) for _, m in sequences)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
     assert float((leaking - alone).abs().max()) > 1e-2  # the check can fail: attention across sequences shows
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_rl_loss_on_packed_rows_equals_the_padded_one(mode):
+    """learner.pack_tokens: the step's loss and every gradient as with padded rows, for both kinds of aggregation and a
+    per-sequence rollout correction (which must see sequences, not rows)."""
+    import sys
+    from pathlib import Path
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
+    from horizonrl.learner.rollout_correction import CorrectionSettings
+    from horizonrl.learner.train_step import LossSettings, micro_batch_loss
+    from horizonrl.protocol import Batch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from learner_fixtures import VOCAB, groups
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                         attn_implementation="sdpa"))
+    samples, _ = samples_from_batch(Batch(run_id="test-run", request_id=1, groups=groups()), True, "grpo")
+    settings = LossSettings(temperature=0.8, loss_agg_mode=mode,
+                            correction=CorrectionSettings(is_level="sequence", is_cap=2.0))
+    n_tokens, n_seqs = sum(s.num_loss_tokens for s in samples), len(samples)
+
+    def loss_and_grads(**packing):
+        model.zero_grad(set_to_none=True)
+        micro = micro_batches_for_rank(samples, 0, 1, micro_batch_size=3, **packing)
+        total = sum(micro_batch_loss(model, mb, settings, n_tokens, n_seqs)[0] for mb in micro)
+        total.backward()
+        return float(total.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, micro
+
+    padded_loss, padded_grads, _ = loss_and_grads()
+    packed_loss, packed_grads, packed = loss_and_grads(pack_tokens=48)
+    assert any(mb.num_sequences > 1 for mb in packed) and all(mb.input_ids.shape[0] == 1 for mb in packed)
+    assert sum(mb.num_sequences for mb in packed) == n_seqs
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5, abs=1e-6)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
