@@ -22,6 +22,8 @@ Variants (``--variants``; each is a way the learner can run, the first is today'
     packed      trajectories packed end to end into rows of ``--max-tokens`` (``learner.pack_tokens``)
     lora        the padded learner training rank-16 adapters only (``learner.lora``; frozen weights: fewer FLOPs)
     checkpoint  padded, with activation checkpointing (recomputation is not useful FLOPs: MFU drops by design)
+    compile     padded, each decoder layer torch.compiled (``learner.compile``; compiled during the untimed step)
+    packed-compile  both
 
 Prints the peaks, a table per variant (seconds per step, tokens/s, MFU, peak resident memory), and the ratios to
 the first variant; ``--json`` writes every measurement.
@@ -45,6 +47,8 @@ VARIANTS = {
     "packed": ["learner.pack_tokens={max_tokens}"],
     "lora": ["learner.lora.rank=16"],
     "checkpoint": ["learner.activation_checkpointing=true"],
+    "compile": ["learner.compile=true"],
+    "packed-compile": ["learner.pack_tokens={max_tokens}", "learner.compile=true"],
 }
 SQUARE = 2048
 

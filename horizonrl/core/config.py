@@ -348,6 +348,9 @@ class LearnerConfig(_Frozen):
                             "(memory for ~1/3 more compute). auto: the launcher turns it on on the CPU only when "
                             "a micro-batch of 8 full contexts would not fit without it (core/memory_plan.py); off on "
                             "GPUs")
+    compile: bool = Field(False, description="torch.compile each decoder layer of the policy (inductor; on the CPU "
+                          "it needs a C++ compiler): fuses the elementwise work between the matmuls. Off by default: "
+                          "the first steps pay the compilation (scripts/bench_learner_mfu.py measures both)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch (verl's ppo_epochs)")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="groups per optimizer update (verl's ppo_mini_batch_size, in prompts); None: the "

@@ -126,7 +126,7 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
     def build(kind, lora=None):
         return build_sharded_model(config.model.path, kind=kind, policy=precision, device=device,
                                    activation_checkpointing=lc.checkpointing, lora=lora,
-                                   seed=config.run.seed)
+                                   seed=config.run.seed, compile_layers=lc.compile and kind == "policy")
 
     model = build("policy", LoraSettings.from_config(config))
     # With learner.lora only the adapters require gradients: AdamW keeps state for them alone.

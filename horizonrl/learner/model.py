@@ -232,7 +232,7 @@ def _restore_non_persistent_buffers(model: nn.Module, device: torch.device) -> N
 
 def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device: torch.device,
                         activation_checkpointing: bool = False, read_weights: bool | None = None,
-                        lora=None, seed: int = 0) -> nn.Module:
+                        lora=None, seed: int = 0, compile_layers: bool = False) -> nn.Module:
     """A collective: the model at ``path`` FSDP2-sharded over the default process group, loaded so that
     only rank 0 reads the weight files (see the module docstring).
 
@@ -240,7 +240,9 @@ def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device
     read_weights: whether this rank reads the checkpoint (default: rank 0 only; tests pass False to prove
     the other ranks need no files).
     lora: a policy's :class:`~horizonrl.learner.lora.LoraSettings`: low-rank adapters on its decoder layers, the
-    only trained parameters, first valued by ``initial_adapter(model, seed)`` (learner/lora.py)."""
+    only trained parameters, first valued by ``initial_adapter(model, seed)`` (learner/lora.py).
+    compile_layers: ``torch.compile`` each decoder layer in place (before sharding, as torchtitan does, so that
+    FSDP2's hooks stay outside the compiled graphs)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -257,6 +259,9 @@ def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device
         add_lora(model, lora)
     if activation_checkpointing and kind != "reference":
         enable_activation_checkpointing(model)
+    if compile_layers:
+        for layer in decoder_layers(model):
+            layer.compile()
     # Rank 0 prepares the full state dict before any collective, and tells the others if it failed,
     # so that a bad checkpoint is one clear error on every rank instead of a hang in the broadcast.
     full, error = {}, None
