@@ -32,6 +32,7 @@ the first variant; ``--json`` writes every measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -157,12 +158,17 @@ def learner_run(args) -> dict:
         samples = demo_samples(config, seed=0)
         base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         settings, update = LossSettings.from_config(config), UpdateSettings.from_config(config)
-        seconds = []
+        seconds, profile = [], ""
         for step in range(2):
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+                if args.profile and step == 1 else None
             start = time.perf_counter()
-            train_on_batch(tr.model, tr.optimizer, samples, rank=0, world_size=1, settings=settings, update=update,
-                           device=torch.device("cpu"))
+            with profiler if profiler is not None else contextlib.nullcontext():
+                train_on_batch(tr.model, tr.optimizer, samples, rank=0, world_size=1, settings=settings,
+                               update=update, device=torch.device("cpu"))
             seconds.append(time.perf_counter() - start)
+            if profiler is not None:
+                profile = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     finally:
         dist.destroy_process_group()
@@ -174,7 +180,7 @@ def learner_run(args) -> dict:
     return {"seconds": seconds[-1], "first_seconds": seconds[0], "tokens": sum(lengths),
             "loss_tokens": sum(loss_tokens), "sequences": len(samples), "flops": flops,
             "longest": max(lengths), "shortest": min(lengths), "compute_dtype": config.learner.compute_dtype,
-            "peak_gb": peak_kb / 1e6, "step_gb": (peak_kb - base_kb) / 1e6}
+            "peak_gb": peak_kb / 1e6, "step_gb": (peak_kb - base_kb) / 1e6, "profile": profile}
 
 
 # ---------------------------------------------------------------------------- the run
@@ -235,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="rows of the model-shape matmuls")
     parser.add_argument("--matmul-repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: one learner step of each variant under torch.profiler, its top operators")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -251,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     common = [__file__, "--model", args.model, "--config", args.config, "--threads", str(args.threads),
               "--max-tokens", str(args.max_tokens), "--tokens", str(args.tokens),
               "--matmul-repeats", str(args.matmul_repeats)]
+    if args.profile:  # where a step's time goes (the timed step, profiled: slower than unprofiled)
+        for name in args.variants:
+            result = run_child([*common, "--profile", "--child", name])
+            if result is None:
+                return 1
+            print(f"{name}: {result['seconds']:.1f} s profiled\n{result['profile']}", flush=True)
+        return 0
     peaks = run_child([*common, "--child", "matmul"])
     if peaks is None:
         return 1

@@ -14,6 +14,10 @@ thread tells the actor when it is there; ``horizonrl_load_staged`` loads it betw
 steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket straight into
 the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
 
+A LoRA run's version (``learner.lora``) is the policy's adapter, not the model: its tensors have PEFT's adapter names
+(core/adapter_format.py), and whichever way it arrived, it is loaded as the engine's adapter in place of the last one
+(actors/lora_adapter.py) instead of into the model's weights.
+
 An engine on the learner's GPU (colocated mode, ``backend="cuda_ipc"``) only loads inline: the
 loader reads each bucket straight from the learner's staging buffer (a device-to-device copy), so
 there is nothing to stage.
