@@ -125,3 +125,76 @@ def test_a_storm_is_counted_by_the_runs_processes_message_for_message(tmp_path):
     assert storm.sent == {"report": 120, "intake": 120, "requests": 120}
     assert counted["coordinator_bad"] + counted["coordinator_rejected"] == 120  # nothing of it was taken
     assert counted["buffer_bad"] + counted["buffer_rejected"] == 240 and coordinator.learner_step == 0
+
+
+def _run_config(tmp_path, run_id: str) -> TrainConfig:
+    ensure_run_key(tmp_path)
+    config = resolve_ports(TrainConfig.model_validate({
+        "run": {"output_dir": str(tmp_path), "run_id": run_id}, "model": {"path": "unused"},
+        "envs": [{"name": "signpost"}], "network": {"host": "127.0.0.1"}, "learner": {"total_steps": 20}}))
+    (tmp_path / "config.yaml").write_text(dump_config(config))
+    return config
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_squatter_binds_a_killed_coordinators_ports_unless_the_launcher_holds_them(stand_ins, tmp_path, held):
+    import zmq
+
+    from horizonrl.apps.chaos_faults import SquatCoordinator
+    from horizonrl.protocol import decode, signed_by
+    from horizonrl.protocol.transport import hold_port
+
+    config = _run_config(tmp_path, "squat")
+    net = config.network
+    holding = [hold_port("127.0.0.1", p) for p in (net.control_port, net.report_port)] if held else []
+    stand_ins("-c", "import time; time.sleep(120)", "horizonrl", "coordinator", "--config", "x.yaml")
+    squat = SquatCoordinator(30, tmp_path)
+    context = zmq.Context()
+    try:
+        outcome = squat.fire(os.getpid(), random.Random(0))
+        assert outcome["ports_squatted"] == (0 if held else 2)
+        if held:
+            return
+        sub, push = context.socket(zmq.SUB), context.socket(zmq.PUSH)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(net.endpoint(net.control_port))
+        push.connect(net.endpoint(net.report_port))
+        push.send(b"a learner's report")
+        deadline = time.monotonic() + 10
+        while (squat.swallowed < 1 or not sub.poll(0)) and time.monotonic() < deadline:
+            squat.tick()
+            time.sleep(0.05)
+        forged = decode(sub.recv())
+        assert squat.swallowed == 1 and forged.end_training and not signed_by(forged, "0" * 32)
+        sub.close(0)
+        push.close(0)
+    finally:
+        squat.end()
+        context.term()
+        for sock in holding:
+            sock.close()
+
+
+def test_fake_joins_without_the_key_are_refused_by_the_hub_and_counted(tmp_path):
+    import torch
+
+    from horizonrl.apps.chaos_faults import FakeJoin
+    from horizonrl.core.run_dirs import read_run_key
+    from horizonrl.learner.weight_broadcast import WeightHub
+
+    config = _run_config(tmp_path, "joins")
+    hub = WeightHub("127.0.0.1", 0, backend="gloo", timeout_s=60, run_id="joins", run_key=read_run_key(tmp_path))
+    hub.pack(0, [("w", torch.zeros(4))])
+    hub.start()
+    joins = FakeJoin(3, tmp_path)
+    try:
+        (tmp_path / "config.yaml").write_text(dump_config(config.model_copy(update={"network": config.network.model_copy(
+            update={"weight_port": hub.port})})))
+        assert "3 keyless joins" in joins.fire(os.getpid(), random.Random(0))["did"]
+        deadline = time.monotonic() + 30
+        while hub.counters["unauthenticated_joins"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hub.counters["unauthenticated_joins"] == 3 and not hub.members
+    finally:
+        joins.end()
+        hub.close()

@@ -127,3 +127,45 @@ def test_extract_action_for_people():
     assert extract_action("```go_back```", "backticks") == "go_back"
     assert extract_action("click [12]", "backticks") == ""
     assert extract_action("<answer>Paris</answer>", "tags") == "answer: Paris"
+
+
+class _FullDiskFile:
+    """A file on a disk that is full: each write takes a few bytes, then raises ENOSPC."""
+
+    def __init__(self, real):
+        self.real = real
+        self.name = real.name
+
+    def write(self, data):
+        self.real.write(bytes(data[:7]))
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_full_disk_costs_the_records_it_refuses_never_the_writer(tmp_path, monkeypatch, caplog):
+    import builtins
+
+    import horizonrl.core.episode_records as records
+
+    monkeypatch.setattr(EpisodeRecordWriter, "RETRY_S", 0.0)
+    writer = EpisodeRecordWriter(tmp_path)
+    assert writer.write(trained_record(1, ["g0"]))
+    full = [True]
+    real_open = builtins.open
+    monkeypatch.setattr(records, "open", lambda *a, **k: _FullDiskFile(real_open(*a, **k)) if full[0]
+                        else real_open(*a, **k), raising=False)
+    writer.close()  # the next line opens the file again, on the full disk
+    with caplog.at_level("WARNING", logger="horizonrl.episode_records"):
+        assert not writer.write(trained_record(2, ["g1"]))
+        assert not writer.write(trained_record(3, ["g2"]))
+        assert writer.failing and writer.write_failures == 2
+        full[0] = False
+        assert writer.write(trained_record(4, ["g3"]))
+    assert not writer.failing
+    refusals = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(refusals) == 1 and "episodes-00000.jsonl" in refusals[0]  # once per outage, naming the file
+    writer.close()
+    lines = (tmp_path / "episodes-00000.jsonl").read_text().splitlines()
+    assert [json.loads(line)["learner_step"] for line in lines] == [1, 4]  # no half line left by the refusals

@@ -91,7 +91,7 @@ def test_wrong_reports_are_rejected_counted_by_kind_and_reason_and_change_nothin
 def test_the_same_reports_with_the_runs_key_and_sane_values_are_taken(coordinator, tmp_path):
     key = coordinator.run_key
     good = [
-        Heartbeat(run_id=RUN_ID, role="actor", index=1, pid=10, counters={"episodes": 3.0}),
+        Heartbeat(run_id=RUN_ID, role="actor", index=1, pid=10, counters={"episodes": 3.0}, key=key),
         ProcessEvent(run_id=RUN_ID, name="actor-1", role="actor", event=EVENT_DIED, exit_code=-9, key=key),
         LearnerReport(run_id=RUN_ID, step=1, weight_version=1, metrics={"loss/policy": float("nan")}, key=key),
         HeldOutEval(run_id=RUN_ID, learner_step=0, weight_versions=(0, 1), wall_s=2.0,
@@ -140,3 +140,21 @@ def test_a_run_without_a_key_takes_unkeyed_reports(tmp_path):
         assert coordinator.learner_step == 1 and coordinator.accepted["learner_report"] == 1
     finally:
         coordinator.close()
+
+
+def test_a_buffer_heartbeat_from_a_pid_that_did_not_register_last_is_ignored_and_counted(coordinator):
+    """A forged (or stale) buffer heartbeat claiming a full buffer would pause the rollout: only the incarnation
+    that registered last is the buffer."""
+    key = coordinator.run_key
+    coordinator.take(encode(Registration(run_id=RUN_ID, name="buffer", pid=11,
+                                         endpoints={"batches": "tcp://127.0.0.1:5555"}, key=key)))
+    coordinator.take(encode(Heartbeat(run_id=RUN_ID, role="buffer", index=0, pid=11,
+                                      counters={"ready_groups": 1.0}, key=key)))
+    for _ in range(20):
+        coordinator.take(encode(Heartbeat(run_id=RUN_ID, role="buffer", index=0, pid=31337,
+                                          counters={"ready_groups": 1e6}, key=key)))
+    assert not coordinator.rollout_paused and coordinator.health.current_pid[("buffer", 0)] == 11
+    assert coordinator.intake.rejected["heartbeat_not_registered"] == 20
+    coordinator.take(encode(Heartbeat(run_id=RUN_ID, role="buffer", index=0, pid=31337,
+                                      counters={"ready_groups": 1e6})))  # and without the key: not even that far
+    assert coordinator.intake.rejected["heartbeat_unauthenticated"] == 1

@@ -10,7 +10,8 @@ import pytest
 from horizonrl.apps.bench.learning_clock import (
     ARMS,
     checkpoint_steps,
-    overlap_bounds,
+    cpu_times,
+    pipeline_bound,
     reach_time,
     run_command,
     summary,
@@ -27,19 +28,21 @@ def test_reach_time_interpolates_between_checkpoints():
     assert reach_time([(0.0, 0.1), (60.0, 0.5), (120.0, 0.3), (180.0, 0.7)], 0.45) == pytest.approx(52.5)
 
 
-def test_overlap_bounds():
-    """g = 30 s generation, t = 60 s training: a perfect overlap hides the shorter phase (90 / 60 = 1.5); sharing
-    two cores, the one-thread engine's work costs the two-thread learner half its time (90 / 75 = 1.2)."""
-    bounds = overlap_bounds(30.0, 60.0)
-    assert bounds["pipeline_bound"] == pytest.approx(1.5)
-    assert bounds["two_core_bound"] == pytest.approx(1.2)
+def test_pipeline_bound():
+    """g = 30 s generation, t = 60 s training: a perfect overlap hides the shorter phase (90 / 60 = 1.5)."""
+    assert pipeline_bound(30.0, 60.0) == pytest.approx(1.5)
+
+
+def test_cpu_times_are_the_machines():
+    busy, total = cpu_times()
+    assert 0 < busy <= total
 
 
 def _run(curve, **figures):
     base = {"samples_per_s": 1.0, "learner_idle_share": 0.1, "engine_idle_share": 0.5, "staleness": 0.5,
             "mismatch_mean": 0.01, "k3_kl": 1e-4, "truncated_fraction": 0.0, "generate_s_per_step": 30.0,
             "train_s_per_step": 60.0}
-    return {"curve": curve, **{**base, **figures}}
+    return {"curve": curve, "cpu_busy_share": 0.8, **{**base, **figures}}
 
 
 def test_summary_pairs_each_arm_with_the_baseline_of_its_seed():
@@ -53,7 +56,8 @@ def test_summary_pairs_each_arm_with_the_baseline_of_its_seed():
     assert rows["async"]["baseline_time_ratio"]["median"] == pytest.approx(2.0)
     assert rows["async"]["reach_baseline_min"]["median"] == pytest.approx(5.0)
     assert rows["synchronous"]["baseline_time_ratio"]["median"] == pytest.approx(1.0)
-    assert rows["synchronous"]["bounds"]["two_core_bound"]["median"] == pytest.approx(1.2)
+    assert rows["synchronous"]["bounds"]["pipeline_bound"]["median"] == pytest.approx(1.5)
+    assert rows["synchronous"]["bounds"]["cpu_bound"]["median"] == pytest.approx(1.25)  # 1 / 0.8
 
 
 def test_every_arm_runs_the_same_config_with_its_own_overrides():

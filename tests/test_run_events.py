@@ -55,3 +55,17 @@ def test_a_tail_reads_only_the_newest_whole_lines(tmp_path):
     tail = list(iter_events(tmp_path, RunEvent.STEP_DONE, tail_bytes=size // 4))
     assert 30 <= len(tail) <= 50 and [e["step"] for e in tail] == list(range(200 - len(tail), 200))
     assert len(list(iter_events(tmp_path, tail_bytes=10 * size))) == 200  # a tail longer than the file: all of it
+
+
+def test_the_events_of_an_outage_reach_the_file_once_it_takes_them_again(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the run directory should be: every write fails")  # as a full disk's would
+    events = EventLog(run_dir, "launcher")
+    events.emit(RunEvent.PROCESS_DIED, name="buffer", exit_code=1)
+    events.emit(RunEvent.PROCESS_RESTARTED, name="buffer", restarts=1, delay_s=1.0)
+    events.retry()  # still refused: kept
+    run_dir.unlink()  # the disk takes writes again
+    events.retry()
+    events.emit(RunEvent.PROCESS_RECOVERED, name="buffer")
+    assert [(e["event"], e["name"]) for e in read_events(run_dir)] == [
+        ("process_died", "buffer"), ("process_restarted", "buffer"), ("process_recovered", "buffer")]

@@ -62,6 +62,35 @@ def test_counters_add_up_over_incarnations_but_levels_are_the_current_ones(coord
     assert coordinator.ledger.faults["episodes_lost"] == 3  # what the dead actor was playing
 
 
+def test_the_rollout_pauses_once_the_groups_made_and_being_made_fill_the_staleness_window(tmp_path):
+    """max_staleness η = 2, B = 4 groups per step: P = ready + running ≥ 8 pauses, though the buffer (capacity 16)
+    has room: a ninth group could only be trained 3 versions stale."""
+    config = resolve_ports(TrainConfig.model_validate({
+        "run": {"output_dir": str(tmp_path), "run_id": "test-run"}, "model": {"path": "unused"},
+        "envs": [{"name": "signpost"}], "buffer": {"capacity_groups": 16, "max_staleness": 2},
+        "learner": {"groups_per_step": 4}, "network": {"host": "127.0.0.1"}}))
+    c = Coordinator(config, StopFlag())
+    try:
+        c.on_heartbeat(beat("buffer", 20, ready_groups=4.0))
+        c.on_heartbeat(beat("actor", 10, groups_running=3.0))
+        assert not c.rollout_paused  # P = 7
+        c.on_heartbeat(beat("actor", 11, index=1, groups_running=1.0))
+        assert c.rollout_paused  # P = 8 over both actors
+        c.on_heartbeat(beat("buffer", 20, ready_groups=0.0))  # the learner took a batch
+        assert not c.rollout_paused
+        # Step 1 is done; the engines still hold version 0 (L = 1): a group started now is as old as version 0
+        # and waits for P ahead of it, so only P < (2 − 1)·4 = 4 keeps it within 2 versions.
+        c.on_learner_report(LearnerReport(run_id="test-run", step=1, weight_version=1))
+        c.on_heartbeat(beat("buffer", 20, ready_groups=3.0))
+        c.on_heartbeat(beat("actor", 10, groups_running=1.0))
+        c.on_heartbeat(beat("actor", 11, index=1, groups_running=0.0, weight_version=1.0))
+        assert c.rollout_paused  # P = 4, the oldest engine 1 version behind
+        c.on_heartbeat(beat("actor", 10, groups_running=1.0, weight_version=1.0))  # it has the new weights
+        assert not c.rollout_paused  # P = 4 < 8
+    finally:
+        c.close()
+
+
 def test_a_death_a_restart_and_the_recovery_are_written_with_the_time_between(coordinator, tmp_path):
     coordinator.on_heartbeat(beat("actor", 10, index=1))
     died_at = time.time() - 5

@@ -43,6 +43,11 @@ def test_a_consistent_trajectory_passes():
     (dict(turn_spans=[(6, 13)]), "turn_spans"),  # past the end
     (dict(turn_spans=[(4, 12)]), "turn_spans"),  # inside the prompt
     (dict(turn_spans=[(7, 12)]), "turn_spans"),  # the mask says token 6 was generated too
+    # the span covers token 9, which the mask says was not generated: an observation folded into a turn
+    (dict(loss_mask=pack([0] * 6 + [1] * 3 + [0] + [1] * 2, MASK_DTYPE),
+          logprobs=pack([0] * 6 + [-0.5] * 3 + [0] + [-0.5] * 2, LOGPROB_DTYPE)), "turn_spans"),
+    (dict(loss_mask=pack([0] * 6 + [1] * 5 + [0], MASK_DTYPE),  # ... or the last token, an observation's
+          logprobs=pack([0] * 6 + [-0.5] * 5 + [0], LOGPROB_DTYPE)), "turn_spans"),
     # version spans (a turn cut by a weight update): they tile the turn, start with its tag, go forward
     (dict(version_spans=[(6, 9, 0, 0), (10, 12, 0, 1)]), "turn_spans"),  # a gap
     (dict(version_spans=[(6, 9, 0, 0), (8, 12, 0, 1)]), "turn_spans"),  # an overlap

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 import zlib
 from collections import defaultdict
@@ -67,12 +68,13 @@ from horizonrl.protocol import (
     Trajectory,
     decode_as,
     encode,
+    signed_by,
 )
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
-from horizonrl.protocol.transport import make_socket, split_endpoint, wire_security
-from horizonrl.protocol.weights import WeightSyncError
+from horizonrl.protocol.transport import keep_collectives_on, make_socket, split_endpoint, wire_security
+from horizonrl.protocol.weights import RUN_KEY_ENV, WeightSyncError
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
@@ -88,6 +90,18 @@ UNHEALTHY_ENV_FAILURES = (FAILURE_ENVIRONMENT, FAILURE_TIMEOUT)  # the instance 
 EVALUATING_ACTOR = 0  # the actor that plays the held-out evaluations during training (eval.every)
 EVAL_SEND_TIMEOUT_S = 30.0
 EVAL_METRICS = ("success_rate", "episodes_valid", "infra_failures", "mean_reward", "mean_score", "mean_turns")
+
+
+def new_incarnation() -> str:
+    """64 random bits naming one actor process (see :func:`group_id_of`)."""
+    return secrets.token_hex(8)
+
+
+def group_id_of(actor: int, incarnation: str, number: int) -> str:
+    """``a<actor>-<incarnation>-g<number>``: unique in the run (a group number is never used twice by an actor),
+    and unguessable before the actor uses it (the incarnation is random: a sender that read the group number in
+    ``actors/actor_<i>.json`` still cannot pre-empt the id); its trajectories are ``<group id>-<member>``."""
+    return f"a{actor}-{incarnation}-g{number}"
 
 
 def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str,
@@ -194,6 +208,9 @@ class Actor:
         self.chat = chat
         self.run_id = config.run.run_id
         self.run_key = read_run_key(config.output_dir)  # the coordinator takes held-out evaluations only with it
+        # Part of every group id: random per incarnation, so no one can send an episode under an id this actor is
+        # about to use (the group number alone is in actors/actor_<i>.json, readable to anyone who can read the run)
+        self.incarnation = new_incarnation()
         self.envs = EnvPool(config.envs, make_env)
         self.make_env = make_env
         self.evaluating = False  # a held-out evaluation is running: start no new groups
@@ -247,7 +264,7 @@ class Actor:
         if is_colocated(os.environ):
             # The learner on this GPU waits for this before it touches the GPU (learner/main.py says why).
             await self.reports.send(registration(self.run_id, f"actor-{self.index}",
-                                                 {ENDPOINT_COLOCATED_ENGINE: str(os.getpid())}))
+                                                 {ENDPOINT_COLOCATED_ENGINE: str(os.getpid())}, self.run_key))
         if not await self._unless_stopped(self._resolve_endpoints()):
             return
         host, port = self._weight_hub_address()
@@ -365,7 +382,7 @@ class Actor:
             except zmq.Again:
                 break
             try:
-                self.control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+                self.control = self._signed_control(data)
             except ProtocolError as exc:
                 self._bad_log.warning("rejected control message: %s", exc)
         if self.control is not None:
@@ -436,7 +453,7 @@ class Actor:
         while True:
             data = await self.sub.recv()
             try:
-                control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+                control = self._signed_control(data)
             except ProtocolError as exc:
                 self._bad_log.warning("rejected control message: %s", exc)
                 continue
@@ -444,6 +461,14 @@ class Actor:
             self.buffer_endpoint.update(control.endpoints)
             self.delivery.backpressure = control.pause_rollout
             self._new_control.set()
+
+    def _signed_control(self, data: bytes) -> Control:
+        """The coordinator's Control; ProtocolError for anything else — another run's, or one not signed with the
+        run's key (anyone can reach the coordinator's ports: a Control could end the run or pause it)."""
+        control = decode_as(data, Control, MAX_CONTROL_BYTES, self.run_id)
+        if not signed_by(control, self.run_key):
+            raise ProtocolError("a Control not signed with the run's key")
+        return control
 
     def _announced(self) -> tuple[int, int]:
         return (self.control.weight_epoch, self.control.weight_version) if self.control else (0, 0)
@@ -569,7 +594,7 @@ class Actor:
         task = self.tasks.next()
         max_turns = self.control.max_turns  # one budget for the whole group
         n = self.config.rollout.n
-        group_id = f"a{self.index}-g{task.number}"
+        group_id = group_id_of(self.index, self.incarnation, task.number)
         env = task.env.name
         try:
             episodes = await asyncio.gather(*(self._play(env, task.task_id, max_turns) for _ in range(n)))
@@ -695,7 +720,7 @@ class Actor:
     async def _heartbeat(self) -> None:
         while True:
             beat = Heartbeat(run_id=self.run_id, role="actor", index=self.index, pid=os.getpid(),
-                             counters=heartbeat_counters(*self.counts()))
+                             counters=heartbeat_counters(*self.counts()), key=self.run_key)
             try:
                 await self.reports.send(encode(beat), zmq.NOBLOCK)
             except zmq.Again:
@@ -712,6 +737,7 @@ class Actor:
         self.counters.engine_preemptions = e.load.preemptions
         self.counters.in_flight_changes = self.in_flight.changes if self.in_flight else 0
         self.gauges.groups_in_flight = self.groups_in_flight
+        self.gauges.groups_running = self.groups_running
         self.gauges.kv_cache_usage = e.load.kv_cache_usage
         self.gauges.unacknowledged = len(self.delivery.unacked)
         self.gauges.weight_epoch, self.gauges.weight_version = self.weights
@@ -737,6 +763,9 @@ def load_chat_tokenizer(model_path: str):
 
 async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> None:
     r = config.rollout
+    # The engine's workers (its child processes) join the learner's weight hub with the run's key
+    os.environ[RUN_KEY_ENV] = read_run_key(config.output_dir)
+    keep_collectives_on(config.network.bind_address())  # their gloo sockets listen where the run binds
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index,
                                  cpus=engine_cpus_of(config, index),

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
-from horizonrl.protocol.weights import JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_prefix
+from horizonrl.protocol.weights import (JOIN_COUNTER, RUN_KEY_ENV, STORE_PREFIX, WeightSyncError, join_key,
+                                        member_prefix)
 from horizonrl.protocol.worker_replies import StageOutcome
 
 if TYPE_CHECKING:
@@ -139,6 +141,8 @@ def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin,
     store.set_timeout(timedelta(seconds=timeout_s))
     joins = dist.PrefixStore(STORE_PREFIX, store)
     number = joins.add(JOIN_COUNTER, 1)
+    if not join.key:  # the run's key, from the actor process that started this engine (protocol/weights.py)
+        join = msgspec.structs.replace(join, key=os.environ.get(RUN_KEY_ENV, ""))
     joins.set(join_key(number), encode(join))
     return store, joins, number
 

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from horizonrl.apps.chaos_faults import FillDisk, Fault, FreezeEngine, KillProcess, MessageStorm
+from horizonrl.apps.chaos_faults import (FakeJoin, FillDisk, Fault, FreezeEngine, KillProcess, MessageStorm,
+                                        SquatCoordinator)
 from horizonrl.core.programs import horizonrl_command
 from horizonrl.core.run_dirs import RunDir
 
@@ -82,9 +83,20 @@ def run_once(config_path: Path, overrides: list[str], output_dir: Path, *, fault
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
     summary = summarize(output_dir, fired, elapsed, rc, finished)
+    if isinstance(fault, SquatCoordinator):
+        summary["squat"] = {"reports_swallowed": fault.swallowed, "controls_forged": fault.forged,
+                            "ports_squatted": sum(f.get("ports_squatted", 0) for f in fired)}
     if isinstance(fault, MessageStorm):
         summary["storm"] = {"sent": fault.sent, "counted": fault.counted()}
     return summary
+
+
+def longest_learner_gap_s(output_dir: Path) -> float:
+    """The longest time between two learner steps (``events.jsonl``'s step_done), from the first step on."""
+    from horizonrl.core.run_events import RunEvent, read_events
+
+    times = sorted(float(e["time"]) for e in read_events(output_dir, RunEvent.STEP_DONE))
+    return round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
 
 
 def learner_steps(output_dir: Path) -> int:
@@ -136,6 +148,7 @@ def summarize(output_dir: Path, fired: list[dict], elapsed_s: float, rc: int, fi
         "recovery_s": recovery,
         "recovery_s_median": round(statistics.median(recovery), 1) if recovery else None,
         "learner_steps_reported": steps,
+        "longest_learner_gap_s": longest_learner_gap_s(output_dir),
         "learner_steps_checkpointed": ledger["steps"],
         "steps_per_minute": round(steps / minutes, 2) if minutes else 0.0,
         "trained_per_minute": round(ledger["trained_once"] / minutes, 1) if minutes else 0.0,
@@ -156,7 +169,12 @@ def print_report(summary: dict[str, Any], baseline: dict[str, Any] | None) -> No
               f"({len(r)} recoveries; {unrecovered} deaths not followed by a recovery: killed again while "
               f"starting, or the run stopped first)")
     print(f"  learner steps: {summary['learner_steps_reported']} reported, {summary['learner_steps_checkpointed']} in "
-          f"the newest checkpoint ({summary['steps_per_minute']} per minute)")
+          f"the newest checkpoint ({summary['steps_per_minute']} per minute); longest gap between two steps "
+          f"{summary['longest_learner_gap_s']:.1f} s")
+    if "squat" in summary:
+        squat = summary["squat"]
+        print(f"  squatter: bound {squat['ports_squatted']} ports, forged {squat['controls_forged']} Controls, "
+              f"swallowed {squat['reports_swallowed']} reports")
     print(f"  trajectories: {a['accepted']} accepted, {a['trained_once']} trained once, dropped {a['dropped']}, "
           f"left out by the learner {a['learner_skipped']}, {a['held']} held, {a['not_yet_delivered']} still in "
           "outboxes")
@@ -174,8 +192,13 @@ def print_report(summary: dict[str, Any], baseline: dict[str, Any] | None) -> No
 
 
 def make_fault(output_dir: Path, *, kill: str | None = None, freeze_engine_s: float | None = None,
-               storm: int | None = None, fill_disk_s: float | None = None, fill_max_gb: float = 4.0) -> Fault:
+               storm: int | None = None, fill_disk_s: float | None = None, fill_max_gb: float = 4.0,
+               squat_coordinator_s: float | None = None, fake_join: int | None = None) -> Fault:
     """The one fault a chaos run fires (the command line makes them exclusive)."""
+    if squat_coordinator_s is not None:
+        return SquatCoordinator(squat_coordinator_s, output_dir)
+    if fake_join is not None:
+        return FakeJoin(fake_join, output_dir)
     if kill is not None:
         return KillProcess(kill)
     if freeze_engine_s is not None:
@@ -184,7 +207,8 @@ def make_fault(output_dir: Path, *, kill: str | None = None, freeze_engine_s: fl
         return MessageStorm(storm, output_dir)
     if fill_disk_s is not None:
         return FillDisk(fill_disk_s, output_dir, int(fill_max_gb * 2**30))
-    raise ValueError("no fault given: --kill, --freeze-engine, --storm or --fill-disk")
+    raise ValueError("no fault given: --kill, --freeze-engine, --storm, --fill-disk, --squat-coordinator or "
+                     "--fake-join")
 
 
 def main(config_path: Path, overrides: list[str], *, every_s: float, duration_s: float, seed: int, baseline: bool,
@@ -221,5 +245,5 @@ def main(config_path: Path, overrides: list[str], *, every_s: float, duration_s:
     RunDir(output_dir).chaos_summary.write_text(json.dumps({"chaos": summary, "baseline": base}, indent=1) + "\n")
     clean = summary["accounting"]["lost"] == 0 and summary["accounting"]["trained_twice"] == 0
     # A storm or a full disk must not cost a process; a kill or a freeze is answered by restarts, within the limits.
-    survived = summary["deaths_seen"] == 0 or isinstance(fault, (KillProcess, FreezeEngine))
+    survived = summary["deaths_seen"] == 0 or isinstance(fault, (KillProcess, FreezeEngine, SquatCoordinator))
     return 0 if clean and survived and summary["gave_up"] == 0 else 1

@@ -7,6 +7,11 @@
 - :class:`MessageStorm`: a burst of malformed and hostile messages to every socket of the run
   (``hostile.py``: no message of it can be trained on or change the run's state).
 - :class:`FillDisk`: the run directory's file system filled to the last byte for a while, then freed.
+- :class:`SquatCoordinator`: ``kill -9`` of the coordinator, then this process binds its two ports before the
+  replacement can, and holds them for a while: it publishes forged Controls (end training, pause the rollout)
+  and swallows every report. A launcher that holds the ports (the local one) leaves it nothing to bind.
+- :class:`FakeJoin`: joins of the learner's weight hub that never receive (one claims actor 0's place), as
+  someone who knows the run id but not its key would make them.
 
 Each fault's ``fire`` does it once and says what it did; ``tick`` (called every loop) undoes what is due;
 ``end`` undoes everything still in force when the run stops, however it stops.
@@ -247,6 +252,134 @@ class FillDisk:
     def end(self) -> None:
         self.path.unlink(missing_ok=True)
         self.until = None
+
+
+class SquatCoordinator:
+    def __init__(self, seconds: float, run_dir: Path, clock=time.monotonic) -> None:
+        self.seconds, self.run_dir, self.clock = seconds, run_dir, clock
+        self.what = f"kill -9 of the coordinator, its ports squatted for {seconds:.0f} s"
+        self.held: list = []  # the squatter's sockets, while it holds the ports
+        self.until: float | None = None
+        self.context = None
+        self.swallowed = 0  # reports that reached the squatter instead of the coordinator
+        self.forged = 0  # Controls it published
+
+    def fire(self, launcher_pid: int, rng: random.Random) -> dict[str, Any]:
+        import zmq
+
+        from horizonrl.core.config import load_config
+        from horizonrl.protocol import Control, encode
+
+        if self.until is not None:
+            return {"pid": None, "note": "the ports are squatted already"}
+        victims = run_processes(launcher_pid, "coordinator")
+        if not victims:
+            return {"pid": None, "note": "no coordinator alive (still restarting?)"}
+        config = load_config(RunDir(self.run_dir).config)
+        net = config.network
+        victims[0].kill()
+        self.context = zmq.Context()
+        pub, pull = self.context.socket(zmq.PUB), self.context.socket(zmq.PULL)
+        bound, deadline = [], self.clock() + 2.0
+        for sock, port in ((pub, net.control_port), (pull, net.report_port)):
+            while self.clock() < deadline:
+                try:
+                    sock.bind(net.endpoint(port))
+                    bound.append(port)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)  # the dead coordinator's sockets are still closing, or a launcher holds them
+        self.held = [pub, pull]
+        self.forged_control = encode(Control(run_id=config.run.run_id, learner_step=config.learner.total_steps,
+                                             max_turns=1, weight_version=0, pause_rollout=True, end_training=True))
+        self.until = self.clock() + self.seconds
+        return {"pid": victims[0].pid, "did": f"kill -9 coordinator pid {victims[0].pid}; bound {len(bound)} of its 2 "
+                                              "ports" + ("" if bound else " (none: they are held for the run)"),
+                "ports_squatted": len(bound)}
+
+    def tick(self) -> None:
+        import zmq
+
+        if self.until is None:
+            return
+        if self.clock() >= self.until:
+            self.end()
+            return
+        pub, pull = self.held
+        pub.send(self.forged_control)
+        self.forged += 1
+        while True:
+            try:
+                pull.recv(zmq.NOBLOCK)
+                self.swallowed += 1
+            except zmq.ZMQError:
+                break
+
+    def end(self) -> None:
+        for sock in self.held:
+            sock.close(linger=0)
+        self.held = []
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+        self.until = None
+
+
+class FakeJoin:
+    def __init__(self, count: int, run_dir: Path) -> None:
+        self.count, self.run_dir = count, run_dir
+        self.what = f"{count} joins of the weight hub without the run's key that never receive"
+        self.threads: list = []
+        self.done = None
+
+    def fire(self, launcher_pid: int, rng: random.Random) -> dict[str, Any]:
+        import threading
+
+        from horizonrl.core.config import load_config
+        from horizonrl.core.coordinator_state import load_snapshot
+        from horizonrl.protocol import ENDPOINT_WEIGHTS
+        from horizonrl.protocol.transport import split_endpoint
+
+        config = load_config(RunDir(self.run_dir).config)
+        snapshot = load_snapshot(self.run_dir, config.run.run_id)
+        endpoint = (snapshot.endpoints.get(ENDPOINT_WEIGHTS) if snapshot is not None else None)
+        host, port = (split_endpoint(endpoint) if endpoint else (config.network.host, config.network.weight_port))
+        if not port:
+            return {"pid": None, "note": "no weight hub registered yet"}
+        self.done = self.done or threading.Event()
+        for n in range(self.count):
+            thread = threading.Thread(target=_never_receiving_member, daemon=True,
+                                      args=(host, port, config.run.run_id, 0 if n == 0 else 1000 + n, self.done))
+            thread.start()
+            self.threads.append(thread)
+        return {"pid": None, "did": f"{self.count} keyless joins of the hub at {host}:{port} (one as actor 0)"}
+
+    def tick(self) -> None:
+        pass
+
+    def end(self) -> None:
+        if self.done is not None:
+            self.done.set()
+
+
+def _never_receiving_member(host: str, port: int, run_id: str, actor: int, done) -> None:
+    """Join (without the key), take part in forming the two-rank group if the hub forms one, then never receive."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from horizonrl.actors.weight_receiver import announce_join
+    from horizonrl.protocol import WeightJoin
+    from horizonrl.protocol.weights import member_prefix
+
+    try:
+        _, joins, number = announce_join(host, port, 30, WeightJoin(run_id=run_id, actor=actor, pid=os.getpid(),
+                                                                    key="not-the-run-key"))
+        group = dist.ProcessGroupGloo(dist.PrefixStore(member_prefix(number), joins), 1, 2, timedelta(seconds=30))
+        done.wait(3600)  # a member that never takes a version
+        del group
+    except Exception:  # noqa: BLE001 - refused (the hub wants the key) or gone: that is the point
+        pass
 
 
 def _signal(pid: int, sig: int) -> bool:

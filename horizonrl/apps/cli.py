@@ -304,8 +304,9 @@ def _add_run_tools(sub) -> None:
     p = sub.add_parser("chaos", help="a training run under one kind of fault fired at random times",
                        description="Start `horizonrl train CONFIG`, fire one kind of fault at random times (0.5-1.5 x "
                                    "--every) for --duration seconds from its first learner step — kill -9 of a "
-                                   "process, SIGSTOP of an engine, a storm of hostile messages, a full disk — stop "
-                                   "the run (Ctrl-C), and print what was fired, deaths, restarts, time to recover and "
+                                   "process, SIGSTOP of an engine, a storm of hostile messages, a full disk, a squat "
+                                   "of the coordinator's ports, keyless joins of the weight hub — stop the run "
+                                   "(Ctrl-C), and print what was fired, deaths, restarts, time to recover and "
                                    "the accounting of every trajectory (docs/faults.md).")
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted.key=value (values parsed as YAML)")
@@ -320,6 +321,13 @@ def _add_run_tools(sub) -> None:
     fault.add_argument("--fill-disk", type=float, metavar="SECONDS",
                        help="fill the run directory's file system to the last byte for this long, then free it "
                             "(refused when it has more than --fill-max-gb free: give the run a small file system)")
+    fault.add_argument("--squat-coordinator", type=float, metavar="SECONDS",
+                       help="kill -9 the coordinator and bind its two ports before its replacement can, holding them "
+                            "this long: forged Controls out, every report swallowed (the local launcher holds the "
+                            "ports for the run: nothing is left to bind)")
+    fault.add_argument("--fake-join", type=int, metavar="N",
+                       help="N joins of the learner's weight hub without the run's key (one as actor 0) that never "
+                            "receive")
     p.add_argument("--fill-max-gb", type=float, default=4.0, help="with --fill-disk: the most it may write")
     p.add_argument("--every", type=float, default=30.0, help="mean seconds between faults")
     p.add_argument("--duration", type=float, default=300.0,
@@ -353,7 +361,8 @@ def _cmd_chaos(args) -> int:
     return chaos_main(args.config, args.overrides, every_s=args.every, duration_s=args.duration, seed=args.seed,
                       baseline=args.baseline, from_start=args.from_start, kill=args.kill,
                       freeze_engine_s=args.freeze_engine, storm=args.storm, fill_disk_s=args.fill_disk,
-                      fill_max_gb=args.fill_max_gb)
+                      fill_max_gb=args.fill_max_gb, squat_coordinator_s=args.squat_coordinator,
+                      fake_join=args.fake_join)
 
 
 def _cmd_keys(args) -> int:

@@ -186,11 +186,13 @@ def wrong_reports(run_id: str, key: str, *, total_steps: int, num_actors: int) -
         (LearnerReport(run_id=run_id, step=total_steps + 1, weight_version=0, key=key), "learner_report_out_of_range"),
         (LearnerReport(run_id=run_id, step=10**9, weight_version=10**9, final=True, key="not-the-key"),
          "learner_report_unauthenticated"),
-        (Heartbeat(run_id=run_id, role="actr", index=0, pid=1), "heartbeat_unknown_process"),
-        (Heartbeat(run_id=run_id, role="actor", index=num_actors, pid=1), "heartbeat_unknown_process"),
-        (Heartbeat(run_id=run_id, role="buffer", index=0, pid=1, counters={"ready_groups": float("inf")}),
+        (Heartbeat(run_id=run_id, role="actr", index=0, pid=1, key=key), "heartbeat_unknown_process"),
+        (Heartbeat(run_id=run_id, role="actor", index=num_actors, pid=1, key=key), "heartbeat_unknown_process"),
+        (Heartbeat(run_id=run_id, role="buffer", index=0, pid=1, counters={"ready_groups": float("inf")}, key=key),
          "heartbeat_non_finite_number"),
-        (Heartbeat(run_id=run_id, role="buffer", index=0, pid=-5), "heartbeat_out_of_range"),
+        (Heartbeat(run_id=run_id, role="buffer", index=0, pid=-5, key=key), "heartbeat_out_of_range"),
+        (Heartbeat(run_id=run_id, role="buffer", index=0, pid=31337, counters={"ready_groups": 1e6}),
+         "heartbeat_unauthenticated"),
         (EpisodeSample(run_id=run_id, env="signpost", task_id=1, actor_id=0, weight_version=0, max_turns=10**9,
                        reward=nan, success=False, score=0.0, num_turns=10**9, stop_reason="done"),
          "episode_sample_out_of_range"),
@@ -261,11 +263,11 @@ def report_storm(rng: random.Random, run_id: str, key: str, n: int, *, total_ste
             data, counter = wrong[(i // 4) % len(wrong)]
             out.append((data, f"rejected:{counter}"))
         elif real_run:  # a heartbeat of an actor the run does not have
-            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=num_actors, pid=100)),
+            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=num_actors, pid=100, key=key)),
                         "rejected:heartbeat_unknown_process"))
         else:  # the run's own heartbeats go on meanwhile
-            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=0, pid=100, counters={"episodes": i})),
-                        "accepted:heartbeat"))
+            out.append((encode(Heartbeat(run_id=run_id, role="actor", index=0, pid=100, counters={"episodes": i},
+                                         key=key)), "accepted:heartbeat"))
     return out
 
 

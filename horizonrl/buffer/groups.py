@@ -132,6 +132,9 @@ class GroupBuffer:
         self._served: OrderedDict[int, ServedBatch] = OrderedDict()  # batch number -> in flight
         self._closed_groups: set[str] = set()  # complete or resolved: a new member would be a mismatch
         self.seen: set[str] = set()  # every trajectory id accepted (a resend is a duplicate)
+        # what each accepted id held (records.content_digest of its message): a "resend" with other content is
+        # someone else's episode under a taken id, not a duplicate (b"": not known, from a log before digests)
+        self.digests: dict[str, bytes] = {}
         self.fates: dict[str, str] = {}  # resolved ids -> FATE_*
         self.dropped: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -162,9 +165,10 @@ class GroupBuffer:
                                            f"{traj.group_size})")
         return None
 
-    def accept(self, traj: Trajectory) -> None:
-        """A trajectory that passed every check, now durable (record Accepted)."""
+    def accept(self, traj: Trajectory, digest: bytes = b"") -> None:
+        """A trajectory that passed every check, now durable (record Accepted); ``digest``: its message's."""
         self.seen.add(traj.trajectory_id)
+        self.digests[traj.trajectory_id] = digest
         self.received += 1
         group = self._pending.get(traj.group_id)
         if group is None:
@@ -179,10 +183,10 @@ class GroupBuffer:
             del self._pending[traj.group_id]
             self._complete(traj.group_id, group.members)
 
-    def reject(self, reason: str) -> None:
-        """Count a trajectory refused at the door (record Rejected). It was never accepted: a resend of it is
-        judged again, the same way, and counted again."""
-        self.rejected[reason] += 1
+    def reject(self, reason: str, count: int = 1) -> None:
+        """Count trajectories refused at the door (records Rejected, RejectedCounts). They were never accepted: a
+        resend is judged again, the same way, and counted again."""
+        self.rejected[reason] += count
 
     def _complete(self, group_id: str, members: list[Trajectory]) -> None:
         self._closed_groups.add(group_id)
@@ -323,9 +327,16 @@ class GroupBuffer:
             self.fates[t.trajectory_id] = FATE_DROPPED + reason
 
     # ---- compaction stubs ------------------------------------------------------------
-    def resolved_stub(self, trajectory_id: str, group_id: str, fate: str) -> None:
+    def is_resend(self, trajectory_id: str, digest: bytes) -> bool:
+        """Whether a trajectory with an accepted id is that trajectory again (the same content), not another
+        episode under its id. An id accepted before digests were kept is taken on trust."""
+        kept = self.digests.get(trajectory_id, b"")
+        return not kept or not digest or kept == digest
+
+    def resolved_stub(self, trajectory_id: str, group_id: str, fate: str, digest: bytes = b"") -> None:
         """A resolved trajectory whose payload compaction removed (record Resolved): counted, never held."""
         self.seen.add(trajectory_id)
+        self.digests[trajectory_id] = digest
         self._closed_groups.add(group_id)
         self.fates[trajectory_id] = fate
         self.received += 1

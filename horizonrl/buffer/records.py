@@ -10,6 +10,8 @@ and fate for de-duplication and accounting.
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from horizonrl.buffer.groups import GroupBuffer
@@ -79,6 +81,7 @@ class Resolved(msgspec.Struct, tag="resolved"):
     trajectory_id: str
     group_id: str
     fate: str
+    digest: bytes = b""  # content_digest of the message it replaces (b"" in logs written before digests)
 
 
 class Rejected(msgspec.Struct, tag="rejected"):
@@ -89,7 +92,16 @@ class Rejected(msgspec.Struct, tag="rejected"):
     reason: str
 
 
-Record = Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved | Rejected
+class RejectedCounts(msgspec.Struct, tag="rejected_counts"):
+    """The trajectories refused at the door since the record before, counted by reason: one small record per
+    turn of the buffer's loop however many were refused in it, so a flood of invalid trajectories does not
+    grow the log by a record each (``Rejected``, one per trajectory, is what logs before this one hold)."""
+
+    counts: dict[str, int]
+
+
+Record = (Accepted | Expired | Served | RolledBack | Committed | Lineage | Settings | Resolved | Rejected
+          | RejectedCounts)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -115,6 +127,12 @@ def accepted_parts(message: bytes) -> tuple[bytes, bytes]:
     return _ACCEPTED_PREFIX + header, message
 
 
+def content_digest(message: bytes) -> bytes:
+    """What a trajectory's message holds, in 16 bytes: a resend is the same bytes (the actor keeps the encoded
+    message in its outbox and sends it again), another episode under the same id is not."""
+    return hashlib.blake2b(message, digest_size=16).digest()
+
+
 def decode_record(data: bytes) -> Record:
     return _decoder.decode(data)
 
@@ -123,7 +141,7 @@ def apply(buffer: GroupBuffer, record: Record):
     """Change ``buffer`` as the record says (the same call the live server made); returns that call's
     result (a Served record: the groups of the batch)."""
     if isinstance(record, Accepted):
-        buffer.accept(record.trajectory)
+        buffer.accept(record.trajectory, content_digest(record.message))
     elif isinstance(record, Expired):
         buffer.expire(record.group_ids)
     elif isinstance(record, Served):
@@ -143,9 +161,12 @@ def apply(buffer: GroupBuffer, record: Record):
         buffer.budget = (TurnBudgetSchedule(record.budget_kind, tuple(record.budget_rounds),
                                             record.budget_steps_per_stage) if record.budget_kind else None)
     elif isinstance(record, Resolved):
-        buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate)
+        buffer.resolved_stub(record.trajectory_id, record.group_id, record.fate, record.digest)
     elif isinstance(record, Rejected):
         buffer.reject(record.reason)
+    elif isinstance(record, RejectedCounts):
+        for reason, count in record.counts.items():
+            buffer.reject(reason, count)
     else:  # pragma: no cover - the decoder admits only the types above
         raise TypeError(f"unknown record {record!r}")
     return None
@@ -157,5 +178,6 @@ def compacted(record_bytes: bytes, buffer: GroupBuffer) -> bytes:
     if isinstance(record, Accepted):
         fate = buffer.fates.get(record.trajectory.trajectory_id)
         if fate is not None:
-            return encode_record(Resolved(record.trajectory.trajectory_id, record.trajectory.group_id, fate))
+            return encode_record(Resolved(record.trajectory.trajectory_id, record.trajectory.group_id, fate,
+                                          content_digest(record.message)))
     return record_bytes

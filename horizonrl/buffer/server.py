@@ -22,7 +22,6 @@ stop starting groups. Malformed, oversized, foreign-run or wrong-version message
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -36,13 +35,14 @@ from horizonrl.buffer.records import (
     Committed,
     Expired,
     Lineage,
-    Rejected,
+    RejectedCounts,
     RolledBack,
     Served,
     Settings,
     accepted_parts,
     apply,
     compacted,
+    content_digest,
     decode_record,
     encode_record,
     settings_of,
@@ -71,10 +71,12 @@ from horizonrl.protocol import (
     TrajectoryAck,
     decode_as,
     encode,
+    signed_by,
 )
 from horizonrl.protocol.registry import registration
 from horizonrl.protocol.transport import bind_endpoint, make_socket, wire_security
-from horizonrl.protocol.validation import MAX_ID_CHARS, trajectory_problem
+from horizonrl.protocol.names import MAX_ID_CHARS, shown
+from horizonrl.protocol.validation import trajectory_problem, trajectory_size_problem
 
 log = logging.getLogger("horizonrl.buffer")
 
@@ -83,6 +85,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 DRAIN_PER_POLL = 256
 HEARTBEAT_PERIOD_S = 0.25  # also the latency of the coordinator's rollout pause
 REJECT_FUTURE = "future_version"
+REJECT_ID_TAKEN = "id_taken"  # an accepted id, other content: not a resend
 COMPACT_MIN_INTERVAL_S = 30.0
 
 
@@ -103,12 +106,15 @@ class BufferServer:
         self.stop = stop
         self.run_id = config.run.run_id
         self.run_key = read_run_key(config.output_dir)
+        self.env_names = frozenset(env.name for env in config.envs)
         self.events = EventLog(config.output_dir, "buffer")
         # Replay starts from the log's own settings (its Settings records), then this start's apply.
         self.groups = GroupBuffer(capacity_groups=cfg.capacity_groups, max_staleness=cfg.max_staleness,
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
         budget = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
+        # no trajectory of the run has more turns than its largest budget (the coordinator's RunShape.max_turns)
+        self.max_turns = max(max(config.algorithm.rounds_ctrl.rounds), budget.final_max_turns)
         self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()
@@ -133,6 +139,9 @@ class BufferServer:
         self._pending_since = 0.0
         self._equal_seen_at_request = 0
         self._last_compaction = 0.0
+        self._wal_outage: tuple[float, int] | None = None  # (since, the log's retries then) while its disk refuses
+        self._recorder_failing = False
+        self._rejected_since_flush: Counter[str] = Counter()
         self._compacted_size = 0
         # Episodes the actors sent with their text, for people (docs/episodes.md): written on acceptance.
         self.recorder = EpisodeRecordWriter(config.run_dir.episode_records,
@@ -224,12 +233,37 @@ class BufferServer:
             self._flush()
             if time.monotonic() - last_beat > HEARTBEAT_PERIOD_S:
                 self._heartbeat()
+                self._watch_the_disk()
                 last_beat = time.monotonic()
             self._maybe_compact()
+
+    def _watch_the_disk(self) -> None:
+        """An outage of the write-ahead log's disk (its writer retries) begins or ends: an event each, written
+        (with the events the disk refused meanwhile) once the disk takes them."""
+        failing = self.wal is not None and self.wal.failing_since is not None
+        if failing and self._wal_outage is None:
+            self._wal_outage = (time.monotonic(), self.wal.write_retries)
+            self.events.emit(RunEvent.WRITE_FAILED, path=str(self.wal.directory), error=self.wal.last_error,
+                             critical=True)
+        elif not failing and self._wal_outage is not None:
+            since, retries = self._wal_outage
+            self._wal_outage = None
+            self.events.emit(RunEvent.WRITE_RECOVERED, path=str(self.wal.directory),
+                             retries=self.wal.write_retries - retries, outage_s=round(time.monotonic() - since, 3))
+        if self.recorder.failing != self._recorder_failing:
+            self._recorder_failing = self.recorder.failing
+            if self._recorder_failing:
+                self.events.emit(RunEvent.WRITE_FAILED, path=str(self.recorder.directory), critical=False,
+                                 error="episode records refused (see the buffer's log)")
+            else:
+                self.events.emit(RunEvent.WRITE_RECOVERED, path=str(self.recorder.directory),
+                                 retries=self.recorder.write_failures, outage_s=None)
+        self.events.retry()
 
     def _flush(self) -> None:
         """Hand the logged records to the log's writer; their consequences (acks, a batch) leave the
         process once they are durable — meanwhile this loop goes on reading (group commit)."""
+        self._log_rejections()
         if self._outbox or self._reply is not None:
             ticket = self.wal.submit() if self.wal is not None else 0
             self._undurable.append((ticket, dict(self._outbox), self._reply))
@@ -237,6 +271,13 @@ class BufferServer:
         elif self.wal is not None:
             self.wal.submit()  # records with no consequence of their own (an expiry, a lineage)
         self._release_durable()
+
+    def _log_rejections(self) -> None:
+        """The refusals since the last call as one record (counted already by ``_reject``), ahead of their acks."""
+        if self._rejected_since_flush:
+            if self.wal is not None:
+                self.wal.append(encode_record(RejectedCounts(dict(self._rejected_since_flush))))
+            self._rejected_since_flush.clear()
 
     def _release_durable(self) -> None:
         durable = self.wal.durable if self.wal is not None else 0
@@ -261,6 +302,13 @@ class BufferServer:
             except zmq.Again:
                 return
             self.messages_read["intake"] += 1
+            if len(frames) == 2 and len(frames[1]) <= MAX_TRAJECTORY_BYTES:
+                # the cheap limits first, from the msgpack headers: no in-limit message costs many times its size
+                refused = trajectory_size_problem(frames[1], max_tokens=self.config.rollout.max_context_tokens,
+                                                  max_turns=self.max_turns)
+                if refused is not None:
+                    self._reject(frames[0], *refused)
+                    continue
             received = self._decoded(frames, Trajectory, MAX_TRAJECTORY_BYTES, "intake", "trajectory")
             if received is None:
                 continue
@@ -271,14 +319,18 @@ class BufferServer:
 
     def _admit(self, identity: bytes, t: Trajectory, message: bytes) -> None:
         tid = t.trajectory_id
+        digest = content_digest(message)
         if tid in self.groups.seen:
-            self._ack(identity, tid, ACK_DUPLICATE)
+            if self.groups.is_resend(tid, digest):
+                self._ack(identity, tid, ACK_DUPLICATE)
+            else:  # someone else's episode under an accepted id: refused (and counted), never taken for a resend
+                self._reject(identity, tid, REJECT_ID_TAKEN, "an accepted trajectory has this id and other content")
             return
         if tid in self._early_ids:
             return  # a resend of one still waiting for its weights to be announced
         rollout = self.config.rollout
         problem = (trajectory_problem(t, self.config.model.vocab_size, max_tokens=rollout.max_context_tokens,
-                                      max_group_size=rollout.n)
+                                      max_group_size=rollout.n, env_names=self.env_names)
                    or self._future_problem(t) or self.groups.admission_problem(t))
         if problem is not None:
             self._reject(identity, tid, *problem)
@@ -289,7 +341,7 @@ class BufferServer:
             return
         if self.wal is not None:
             self.wal.append(accepted_parts(message))  # encode_record(Accepted(message)), without copying it
-        self.groups.accept(t)  # what applying the record does, without decoding the message again
+        self.groups.accept(t, digest)  # what applying the record does, without decoding the message again
         self._ack(identity, tid, ACK_ACCEPTED)
         if t.text is not None:
             self.recorder.write(episode_record(t))
@@ -323,8 +375,9 @@ class BufferServer:
     def _reject(self, identity: bytes, trajectory_id: str, reason: str, detail: str) -> None:
         """Refuse a trajectory: counted by reason (and logged, so that the accounting lists it), acknowledged as
         rejected so that its actor forgets it."""
-        self._log(Rejected(trajectory_id[:MAX_ID_CHARS], reason))
-        self._bad_log.warning("rejected trajectory %s: %s (%s)", trajectory_id[:MAX_ID_CHARS], reason, detail)
+        self.groups.reject(reason)
+        self._rejected_since_flush[reason] += 1  # logged as one RejectedCounts at the next _flush
+        self._bad_log.warning("rejected trajectory %s: %s (%s)", shown(trajectory_id, MAX_ID_CHARS), reason, detail)
         self._ack(identity, trajectory_id, ACK_REJECTED, reason)
 
     def _future_problem(self, t: Trajectory) -> tuple[str, str] | None:
@@ -368,6 +421,9 @@ class BufferServer:
             except ProtocolError as exc:
                 self._count_bad("control", str(exc))
                 continue
+            if not signed_by(control, self.run_key):  # not the coordinator's: it could claim any version
+                self._count_bad("control_unauthenticated", "a Control not signed with the run's key")
+                continue
             self._hear_weights(control.weight_epoch, control.weight_version)
 
     # ------------------------------------------------------------------ batches out
@@ -379,7 +435,7 @@ class BufferServer:
         if received is None:
             return
         identity, request = received
-        if self.run_key and not hmac.compare_digest(request.key.encode(), self.run_key.encode()):
+        if not signed_by(request, self.run_key):
             # only the learner may roll batches back or commit them (a forged request could have them trained twice)
             self._count_bad("request_unauthenticated", "batch request without the run's key (<output_dir>/run_key)")
             return
@@ -441,9 +497,17 @@ class BufferServer:
         size = self.wal.size_bytes() if time.monotonic() - self._last_compaction > COMPACT_MIN_INTERVAL_S else 0
         if size < max(limit, self._compacted_size + limit / 2):
             return
+        if self.wal.failing_since is not None:
+            return  # the disk refuses the log's own writes: no room for a rewrite either
         start = time.perf_counter()
-        before, after = self.wal.rewrite_closed(lambda record: compacted(record, self.groups))
-        self.wal.merge_closed()
+        try:
+            before, after = self.wal.rewrite_closed(lambda record: compacted(record, self.groups))
+            self.wal.merge_closed()
+        except OSError as exc:  # a full disk has no room for the rewritten copy: the log stays as it was
+            self._last_compaction = time.monotonic()
+            log.warning("cannot compact the write-ahead log %s now (%s: %s); trying again in %.0f s",
+                        self.wal.directory, type(exc).__name__, exc, COMPACT_MIN_INTERVAL_S)
+            return
         self._last_compaction, self._compacted_size = time.monotonic(), self.wal.size_bytes()
         log.info("compacted the write-ahead log: %.1f MB of closed segments -> %.1f MB in %.1f s", before / 2**20,
                  after / 2**20, time.perf_counter() - start)
@@ -469,16 +533,19 @@ class BufferServer:
 
     def stats(self) -> dict[str, float]:
         out = {**self.groups.stats(), "bad_messages": float(sum(self.bad_messages.values())),
-               "early_held": float(len(self._early)), "recovered_records": float(self.recovered_records)}
+               "early_held": float(len(self._early)), "recovered_records": float(self.recovered_records),
+               "episode_record_write_failures": float(self.recorder.write_failures)}
         out.update({f"bad_messages_{k}": float(v) for k, v in self.bad_messages.items()})
         out.update({f"acks_{k}": float(v) for k, v in self.acks.items()})
         out.update({f"messages_read_{k}": float(v) for k, v in self.messages_read.items()})
         if self.wal is not None:
             out["wal_bytes_written"] = float(self.wal.bytes_written)
+            out["wal_write_retries"] = float(self.wal.write_retries)  # a disk fault, not a restart
         return out
 
     def _heartbeat(self) -> None:
-        beat = Heartbeat(run_id=self.run_id, role="buffer", index=0, pid=os.getpid(), counters=self.stats())
+        beat = Heartbeat(run_id=self.run_id, role="buffer", index=0, pid=os.getpid(), counters=self.stats(),
+                         key=self.run_key)
         try:
             self.reports.send(encode(beat), zmq.NOBLOCK)
         except zmq.Again:
@@ -503,6 +570,7 @@ class BufferServer:
 
     def close(self) -> None:
         self.recorder.close()
+        self._log_rejections()
         if self.wal is not None:
             self.wal.sync()
             self._release_durable()  # acknowledge what is durable before going

@@ -17,8 +17,14 @@ Writing happens on a writer thread, so the caller goes on with its work while th
 appended and returns a ticket; ``durable`` is the newest ticket on disk, and ``wakeup_fd``
 becomes readable each time it advances (for a poller). While one batch is being written the
 next one grows, so batches get larger exactly when the disk is the bottleneck. :meth:`sync`
-submits and waits. A failed write stops the writer: ``durable`` never passes it, and the next
-:meth:`submit` or :meth:`check` raises the error.
+submits and waits.
+
+A disk that is full, read-only or failing (``DISK_ERRNOS``) is not the buffer's bug: the writer cuts what the
+failed attempt left of the batch off the segment, waits (back-off from ``RETRY_FIRST_S`` to ``RETRY_MAX_S``)
+and writes the batch again, for up to ``retry_limit_s``; meanwhile ``durable`` does not move, so nothing is
+acknowledged that is not on disk, and ``failing_since``/``write_retries``/``last_error`` say so (the buffer
+turns them into events and counters). Any other failed write, or one past the limit, stops the writer:
+``durable`` never passes it, and the next :meth:`submit` or :meth:`check` raises the error.
 
 Recovery (:meth:`replay`): a crash can leave the newest segment with a torn last record; it is cut
 off (and counted). A checksum mismatch anywhere else is corruption of durable data: a clear
@@ -31,15 +37,19 @@ that keeps, shrinks or drops records; the rewritten segment replaces the old one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import re
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from horizonrl.core.disk import DISK_ERRNOS
 
 log = logging.getLogger("horizonrl.buffer.wal")
 
@@ -47,6 +57,9 @@ HEADER = struct.Struct("<II")
 IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 SEGMENT = re.compile(r"^seg_(\d{8})\.wal$")
 FSYNC_POLICIES = ("always", "batch", "never")
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 5.0
+RETRY_LIMIT_S = 600.0  # past this the disk is not coming back: the buffer stops (and its supervisor decides)
 
 
 class WalCorruption(RuntimeError):
@@ -54,7 +67,8 @@ class WalCorruption(RuntimeError):
 
 
 class WriteAheadLog:
-    def __init__(self, directory: str | Path, *, fsync: str = "batch", segment_bytes: int = 64 << 20) -> None:
+    def __init__(self, directory: str | Path, *, fsync: str = "batch", segment_bytes: int = 64 << 20,
+                 retry_limit_s: float = RETRY_LIMIT_S) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
         self.directory = Path(directory)
@@ -71,6 +85,13 @@ class WriteAheadLog:
         self._writer: threading.Thread | None = None  # started on the first submit
         self._error: BaseException | None = None
         self._written = threading.Condition()
+        self.retry_limit_s = retry_limit_s
+        self.write_retries = 0  # batches written again after the disk refused them
+        self.failing_since: float | None = None  # monotonic time the disk first refused the batch being written
+        self.last_error = ""  # the newest refusal, with the file it concerned
+        self._closing = threading.Event()  # no more waiting for the disk: close() is giving up on it
+        self._good_size = 0  # the open segment's size after its last complete write
+        self._torn = False  # a failed attempt may have left part of a batch after _good_size
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -189,7 +210,7 @@ class WriteAheadLog:
             except queue.Empty:
                 pass
             try:
-                self._write(records)
+                self._write_until_done(records)
             except BaseException as exc:  # noqa: BLE001 - kept for the caller's thread; nothing more is durable
                 log.exception("write-ahead log %s: writing failed", self.directory)
                 with self._written:
@@ -205,9 +226,47 @@ class WriteAheadLog:
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already
 
+    def _write_until_done(self, records: list[tuple[bytes, ...]]) -> None:
+        """:meth:`_write`, again after a back-off while the disk refuses it (``DISK_ERRNOS``, ``retry_limit_s``)."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                self._write(records)
+            except OSError as exc:
+                self._torn = True
+                now = time.monotonic()
+                first = self.failing_since is None
+                if first:
+                    self.failing_since = now
+                self.last_error = f"{self._segment_name()}: {type(exc).__name__}: {exc}"
+                if (exc.errno not in DISK_ERRNOS or now - self.failing_since > self.retry_limit_s
+                        or self._closing.is_set()):
+                    raise
+                if first:
+                    log.warning("write-ahead log %s: the disk refuses the write (%s); nothing more is acknowledged "
+                                "until it takes it: retrying for up to %.0f s", self.directory, self.last_error,
+                                self.retry_limit_s)
+                self.write_retries += 1
+                self._closing.wait(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+                continue
+            if self.failing_since is not None:
+                log.warning("write-ahead log %s: written again after %.1f s and %d retries", self.directory,
+                            time.monotonic() - self.failing_since, self.write_retries)
+                self.failing_since = None
+            return
+
+    def _segment_name(self) -> str:
+        return self._file.name if self._file is not None else str(self.directory)
+
     def _write(self, records: list[tuple[bytes, ...]]) -> None:
-        """Write records (each its header, then its parts) and fsync; rotate a full segment."""
+        """Write records (each its header, then its parts) and fsync; rotate a full segment. After a failed
+        attempt the segment is first cut back to its last complete write (a retry never leaves half a batch)."""
         f = self._open_segment()
+        if self._torn:
+            os.ftruncate(f.fileno(), self._good_size)
+            os.lseek(f.fileno(), 0, os.SEEK_END)
+            self._torn = False
         # Headers and payload parts go to the kernel as they are (writev): no payload is copied in this process.
         parts = [piece for record in records for piece in record]
         for start in range(0, len(parts), IOV_MAX):
@@ -216,7 +275,8 @@ class WriteAheadLog:
         if self.fsync != "never":
             os.fsync(f.fileno())
         self.bytes_written += written
-        if os.lseek(f.fileno(), 0, os.SEEK_END) >= self.segment_bytes:
+        self._good_size = os.lseek(f.fileno(), 0, os.SEEK_END)
+        if self._good_size >= self.segment_bytes:
             self._close_file()
 
     def _open_segment(self):
@@ -224,8 +284,13 @@ class WriteAheadLog:
             segments = self.segments()
             number = int(SEGMENT.match(segments[-1].name).group(1)) + 1 if segments else 1
             path = self.directory / f"seg_{number:08d}.wal"
-            self._file = open(path, "ab", buffering=0)  # written with os.writev
-            self._fsync_directory()  # the new file's name is durable too
+            file = open(path, "ab", buffering=0)  # written with os.writev
+            try:
+                self._fsync_directory()  # the new file's name is durable too
+            except OSError:
+                file.close()
+                raise
+            self._file, self._good_size, self._torn = file, 0, False
         return self._file
 
     def _close_file(self) -> None:
@@ -233,10 +298,15 @@ class WriteAheadLog:
             self._file.close()
             self._file = None
 
-    def close(self) -> None:
-        """Write what was appended, stop the writer, close the segment."""
+    def close(self, timeout_s: float = 600.0) -> None:
+        """Write what was appended, stop the writer, close the segment. A disk that still refuses the write
+        ``timeout_s`` later is given up on (an error: what was not written was never acknowledged)."""
         try:
-            self.sync()
+            try:
+                self.sync(timeout_s)
+            except TimeoutError:
+                self._closing.set()  # the writer's next retry raises instead of waiting on
+                raise
         finally:
             if self._writer is not None:
                 self._batches.put(None)
@@ -268,7 +338,7 @@ class WriteAheadLog:
             records = list(self._read_segment(path, newest=False))
             kept = [r for r in (transform(record) for record in records) if r is not None]
             tmp = path.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
+            with _removed_on_failure(tmp), open(tmp, "wb") as f:
                 for record in kept:
                     f.write(HEADER.pack(len(record), zlib.crc32(record)) + record)
                 f.flush()
@@ -285,7 +355,7 @@ class WriteAheadLog:
         if len(closed) < 2:
             return
         tmp = closed[0].with_suffix(".tmp")
-        with open(tmp, "wb") as out:
+        with _removed_on_failure(tmp), open(tmp, "wb") as out:
             for path in closed:
                 out.write(path.read_bytes())
             out.flush()
@@ -304,6 +374,16 @@ class WriteAheadLog:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: Path) -> Iterator[None]:
+    """A temporary copy that could not be finished (a full disk) is removed, not left to fill the disk."""
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _writev_all(fd: int, pieces: list[bytes]) -> None:

@@ -49,6 +49,13 @@ class ProcessHealth:
         anything any more."""
         return added(kind, [read_counters(kind, self.current(r, i)) for (r, i) in self.current_pid if r == kind.role])
 
+    def levels(self, kind: type[T], within_s: float) -> list[T]:
+        """The gauges of ``kind`` of each current incarnation heard from within ``within_s``, one per process (a
+        silent process is not the state of anything: it may be dead and not coming back)."""
+        now = time.monotonic()
+        return [read_counters(kind, self.current(r, i)) for (r, i) in self.current_pid
+                if r == kind.role and now - self.last_seen.get((r, i), float("-inf")) <= within_s]
+
     def current(self, role: str, index: int) -> dict[str, float]:
         pid = self.current_pid.get((role, index))
         return self.counters.get((role, index, pid), {}) if pid is not None else {}

@@ -7,16 +7,17 @@ peer sends can stop the coordinator."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections import Counter
+from collections.abc import Mapping
 
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.runtime import RateLimitedLog
 from horizonrl.core.schedule import TurnBudgetSchedule
-from horizonrl.protocol import LearnerReport, Message, ProtocolError, decode
+from horizonrl.protocol import Heartbeat, LearnerReport, Message, ProtocolError, decode, signed_by
 from horizonrl.protocol.report_checks import (KEYED_KINDS, REJECT_UNAUTHENTICATED, RunShape,
-                                              learner_report_order_problem, report_problem)
+                                              heartbeat_incarnation_problem, learner_report_order_problem,
+                                              report_problem)
 
 log = logging.getLogger("horizonrl.coordinator")
 
@@ -34,9 +35,11 @@ class ReportIntake:
         self.rejected: Counter[str] = Counter()  # <kind>_<reason>: well-formed, not this run's truth
         self._bad_log = RateLimitedLog(log)
 
-    def accept(self, data: bytes, handled: tuple[type, ...], learner_step: int, weight_epoch: int) -> Message | None:
+    def accept(self, data: bytes, handled: tuple[type, ...], learner_step: int, weight_epoch: int,
+               registered_pids: Mapping[str, int] | None = None) -> Message | None:
         """The message in ``data`` if it is one of the ``handled`` kinds and this run's truth (the learner at
-        ``learner_step`` of ``weight_epoch`` so far); else None, counted."""
+        ``learner_step`` of ``weight_epoch`` so far; ``registered_pids``: each name's newest registration's pid);
+        else None, counted."""
         self.messages_read += 1
         try:
             message = decode(data, MAX_REPORT_BYTES, self.run_id)
@@ -52,20 +55,27 @@ class ReportIntake:
         problem = self._authority_problem(message) or report_problem(message, self.shape)
         if problem is None and isinstance(message, LearnerReport):
             problem = learner_report_order_problem(message, learner_step, weight_epoch)
+        if problem is None and isinstance(message, Heartbeat):
+            problem = heartbeat_incarnation_problem(message, registered_pids or {})
         if problem is not None:
-            self.rejected[f"{kind}_{problem[0]}"] += 1
-            self._bad_log.warning("rejected %s #%d (%s): %s", kind, sum(self.rejected.values()), problem[0], problem[1])
+            self.reject(message, *problem)
             return None
         self.accepted[kind] += 1
         return message
+
+    def reject(self, message: Message, reason: str, detail: str) -> None:
+        """Count (and log, rate-limited) a well-formed message that is not this run's truth."""
+        kind = type(message).__struct_config__.tag
+        self.rejected[f"{kind}_{reason}"] += 1
+        self._bad_log.warning("rejected %s #%d (%s): %s", kind, sum(self.rejected.values()), reason, detail)
 
     def _authority_problem(self, message) -> tuple[str, str] | None:
         """The kinds that change the run's state come only from processes holding the run's key."""
         if not self.run_key or not isinstance(message, KEYED_KINDS):
             return None
-        if hmac.compare_digest(message.key.encode(), self.run_key.encode()):
+        if signed_by(message, self.run_key):
             return None
-        return REJECT_UNAUTHENTICATED, "without the run's key (<output_dir>/run_key)"
+        return REJECT_UNAUTHENTICATED, "not signed with the run's key (<output_dir>/run_key)"
 
     def scalars(self, restarts: int) -> dict[str, float]:
         """Every message on the report socket is read once and counted by what became of it (and its kind)."""

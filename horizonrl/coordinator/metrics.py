@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from horizonrl.coordinator.health import ProcessHealth, RolloutWindow
 from horizonrl.protocol import FAILURE_ACTOR_LOST
-from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, charted
+from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, LearnerCounters, charted
 
 
 def actor_scalars(health: ProcessHealth, episodes_lost: float) -> dict[str, float]:
@@ -14,7 +14,7 @@ def actor_scalars(health: ProcessHealth, episodes_lost: float) -> dict[str, floa
     (failures, never trained on; the agent's own endings), weight updates (the stall, the receive, the load,
     the wait for the engine's step), the engines' clocks, pauses and sends."""
     actors = health.total(ActorCounters)
-    scalars = {**charted(actors), **charted(health.total(DeliveryCounters))}
+    scalars = {**charted(actors), **charted(health.total(DeliveryCounters)), **charted(health.total(LearnerCounters))}
     # The episodes a dead actor was playing: infrastructure failures the fault ledger counted.
     scalars[f"rollout/failures/{FAILURE_ACTOR_LOST}"] = episodes_lost
     # The groups the actors keep in flight now (rollout.concurrency: fixed, or adapted to the engines' KV-cache use)

@@ -10,6 +10,7 @@ held-out evaluation (``held_out.py``), each step's scalars (``metrics.py``) and 
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 
@@ -26,14 +27,15 @@ from horizonrl.coordinator.writers import RunWriters
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.coordinator_state import (CoordinatorSnapshot, PlateauState, Recovering, load_snapshot,
                                               save_snapshot)
+from horizonrl.core.disk import Backoff
 from horizonrl.core.run_dirs import read_run_key, resumed_step
 from horizonrl.core.run_events import EventLog, RunEvent, iter_events
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
 from horizonrl.protocol import (EVENT_DIED, Control, EpisodeSample, Heartbeat, HeldOutEval, LearnerReport,
                                 ProcessEvent, Registration, encode)
-from horizonrl.protocol.counters import BufferGauges
+from horizonrl.protocol.counters import ActorGauges, BufferGauges
 from horizonrl.protocol.status import BUFFER_CAPACITY, BUFFER_GROUPS
-from horizonrl.protocol.transport import make_socket, wire_security
+from horizonrl.protocol.transport import bind_held, make_socket, wire_security
 
 log = logging.getLogger("horizonrl.coordinator")
 
@@ -64,12 +66,12 @@ class Coordinator:
         net = config.network
         self.ctx = zmq.Context()
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
+        self.events = EventLog(config.output_dir, "coordinator")
         self.pub = make_socket(self.ctx, zmq.PUB, security=self.security, server=True)
-        self.pub.bind(net.endpoint(net.control_port))
         self.pull = make_socket(self.ctx, zmq.PULL, hwm=1024, max_message_bytes=MAX_REPORT_BYTES,
                                 security=self.security, server=True)
-        self.pull.bind(net.endpoint(net.report_port))
-        self.events = EventLog(config.output_dir, "coordinator")
+        for sock, port in ((self.pub, net.control_port), (self.pull, net.report_port)):
+            bind_coordinator_port(sock, net.endpoint(port), port, stop, self.events)
         self._handlers = {Heartbeat: self.on_heartbeat, LearnerReport: self.on_learner_report,
                           EpisodeSample: self.on_episode_sample, ProcessEvent: self.on_process_event,
                           HeldOutEval: self.on_held_out_eval, Registration: self.on_registration}
@@ -100,7 +102,8 @@ class Coordinator:
 
     @property
     def rollout_paused(self) -> bool:
-        return self.progress.rollout_paused(self.health.gauges(BufferGauges))
+        return self.progress.rollout_paused(self.health.gauges(BufferGauges),
+                                            self.health.levels(ActorGauges, self.config.monitor.heartbeat_timeout_s))
 
     @property
     def awaiting_final_eval(self) -> bool:
@@ -146,7 +149,7 @@ class Coordinator:
             # while the last evaluation runs, no new training groups: they would never be trained on
             pause_rollout=self.rollout_paused or self.awaiting_final_eval,
             stop=self.done, eval_step=self.held_out.eval_step, end_training=self.held_out.plateau.reached,
-            endpoints=dict(self.registry.endpoints))
+            endpoints=dict(self.registry.endpoints), key=self.run_key)  # signed: subscribers check it
 
     # ------------------------------------------------------------------ the loop
 
@@ -159,6 +162,7 @@ class Coordinator:
             now = time.monotonic()
             if now - last_save >= STATE_SAVE_PERIOD_S:
                 self.save_state()
+                self.events.retry()  # what a full disk refused, once it takes it
                 last_save = now
             if self.restarts and not self.finished and now - last_done_check >= LEARNER_DONE_CHECK_S:
                 self._learner_done_on_disk()
@@ -194,7 +198,7 @@ class Coordinator:
     def take(self, data: bytes) -> None:
         """One message from the report socket: decoded, checked, handled — or counted as what was wrong with it."""
         message = self.intake.accept(data, tuple(self._handlers), self.progress.learner_step,
-                                     self.progress.weight_epoch)
+                                     self.progress.weight_epoch, self.registry.pids)
         if message is not None:
             self._handlers[type(message)](message)
 
@@ -251,7 +255,7 @@ class Coordinator:
                                actor_scalars(self.health, self.ledger.faults["episodes_lost"]), self.ledger.scalars(),
                                {"time/elapsed_s": time.time() - self._started_wall},
                                self.intake.scalars(self.restarts))
-        self.writers.step(scalars, report.step)
+        self.ledger.count_write_failure(self.writers.step(scalars, report.step))
         self._write_status(report.step, scalars)
 
     def on_held_out_eval(self, result: HeldOutEval) -> None:
@@ -260,7 +264,7 @@ class Coordinator:
         if taken is None:
             return
         step, scalars = taken
-        self.writers.held_out(scalars, step, self.learner_step)
+        self.ledger.count_write_failure(self.writers.held_out(scalars, step, self.learner_step))
         played = "" if step == result.learner_step else f" (asked for step {result.learner_step})"
         success = scalars.get("eval/success_rate", 0.0)
         log.info("held-out success at step %d%s: %.3f (%s)", step, played, success,
@@ -365,6 +369,35 @@ class Coordinator:
         if self.security is not None:
             self.security.stop()
         self.ctx.term()
+
+
+BIND_RETRY_LIMIT_S = 600.0
+
+
+def bind_coordinator_port(sock: zmq.Socket, endpoint: str, port: int, stop: StopFlag, events: EventLog,
+                          limit_s: float = BIND_RETRY_LIMIT_S) -> None:
+    """Bind one of the coordinator's ports: on the socket the local launcher holds for it (nobody else can have
+    taken it: protocol/transport.py ``hold_port``), or else plainly — and a port another process holds (a
+    squatter, or the dead coordinator's lingering socket) is tried again with back-off for up to ``limit_s``
+    inside this process, instead of exiting and spending a restart of the supervisor's budget each second."""
+    backoff = Backoff(first_s=0.5, max_s=5.0, limit_s=limit_s)
+    while True:
+        try:
+            held = bind_held(sock, endpoint, port)
+            if backoff.since is not None:
+                log.warning("bound %s after %.0f s", endpoint, backoff.succeeded())
+            log.debug("bound %s%s", endpoint, " (the launcher's socket)" if held else "")
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or stop:
+                raise
+            again, wait_s = backoff.failed()
+            if backoff.retries == 1:
+                log.warning("%s is taken by another process; trying again for up to %.0f s", endpoint, limit_s)
+                events.emit(RunEvent.PORT_TAKEN, endpoint=endpoint)
+            if not again:
+                raise RuntimeError(f"{endpoint} was still taken by another process after {limit_s:.0f} s") from exc
+            stop.wait(wait_s)
 
 
 def main(config: TrainConfig) -> int:

@@ -13,9 +13,11 @@ log = logging.getLogger("horizonrl.coordinator")
 class EndpointRegistry:
     def __init__(self) -> None:
         self.endpoints: dict[str, str] = {}
+        self.pids: dict[str, int] = {}  # name -> the pid of its newest registration (its current incarnation)
 
     def register(self, registration: Registration) -> dict[str, str]:
         """Take a registration; returns what it changed (nothing: a heartbeat-like repeat)."""
+        self.pids[registration.name] = registration.pid
         changed = {k: v for k, v in registration.endpoints.items() if self.endpoints.get(k) != v}
         if changed:
             self.endpoints.update(changed)

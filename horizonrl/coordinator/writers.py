@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -19,44 +22,111 @@ from horizonrl.protocol.status import status_record_line
 log = logging.getLogger("horizonrl.coordinator")
 
 
+class TensorBoardWriter:
+    """TensorBoard's event file, written for people: a disk that is full or read-only costs the scalars it
+    refuses, never the coordinator. TensorBoard's writer thread dies at the first failed write and every later
+    call raises its error; here that error is counted (``failures``), said once per outage with the directory,
+    and the writer is made anew ``RETRY_S`` later (a new event file: TensorBoard reads every file of the
+    directory)."""
+
+    RETRY_S = 30.0
+
+    def __init__(self, log_dir: Path, make: Callable[[str], Any] | None = None) -> None:
+        self.log_dir = log_dir
+        self._make = make or _summary_writer
+        self.failures = 0
+        self._writer = None
+        self._failed_at: float | None = None
+        self._open()
+
+    def scalars(self, scalars: dict[str, float], step: int) -> bool:
+        """The scalars at ``step``, flushed; False: they were not written."""
+        return self._write(lambda w: ([w.add_scalar(key, value, step) for key, value in scalars.items()], w.flush()))
+
+    def text(self, tag: str, text: str, step: int) -> bool:
+        return self._write(lambda w: w.add_text(tag, text, step))
+
+    def _write(self, action: Callable[[Any], Any]) -> bool:
+        if self._writer is None and not self._open():
+            self.failures += 1
+            return False
+        try:
+            action(self._writer)
+            return True
+        except OSError as exc:  # the disk: full, read-only, gone
+            self._failed(exc)
+            return False
+
+    def _open(self) -> bool:
+        if self._failed_at is not None and time.monotonic() - self._failed_at < self.RETRY_S:
+            return False
+        try:
+            self._writer = self._make(str(self.log_dir))
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        if self._failed_at is not None:
+            log.warning("TensorBoard scalars are written to %s again (%d writes were refused)", self.log_dir,
+                        self.failures)
+            self._failed_at = None
+        return True
+
+    def _failed(self, exc: OSError) -> None:
+        self.failures += 1
+        if self._failed_at is None:
+            log.warning("cannot write TensorBoard events to %s (%s: %s); scalars are dropped and counted, and the "
+                        "writer is made again every %.0f s", self.log_dir, type(exc).__name__, exc, self.RETRY_S)
+        self._failed_at = time.monotonic()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - its thread died of the same error; nothing of it is left to save
+                pass
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as exc:
+                log.warning("cannot close TensorBoard's event file in %s (%s)", self.log_dir, exc)
+            self._writer = None
+
+
 class RunWriters:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.tensorboard = _make_tensorboard(config)
+        self.tensorboard = TensorBoardWriter(config.run_dir.tensorboard)
         self.wandb = _make_wandb(config)
         self._wandb_rows: list[list] = []  # episode samples since the last step, logged with its scalars
         self._write_log = RateLimitedLog(log, 60.0)
 
-    def step(self, scalars: dict[str, float], step: int) -> None:
-        """One learner step's scalars, and (to W&B) the episode samples that came since the step before."""
-        if self.tensorboard is not None:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+    def step(self, scalars: dict[str, float], step: int) -> bool:
+        """One learner step's scalars, and (to W&B) the episode samples that came since the step before.
+        False: TensorBoard's file refused them (counted there)."""
+        written = self.tensorboard.scalars(scalars, step)
         if self.wandb is not None:
             self.wandb.scalars(scalars, step)  # the same names as TensorBoard's
             self.wandb.episodes(self._wandb_rows, step)
             self._wandb_rows = []
+        return written
 
-    def held_out(self, scalars: dict[str, float], step: int, current_step: int) -> None:
-        """A held-out evaluation at the ``step`` it evaluated."""
-        if self.tensorboard is not None:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+    def held_out(self, scalars: dict[str, float], step: int, current_step: int) -> bool:
+        """A held-out evaluation at the ``step`` it evaluated. False: TensorBoard's file refused it."""
+        written = self.tensorboard.scalars(scalars, step)
         if self.wandb is not None:
             # W&B's steps only go forward: log at the current step, with the evaluated step beside it
             self.wandb.scalars({**scalars, "eval/learner_step": float(step)}, current_step)
+        return written
 
     def episode_sample(self, sample: EpisodeSample, step: int) -> bool:
         """What the agent did, for a person: TensorBoard text (episodes/<env>), one JSON line in the run's
         episode samples, and a row of the next step's W&B episode table. False: the line could not be written."""
-        if self.tensorboard is not None:
-            self.tensorboard.add_text(f"episodes/{sample.env}", episode_markdown(sample), step)
+        written = self.tensorboard.text(f"episodes/{sample.env}", episode_markdown(sample), step)
         if self.wandb is not None:
             self._wandb_rows.append(episode_row(sample, step))
         return self.append_line(self.config.run_dir.episode_samples,
-                                {"learner_step": step, **msgspec.structs.asdict(sample)})
+                                {"learner_step": step, **msgspec.structs.asdict(sample)}) and written
 
     def append_line(self, path: Path, record: dict) -> bool:
         """One JSON line to a file of the run directory; a full or read-only disk costs the line, not the run
@@ -79,8 +149,7 @@ class RunWriters:
             pass  # a broken pipe: the launcher that read it is gone (this process stops: stop_when_launcher_dies)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.close()
 
@@ -100,10 +169,10 @@ def episode_markdown(sample: EpisodeSample) -> str:
     return "\n".join(lines)
 
 
-def _make_tensorboard(config: TrainConfig):
+def _summary_writer(log_dir: str):
     from torch.utils.tensorboard import SummaryWriter  # torch only here, and lazily
 
-    return SummaryWriter(log_dir=str(config.run_dir.tensorboard))
+    return SummaryWriter(log_dir=log_dir)
 
 
 def _make_wandb(config: TrainConfig) -> WandbLog | None:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from horizonrl.core.run_dirs import RunDir
+from horizonrl.protocol.names import LABEL_PATTERN
 from horizonrl.protocol.transport import advertise_host, tcp_endpoint
 
 
@@ -103,7 +104,9 @@ class ModelConfig(_Frozen):
 
 
 class EnvSpec(_Frozen):
-    name: str
+    # The buffer refuses a trajectory whose environment is not a label (protocol/names.py): a name that is not one
+    # would refuse every trajectory of the run, so it is refused here, before the run starts.
+    name: str = Field(pattern=LABEL_PATTERN)
     settings: dict[str, Any] = {}
     weight: float = Field(1.0, gt=0, description="share of groups drawn from this environment")
 

@@ -75,21 +75,34 @@ def trained_record(learner_step: int, group_ids: list[str]) -> dict[str, Any]:
 
 
 class EpisodeRecordWriter:
-    """Appends record lines under ``directory``; stops (and says so once) past ``max_bytes``."""
+    """Appends record lines under ``directory``; stops (and says so once) past ``max_bytes``.
+
+    The records are for people, so a disk that is full or read-only costs the lines it refuses, never the
+    process that writes them: a failed write is counted (``write_failures``), said once per outage with the
+    file's path, and its half-written line cut off again; the next line tries again (``RETRY_S`` later)."""
+
+    RETRY_S = 5.0
 
     def __init__(self, directory: str | Path, max_bytes: float = float("inf"), part_bytes: int = PART_BYTES) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.part_bytes = max_bytes, part_bytes
-        parts = sorted(self.directory.glob(PART_GLOB))
-        self.total_bytes = sum(p.stat().st_size for p in parts)
-        self._part = len(parts) - 1 if parts else 0  # a restarted writer appends to the newest part
         self._file = None
         self.written = 0
         self.full = False
+        self.write_failures = 0  # lines the disk refused (counted, not retried: they are for people)
+        self._failing_since: float | None = None  # the outage's newest failure (monotonic), or None
+        self._part, self.total_bytes = 0, 0
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            parts = sorted(self.directory.glob(PART_GLOB))
+            self.total_bytes = sum(p.stat().st_size for p in parts)
+            self._part = len(parts) - 1 if parts else 0  # a restarted writer appends to the newest part
+        except OSError as exc:
+            self._failing_since = -self.RETRY_S  # try at the first line, and say so then
+            log.warning("cannot prepare %s for episode records (%s: %s)", self.directory, type(exc).__name__, exc)
 
     def write(self, record: dict[str, Any]) -> bool:
-        """Append one line; False when the size limit has been reached (nothing written)."""
+        """Append one line; False when it was not written (the size limit was reached, or the disk refused it)."""
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         if self.total_bytes + len(line) > self.max_bytes:
             if not self.full:
@@ -97,24 +110,74 @@ class EpisodeRecordWriter:
                             self.directory, self.total_bytes / 1e6)
                 self.full = True
             return False
-        if self._file is None or self._file.tell() + len(line) > self.part_bytes and self._file.tell() > 0:
-            self._open_next()
-        self._file.write(line)
-        self._file.flush()  # readers (the viewer) follow the file while the run goes on
+        if self._failing_since is not None and time.monotonic() - self._failing_since < self.RETRY_S:
+            self.write_failures += 1  # the disk failed a moment ago: do not hammer it with every line
+            return False
+        try:
+            if self._file is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            if self._file is None or self._file.tell() + len(line) > self.part_bytes and self._file.tell() > 0:
+                self._open_next()
+            start = self._file.tell()
+            try:  # unbuffered: readers (the viewer) follow the file while the run goes on
+                rest = memoryview(line)
+                while rest:  # a raw write may take part of the line; the next call raises what stopped it
+                    rest = rest[self._file.write(rest):]
+            except OSError:
+                self._cut_back(start)
+                raise
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        if self._failing_since is not None:
+            log.warning("episode records are written again to %s (%d lines lost while the disk refused them)",
+                        self._path(), self.write_failures)
+            self._failing_since = None
         self.total_bytes += len(line)
         self.written += 1
         return True
+
+    @property
+    def failing(self) -> bool:
+        """The disk refused the newest line it was offered."""
+        return self._failing_since is not None
+
+    def _path(self) -> Path:
+        return self.directory / f"episodes-{self._part:05d}.jsonl"
+
+    def _failed(self, exc: OSError) -> None:
+        """Count the lost line; say so once per outage, naming the file."""
+        self.write_failures += 1
+        if self._failing_since is None:
+            log.warning("cannot write episode records to %s (%s: %s); lines are dropped and counted until the disk "
+                        "takes them again", self._path(), type(exc).__name__, exc)
+        self._failing_since = time.monotonic()
+        self._drop_file()
+
+    def _cut_back(self, offset: int) -> None:
+        """Cut a half-written line off, so the next line starts on a line of its own."""
+        try:
+            self._file.truncate(offset)
+            self._file.seek(offset)
+        except (OSError, ValueError):
+            self._drop_file()
+
+    def _drop_file(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # its buffer is empty (unbuffered writes): nothing more is lost by closing it so
+            self._file = None
 
     def _open_next(self) -> None:
         if self._file is not None:
             self._file.close()
             self._part += 1
-        self._file = open(self.directory / f"episodes-{self._part:05d}.jsonl", "ab")
+        self._file = open(self._path(), "ab", buffering=0)  # unbuffered: a refused write fails at once, whole
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._drop_file()
 
 
 class EpisodeRecordReader:

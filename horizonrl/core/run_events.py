@@ -7,8 +7,10 @@ whatever reads a run while it goes (tests, ``horizonrl chaos``, scripts). Every 
 
 Several processes append to the same file. Each line goes out in one ``write`` on a descriptor opened
 with ``O_APPEND``, so lines never interleave on a local file system; a process killed mid-write can
-leave a torn last line, which ``read_events`` skips. Writing is best effort: a run does not stop because
-its event file cannot be written (a full or read-only disk); the first failure is logged once.
+leave a torn last line, which ``read_events`` skips. A run does not stop because its event file cannot be
+written (a full or read-only disk): the failure is logged once per outage, and the events that could not
+be written are kept (up to ``BACKLOG_LINES``) and written, in order, as soon as the file takes a line
+again, so the events of an outage reach the file after it.
 
 Bottom layer: no torch, no vllm.
 """
@@ -20,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +31,8 @@ from horizonrl.core.run_dirs import RunDir
 
 
 log = logging.getLogger("horizonrl.events")
+
+BACKLOG_LINES = 10_000  # events kept while the file refuses them (an outage of minutes holds far fewer)
 
 
 class RunEvent(str, Enum):
@@ -57,6 +62,11 @@ class RunEvent(str, Enum):
     PROCESS_RESTARTED = "process_restarted"  # name, restarts, delay_s: a replacement was started
     PROCESS_RECOVERED = "process_recovered"  # name: a restarted server answers again
     PROCESS_GAVE_UP = "process_gave_up"  # name: past the restart limit; the run stops
+    # any process: a write the disk refused (full, read-only) and, for the writes the run cannot do without (the
+    # buffer's log, a checkpoint), retried: path, error, critical (bool; False: what was refused is dropped,
+    # counted). WRITE_RECOVERED: path, retries, outage_s: the disk takes that file's writes again.
+    WRITE_FAILED = "write_failed"
+    WRITE_RECOVERED = "write_recovered"
     # coordinator
     ENDPOINTS_REGISTERED = "endpoints_registered"  # name, endpoints: what a process serves, where
     TRAINING_ENDED_EARLY = "training_ended_early"  # step, reason
@@ -64,6 +74,7 @@ class RunEvent(str, Enum):
     # restarts, step, weight_epoch: a restarted coordinator read its state
     COORDINATOR_RESTORED = "coordinator_restored"
     LEARNER_DONE_FROM_DISK = "learner_done_from_disk"  # step: a restarted coordinator found the learner's end here
+    PORT_TAKEN = "port_taken"  # endpoint: another process holds one of its ports; it tries again with back-off
 
 
 class EventLog:
@@ -74,23 +85,44 @@ class EventLog:
         self.role = role
         self._lock = threading.Lock()
         self._failed = False
+        self._backlog: deque[bytes] = deque(maxlen=BACKLOG_LINES)  # lines the file refused, oldest first
 
     def emit(self, event: RunEvent, **fields: Any) -> None:
         record = {"time": round(time.time(), 3), "event": RunEvent(event).value, "role": self.role,
                   "pid": os.getpid(), **fields}
-        line = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
+            self._backlog.append((json.dumps(record, default=str) + "\n").encode())
+            self._write_backlog()
+
+    def retry(self) -> None:
+        """Write what the file refused before, if anything (a loop calls it now and then)."""
+        if self._backlog:
+            with self._lock:
+                self._write_backlog()
+
+    def _write_backlog(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    os.write(fd, line)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                if not self._failed:
-                    self._failed = True
-                    log.warning("cannot write %s (%s): run events are not recorded from now on", self.path, exc)
+                while self._backlog:  # one write per line: lines of several processes never interleave
+                    line = self._backlog[0]
+                    written = os.write(fd, line)
+                    if written < len(line):  # the disk filled mid-line: the rest goes first next time
+                        self._backlog[0] = line[written:]
+                        raise OSError(28, "No space left on device (a line written in part)")
+                    self._backlog.popleft()
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                log.warning("cannot write %s (%s: %s); run events are kept and written when it takes them again",
+                            self.path, type(exc).__name__, exc)
+            return
+        if self._failed:
+            self._failed = False
+            log.warning("run events are written to %s again", self.path)
 
 
 class NullEventLog(EventLog):

@@ -23,6 +23,7 @@ from horizonrl.core.runtime import LAUNCHER_PID_ENV, StopFlag
 from horizonrl.launcher.console import RunConsole, route_line
 from horizonrl.launcher.resolve import managed_env_servers, resolve_placement, server_url
 from horizonrl.launcher.supervisor import ProcessSpec, Supervisor
+from horizonrl.protocol.transport import held_ports_env, hold_port
 
 log = logging.getLogger("horizonrl.launcher")
 
@@ -96,6 +97,7 @@ class LocalProcesses:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **quiet, **spec.env,
                  LAUNCHER_PID_ENV: str(os.getpid())},  # it stops itself if this process dies (SIGKILL)
             start_new_session=True,  # its own process group: stopping it stops what it spawned
+            pass_fds=spec.pass_fds,
         )
         child = Child(spec, proc)
         t = threading.Thread(target=_pump, args=(proc.stdout, log_file, spec.name, self.on_line), daemon=True)
@@ -188,11 +190,18 @@ class Launcher:
                                                                                          verbose=verbose),
                                         verbose=verbose)
         self.supervisor = Supervisor(config, self.processes)
+        # The coordinator's two ports, held here for the whole run and handed to each coordinator incarnation: a
+        # restarted coordinator always binds them again, and no other process can take them while it restarts.
+        net = config.network
+        self.held_ports = ({port: hold_port(net.bind_address(), port) for port in (net.control_port, net.report_port)}
+                           if net.resolved else {})
 
     def specs(self) -> list[ProcessSpec]:
         """Every process of the run but the learner's ranks (``LocalProcesses.learner_gang``)."""
         cfg, path = self.config, str(self.config_path)
-        specs = [ProcessSpec("coordinator", role_command("coordinator", path), essential=True),
+        held = self.held_ports
+        specs = [ProcessSpec("coordinator", role_command("coordinator", path), held_ports_env(held), essential=True,
+                             pass_fds=tuple(sock.fileno() for sock in held.values())),
                  ProcessSpec("buffer", role_command("buffer", path))]
         specs += [ProcessSpec(name, argv, health_url=server_url(argv)) for name, argv in managed_env_servers(cfg)]
         specs += [ProcessSpec(f"actor-{i}", role_command("actor", path, index=i),
@@ -219,4 +228,8 @@ class Launcher:
         return self.supervisor.watch(stop, self.console.tick)
 
     def stop_all(self, stop: StopFlag | None = None) -> None:
-        self.supervisor.stop_all(stop)
+        try:
+            self.supervisor.stop_all(stop)
+        finally:
+            for sock in self.held_ports.values():
+                sock.close()

@@ -80,6 +80,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     essential: bool = False  # the run is over when every essential process has exited 0
     health_url: str = ""  # an environment server: it has recovered once this answers /health
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the coordinator: the ports the launcher holds)
 
     @property
     def role(self) -> str:
@@ -159,6 +160,8 @@ class Supervisor:
         self.learner_restarts = RestartPolicy.for_learner(config.supervision)
         self.due: list[tuple[float, str, Callable[[], None]]] = []  # (when, what, start it)
         self._events: CoordinatorEvents | None = None  # made on first use
+        # one writer for the run's whole supervision: the events a full disk refused are kept and written after it
+        self.events = EventLog(config.output_dir, "launcher")
         self._servers_recovering: dict[str, str] = {}  # restarted environment servers -> their URL
 
     # ------------------------------------------------------------------ starting
@@ -194,11 +197,11 @@ class Supervisor:
         while True:
             if stop:
                 log.warning("stopping the run (%s)", stop.signal_name or "stop requested")
-                EventLog(self.config.output_dir, "launcher").emit(RunEvent.RUN_STOPPING,
-                                                                  reason=stop.signal_name or "stop requested")
+                self.events.emit(RunEvent.RUN_STOPPING, reason=stop.signal_name or "stop requested")
                 return 130
             self._start_due()
             self._check_servers_recovered()
+            self.events.retry()
             outcome = self.handle_exits(self.backend.poll(POLL_S))
             if outcome is not None:
                 return outcome
@@ -321,7 +324,7 @@ class Supervisor:
 
     def report(self, name: str, event: str, **fields) -> None:
         """Tell the coordinator (it counts faults/ and writes faults.jsonl); never blocks."""
-        EventLog(self.config.output_dir, "launcher").emit(RunEvent(f"process_{event}"), name=name, **fields)
+        self.events.emit(RunEvent(f"process_{event}"), name=name, **fields)
         if self._events is None:
             self._events = CoordinatorEvents(self.config)
         self._events.report(name, event, **fields)

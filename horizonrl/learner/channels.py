@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zmq
 
 from horizonrl.protocol import (ENDPOINT_BATCHES, MAX_CONTROL_BYTES, Batch, BatchRequest, Control, Heartbeat,
-                                LearnerReport, ProtocolError, decode_as, encode)
+                                LearnerReport, ProtocolError, decode_as, encode, signed_by)
 from horizonrl.protocol.counters import LearnerCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import make_socket
@@ -31,6 +31,9 @@ POLL_SLICE_S = 0.2
 WAITING_LOG_EVERY_S = 10.0
 HEARTBEAT_INTERVAL_S = 1.0
 REPORT_SEND_TIMEOUT_S = 30.0
+# A report the coordinator's Control (every 0.5 s, and at once on a report) does not show this long after it was
+# sent is sent again: the coordinator restarted behind the learner, or its port was held by someone else.
+REPORT_ACK_WAIT_S = 3.0
 MAX_BATCH_BYTES = 1 << 30
 MAX_BAD_BATCHES = 5
 
@@ -183,7 +186,11 @@ def share_bytes(payload: bytes | None, rank: int) -> bytes | None:
 
 class ReportSender:
     """PUSH to the coordinator's PULL. A report that cannot be queued within the timeout is an error. Reports
-    and registrations go with the run's key (``key``; protocol/messages.py): the coordinator takes them only so."""
+    and registrations go with the run's key (``key``; protocol/messages.py): the coordinator takes them only so.
+
+    The newest report is kept until the coordinator's Control shows it (:meth:`unacknowledged`): a coordinator
+    restarted from a state older than the learner's — or one whose reports a squatter of its port swallowed —
+    is sent it again (by the heartbeat thread), so engines and buffer hear of the learner's version."""
 
     def __init__(self, context: zmq.Context, endpoint: str, security=None, key: str = "") -> None:
         self.endpoint = endpoint
@@ -191,10 +198,25 @@ class ReportSender:
         self.socket = make_socket(context, zmq.PUSH, security=security)
         self.socket.setsockopt(zmq.SNDTIMEO, int(REPORT_SEND_TIMEOUT_S * 1000))
         self.socket.connect(endpoint)
+        self.newest: tuple[tuple[int, int], bytes, float] | None = None  # ((epoch, step), signed bytes, sent at)
+        self.resent = 0
+
+    def unacknowledged(self, control: Control | None) -> bytes | None:
+        """The newest report, when the coordinator's newest Control (None: none heard yet) still does not show its
+        (epoch, step) ``REPORT_ACK_WAIT_S`` after it was sent; else None."""
+        newest = self.newest
+        if newest is None or time.monotonic() - newest[2] < REPORT_ACK_WAIT_S:
+            return None
+        if control is not None and (control.weight_epoch, control.learner_step) >= newest[0]:
+            return None
+        self.resent += 1
+        return newest[1]
 
     def send(self, report: LearnerReport) -> None:
+        data = encode(msgspec.structs.replace(report, key=self.key))
+        self.newest = ((report.weight_epoch, report.step), data, time.monotonic())
         try:
-            self.socket.send(encode(msgspec.structs.replace(report, key=self.key)))
+            self.socket.send(data)
         except zmq.Again:
             raise TimeoutError(
                 f"could not send the report of step {report.step} to the coordinator at {self.endpoint} "
@@ -222,8 +244,10 @@ class HeartbeatThread(threading.Thread):
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, counters: LearnerCounters, run_id: str,
-                 security=None) -> None:
+                 security=None, key: str = "", unacknowledged: Callable[[], bytes | None] = lambda: None) -> None:
         super().__init__(name="learner-heartbeat", daemon=True)
+        self.key = key  # the run's: the coordinator takes heartbeats only with it
+        self.unacknowledged = unacknowledged  # the newest report, while the coordinator does not show it
         self.context = context
         self.endpoint = endpoint
         self.counters = counters
@@ -237,9 +261,12 @@ class HeartbeatThread(threading.Thread):
         try:
             while not self.stopped.is_set():
                 beat = Heartbeat(run_id=self.run_id, role="learner", index=0, pid=os.getpid(),
-                                 counters=heartbeat_counters(self.counters))
+                                 counters=heartbeat_counters(self.counters), key=self.key)
                 try:
                     socket.send(encode(beat), zmq.NOBLOCK)
+                    report = self.unacknowledged()
+                    if report is not None:  # a coordinator that restarted behind the learner: it catches up
+                        socket.send(report, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 self.stopped.wait(HEARTBEAT_INTERVAL_S)
@@ -261,8 +288,9 @@ class ControlWatch(threading.Thread):
     counts its own)."""
 
     def __init__(self, context: zmq.Context, endpoint: str, run_id: str, end_training: threading.Event,
-                 security=None) -> None:
+                 security=None, key: str = "") -> None:
         super().__init__(name="learner-control-watch", daemon=True)
+        self.key = key  # the run's: only a Control signed with it is the coordinator's
         self.context = context
         self.endpoint = endpoint
         self.run_id = run_id
@@ -270,6 +298,7 @@ class ControlWatch(threading.Thread):
         self.security = security
         self.stopped = threading.Event()
         self.endpoints: Mapping[str, str] = {}
+        self.control: Control | None = None  # the newest signed Control: what the coordinator knows
 
     def run(self) -> None:
         socket = make_socket(self.context, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=self.security)
@@ -282,6 +311,9 @@ class ControlWatch(threading.Thread):
                     control = decode_as(socket.recv(), Control, MAX_CONTROL_BYTES, self.run_id)
                 except ProtocolError:
                     continue
+                if not signed_by(control, self.key):
+                    continue  # not the coordinator's: it could end training or re-wire the buffer
+                self.control = control
                 self.endpoints = control.endpoints
                 if control.end_training and not self.end_training.is_set():
                     log.info("the coordinator ends training at step %d (held-out success has plateaued): "

@@ -19,6 +19,7 @@ and the data cursor (the next batch request id).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from horizonrl.core.disk import is_disk_refusal, refusal_text
 from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir, latest_checkpoint, read_state, resolve_resume
 
 __all__ = ["STATE_FILE", "checkpoint_dir", "latest_checkpoint", "load_train_state", "read_state", "resolve_resume",
@@ -39,9 +41,45 @@ def _modules(model, optimizer, critic, critic_optimizer) -> dict[str, tuple[nn.M
     return out
 
 
+class CheckpointWriteError(RuntimeError):
+    """The disk refused a part of a checkpoint on some rank (full, read-only): raised on every rank alike, so
+    they retry together (learner/main.py) or stop together."""
+
+
+Agree = Callable[[str | None], str | None]  # a rank's refusal (None: it wrote its part) -> the first of any rank
+
+
+def disk_refusal(write: Callable[[], Any]) -> str | None:
+    """Run ``write``; what the disk refused (core/disk.py), or None. Any other error is raised: it is ours."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write()
+    except CheckpointException as exc:  # DCP's own collective gathers every rank's failure into one
+        failures = [failure for failure, _ in exc.failures.values()]
+        if failures and all(is_disk_refusal(failure) for failure in failures):
+            return "; ".join(sorted({refusal_text(failure) for failure in failures}))
+        raise
+    except OSError as exc:
+        if is_disk_refusal(exc):
+            return refusal_text(exc)
+        raise
+    return None
+
+
+def agree_by_barrier(error: str | None) -> str | None:
+    """:data:`Agree` over the default group with no timeout of its own (tests; the learner passes its bounded one)."""
+    refused = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+    return error or ("another learner rank could not write its part" if refused.item() else None)
+
+
 def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, state: dict[str, Any],
-                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None) -> None:
-    """Collective: every rank calls it after rank 0 wrote the Hugging Face files into ``path``."""
+                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None,
+                     agree: Agree = agree_by_barrier) -> None:
+    """Collective: every rank calls it after rank 0 wrote the Hugging Face files into ``path``. Each part ends
+    with ``agree`` (it is the barrier between them), so a part the disk refused on one rank raises
+    :class:`CheckpointWriteError` on every rank at the same point."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -50,18 +88,27 @@ def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, stat
     for name, (module, optim) in _modules(model, optimizer, critic, critic_optimizer).items():
         model_sd, optim_sd = get_state_dict(module, optim)
         to_save[name] = {"model": model_sd, "optim": optim_sd}
-    dcp.save(to_save, checkpoint_id=str(path / "train_state"))
-    (path / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_state(), path / "rng" / f"rank_{dist.get_rank()}.pt")
-    dist.barrier()
+    _agreed(agree, disk_refusal(lambda: dcp.save(to_save, checkpoint_id=str(path / "train_state"))))
+
+    def write_rng() -> None:
+        (path / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), path / "rng" / f"rank_{dist.get_rank()}.pt")
+
+    _agreed(agree, disk_refusal(write_rng))
+    error = None
     if dist.get_rank() == 0:
         full = {**state, "lr_scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
         if critic_scheduler is not None:
             full["critic_lr_scheduler"] = critic_scheduler.state_dict()
         tmp = path / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(full, indent=1))
-        tmp.rename(path / STATE_FILE)
-    dist.barrier()
+        error = disk_refusal(lambda: (tmp.write_text(json.dumps(full, indent=1)), tmp.rename(path / STATE_FILE)))
+    _agreed(agree, error)
+
+
+def _agreed(agree: Agree, error: str | None) -> None:
+    error = agree(error)
+    if error is not None:
+        raise CheckpointWriteError(error)
 
 
 def load_train_state(path: Path, *, model: nn.Module, optimizer, scheduler,

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
 from horizonrl.core.config import TrainConfig
+from horizonrl.core.disk import Backoff
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
                                       visible_gpus)
 from horizonrl.core.run_dirs import RunDir, read_run_key
@@ -39,7 +41,8 @@ from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.turn_advantages import GiGPOSettings
 from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Publication, StepOutcome,
                                     run_training)
-from horizonrl.learner.checkpoint import checkpoint_dir, load_train_state, resolve_resume, save_train_state
+from horizonrl.learner.checkpoint import (CheckpointWriteError, checkpoint_dir, disk_refusal, load_train_state,
+                                         resolve_resume, save_train_state)
 from horizonrl.learner.step_watchdog import StepWatchdog
 from horizonrl.learner.lora import LoraSettings, adapter_to_send, merged_state_dict, save_adapter
 from horizonrl.learner.model import (
@@ -56,7 +59,7 @@ from horizonrl.protocol import (ENDPOINT_COLOCATED_ENGINE, ENDPOINT_WEIGHTS, END
                                 LearnerReport, learner_rendezvous_name)
 from horizonrl.protocol.counters import LearnerCounters
 from horizonrl.protocol.registry import LEARNER_GANG_ENV
-from horizonrl.protocol.transport import split_endpoint, tcp_endpoint, wire_security
+from horizonrl.protocol.transport import keep_collectives_on, split_endpoint, tcp_endpoint, wire_security
 from horizonrl.protocol.weights import ALIGN_BYTES
 
 log = logging.getLogger("horizonrl.learner")
@@ -65,6 +68,7 @@ log = logging.getLogger("horizonrl.learner")
 # wait on rank 0 while it waits for a batch or broadcasts weights.
 PROCESS_GROUP_SLACK_S = 300.0
 STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
+CHECKPOINT_RETRY_LIMIT_S = 600.0  # a disk refusing a checkpoint this long is not coming back: the learner stops
 # Colocated: how long the learner waits for the engine on its GPU to start (a large model's load and CUDA-graph
 # capture take minutes; an actor whose engine fails is restarted by the launcher and registers when it is up).
 COLOCATED_ENGINE_START_S = 1800.0
@@ -249,7 +253,7 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         reporter=RunReporter(res.reports, res.events) if is_main else NullReporter(),
         publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop, lora) if is_main
                    else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype, lora)),
-        checkpointer=TrainStateCheckpointer(config, tr, res, ranks),
+        checkpointer=TrainStateCheckpointer(config, tr, res, ranks, counters, control_timeout_s),
         train=train_step_function(config, tr, ranks, device, res.step_watchdog, first_step=step + 1, epoch=epoch),
     )
     state = LoopState(step=step, epoch=epoch, lineage=lineage, saved_step=step, published=step, counters=counters)
@@ -279,17 +283,18 @@ def _open_rank_zero_channels(config: TrainConfig, res: Resources, counters: Lear
     from horizonrl.learner.channels import BatchClient, BatchLimits, ControlWatch, HeartbeatThread
 
     net, run_id = config.network, config.run.run_id
-    res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security)
+    # What the coordinator knows (its Control): an early end, where a registered buffer is, and which report it
+    # has taken — the newest one goes again with the heartbeats until it has (ReportSender.unacknowledged).
+    res.end_training_watch = watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
+                                                  res.security, key=read_run_key(config.output_dir))
+    watch.start()
+    res.heartbeat = HeartbeatThread(res.context, net.endpoint(net.report_port), counters, run_id, res.security,
+                                    key=read_run_key(config.output_dir),
+                                    unacknowledged=lambda: res.reports.unacknowledged(watch.control))
     res.heartbeat.start()
-    if config.eval.stop_after_plateau or not net.batch_port:
-        # Also where the buffer is, when it registers instead of having a configured port.
-        res.end_training_watch = ControlWatch(res.context, net.endpoint(net.control_port), run_id, end_training,
-                                              res.security)
-        res.end_training_watch.start()
-    watch = res.end_training_watch
     res.batches = BatchClient(res.context, net.endpoint(net.batch_port) if net.batch_port else None, run_id,
                               config.model.vocab_size, res.security,
-                              registry=(lambda: watch.endpoints) if watch is not None else None,
+                              registry=(lambda: watch.endpoints) if not net.batch_port else None,
                               limits=BatchLimits.for_run(config), key=read_run_key(config.output_dir))
 
 
@@ -313,7 +318,8 @@ def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: i
     net, lc = config.network, config.learner
     res.weight_hub = WeightHub(net.bind_address(), net.weight_port, backend="nccl" if backend == "nccl" else "gloo",
                                timeout_s=lc.weight_sync_timeout_s, run_id=config.run.run_id,
-                               bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb))
+                               bucket_bytes=weight_bucket_bytes(lc.weight_bucket_mb),
+                               run_key=read_run_key(config.output_dir))
     res.reports.register(config.run.run_id, "learner-0", {
         ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
         ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
@@ -493,30 +499,78 @@ class GatherOnly:
 
 
 class TrainStateCheckpointer:
-    """Collective: the Hugging Face files and the full training state of a step (``_save``)."""
+    """Collective: the Hugging Face files and the full training state of a step (``_save``).
 
-    def __init__(self, config: TrainConfig, tr: Trainables, res: Resources, ranks: RankInfo) -> None:
+    A disk that refuses the checkpoint (full, read-only: ``core/disk.py``) is the machine's fault, not the
+    learner's: every rank waits and writes it again, together (``Backoff``: up to ``CHECKPOINT_RETRY_LIMIT_S``),
+    each refusal counted (``checkpoint_write_retries``) and the outage's start and end written as events — no
+    restart is spent on it. Training waits meanwhile: a step past an unwritten checkpoint could not be resumed."""
+
+    def __init__(self, config: TrainConfig, tr: Trainables, res: Resources, ranks: RankInfo,
+                 counters: LearnerCounters | None = None, timeout_s: float = 600.0) -> None:
         self.config, self.tr, self.res, self.ranks = config, tr, res, ranks
+        self.counters = counters if counters is not None else LearnerCounters()
+        self.timeout_s = timeout_s
 
     def save(self, step: int, lineage: list[tuple[int, int]], consumed: list[dict], since: int) -> str:
         start = time.perf_counter()
-        out = _save(self.config, self.tr, gather_full_state_dict(self.tr.model), step, self.res, self.ranks, lineage,
-                    consumed, since)
+        state_dict = gather_full_state_dict(self.tr.model)
+        out = checkpoint_dir(self.config.output_dir, step)
+        backoff = Backoff(limit_s=CHECKPOINT_RETRY_LIMIT_S)
+        while True:
+            try:
+                _save(self.config, self.tr, state_dict, step, self.res, self.ranks, lineage, consumed, since,
+                      lambda error: _first_refusal(error, self.timeout_s))
+                break
+            except CheckpointWriteError as exc:  # raised on every rank alike: all retry, or all stop
+                again, wait_s = backoff.failed()
+                self._refused(out, str(exc), backoff.retries == 1)
+                if not again:
+                    raise CheckpointWriteError(f"checkpoint {out}: the disk still refuses it after "
+                                               f"{CHECKPOINT_RETRY_LIMIT_S:.0f} s: {exc}") from exc
+                self.counters.checkpoint_write_retries += 1
+                time.sleep(wait_s)
+        outage_s = backoff.succeeded()
+        if outage_s is not None:
+            log.warning("checkpoint %s written after the disk refused it for %.1f s (%d retries)", out, outage_s,
+                        backoff.retries)
+            self.res.events.emit(RunEvent.WRITE_RECOVERED, path=str(out), retries=backoff.retries,
+                                 outage_s=round(outage_s, 3))
         log.info("saved %s in %.1f s", out, time.perf_counter() - start)
         return str(out)
 
+    def _refused(self, out: Path, error: str, first: bool) -> None:
+        if first:
+            log.warning("checkpoint %s: the disk refuses it (%s); training waits and every rank writes it again "
+                        "(for up to %.0f s)", out, error, CHECKPOINT_RETRY_LIMIT_S)
+            self.res.events.emit(RunEvent.WRITE_FAILED, path=str(out), error=error[:500], critical=True)
+
+
+def _first_refusal(error: str | None, timeout_s: float) -> str | None:
+    """Collective: ``error`` (what the disk refused this rank, or None) of every rank -> this rank's, or that
+    another refused its part, or None when every rank wrote its part. Bounded like every wait on the ranks."""
+    refused = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    _wait_for_ranks(dist.all_reduce(refused, op=dist.ReduceOp.MAX, async_op=True), timeout_s,
+                    "agreeing whether the checkpoint was written")
+    return error or ("another learner rank could not write its part" if refused.item() else None)
+
 
 def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tensor], step: int, res: Resources,
-          ranks: RankInfo, lineage: list[tuple[int, int]], consumed: list[dict], since: int) -> Path:
-    """Collective: rank 0 writes the Hugging Face files, then every rank its share of the training state.
+          ranks: RankInfo, lineage: list[tuple[int, int]], consumed: list[dict], since: int,
+          agree: Callable[[str | None], str | None]) -> Path:
+    """Collective: rank 0 writes the Hugging Face files, then every rank its share of the training state; a
+    part the disk refused raises CheckpointWriteError on every rank (``agree`` ends each part).
 
     The state also names what every step since the checkpoint of step ``since`` (the one this run
     saved or resumed from last) trained on (``consumed``: trajectory ids by outcome), and the weight
     lineage a resumed run continues."""
     out_dir = checkpoint_dir(config.output_dir, step)
+    refused = None
     if ranks.rank == 0:
-        save_policy(config, tr.model.config, state_dict, out_dir)
-    dist.barrier()
+        refused = disk_refusal(lambda: save_policy(config, tr.model.config, state_dict, out_dir))
+    refused = agree(refused)
+    if refused is not None:
+        raise CheckpointWriteError(refused)
     schedule = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
     state = {
         "step": step,
@@ -528,7 +582,7 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
         "consumed": consumed,
         "consumed_since": since,
     }
-    save_train_state(out_dir, state=state, **tr.checkpoint_parts())
+    save_train_state(out_dir, state=state, agree=agree, **tr.checkpoint_parts())
     res.events.emit(RunEvent.CHECKPOINT_WRITTEN, step=step, path=str(out_dir))
     return out_dir
 
@@ -540,9 +594,9 @@ def save_policy(config: TrainConfig, model_config, state_dict: dict[str, torch.T
     lora = LoraSettings.from_config(config)
     if lora is None:
         return save_hf_checkpoint(model_config, state_dict, config.model.path, out_dir)
-    save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out_dir)
-    save_adapter(Path(out_dir) / CHECKPOINT_ADAPTER_DIR, state_dict, lora, base_model=config.model.path)
-    return Path(out_dir)
+    return save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out_dir,
+                              extra=lambda tmp: save_adapter(tmp / CHECKPOINT_ADAPTER_DIR, state_dict, lora,
+                                                             base_model=config.model.path))
 
 
 def next_weight_epoch(output_dir: Path) -> int:
@@ -641,13 +695,25 @@ def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, time
     timeout = timedelta(seconds=timeout_s)
     # On GPU the CPU-side collectives (batch bytes, metrics) go over gloo, tensors over NCCL.
     kind = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-    if ranks.master_port:
+    net = config.network
+    keep_collectives_on(net.bind_address())  # gloo's and NCCL's own sockets listen where the run binds
+    from horizonrl.learner.weight_broadcast import hosted_store
+
+    if ranks.master_port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # under torchrun its agent hosts the store (a cluster: launcher.type=slurm): every rank is its client
         dist.init_process_group(backend=kind, init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
                                 rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
         return
-    net, name = config.network, learner_rendezvous_name(ranks.gang)
+    if ranks.master_port:
+        # the launcher's rendezvous (MASTER_ADDR:MASTER_PORT), rank 0's store listening on MASTER_ADDR alone
+        store = (hosted_store(ranks.master_addr, ranks.master_port, ranks.world_size, timeout) if ranks.rank == 0
+                 else dist.TCPStore(ranks.master_addr, ranks.master_port, ranks.world_size, False, timeout))
+        dist.init_process_group(backend=kind, store=store, rank=ranks.rank, world_size=ranks.world_size,
+                                timeout=timeout)
+        return
+    name = learner_rendezvous_name(ranks.gang)
     if ranks.rank == 0:
-        store = dist.TCPStore(net.bind_address(), 0, ranks.world_size, True, timeout, wait_for_workers=False)
+        store = hosted_store(net.bind_address(), 0, ranks.world_size, timeout)
         endpoint = tcp_endpoint(net.advertised_host(), store.port)
         res.reports.register(config.run.run_id, "learner-0", {name: endpoint})
     else:
@@ -671,7 +737,7 @@ def _registered(config: TrainConfig, name: str, timeout_s: float, stop: threadin
     try:
         found = wait_for_endpoints(context, net.endpoint(net.control_port), config.run.run_id,
                                    lambda endpoints: name in endpoints, timeout_s, security=security,
-                                   should_stop=stop.is_set)
+                                   should_stop=stop.is_set, key=read_run_key(config.output_dir))
     finally:
         if security is not None:
             security.stop()

@@ -311,10 +311,12 @@ def weights_to_send(model_config, state_dict: dict[str, torch.Tensor],
             if not (tied and name == "lm_head.weight")]
 
 
-def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> Path:
+def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source_dir: str, out_dir: Path,
+                       extra=None) -> Path:
     """A Hugging Face checkpoint (config + safetensors + tokenizer files) loadable by transformers and vLLM.
 
-    Written to a temporary sibling and renamed, so a directory named step_N is always complete.
+    Written to a temporary sibling and renamed, so a directory named step_N is always complete; ``extra(tmp)``
+    writes more into it before the rename (a LoRA run's adapter, learner/main.py ``save_policy``).
     """
     from safetensors.torch import save_file
 
@@ -333,6 +335,8 @@ def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source
             if source.is_file():
                 shutil.copy2(source, tmp / name)
                 copied.append(name)
+        if extra is not None:
+            extra(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk: no half-written checkpoint left to keep it full
         raise

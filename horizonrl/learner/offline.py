@@ -68,7 +68,7 @@ from horizonrl.core.config import ConfigError
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
 from horizonrl.core.precision import PrecisionPolicy, resolve_precision
 from horizonrl.core.programs import OFFLINE_RANK_MODULE, offline_rank_command
-from horizonrl.core.runtime import PhaseTimer, setup_logging
+from horizonrl.core.runtime import LAUNCHER_PID_ENV, PhaseTimer, setup_logging, stop_when_launcher_dies
 
 log = logging.getLogger("horizonrl.offline")
 
@@ -414,8 +414,9 @@ def save_checkpoint(model: nn.Module, config: OfflineConfig) -> Path:
             save_hf_checkpoint(model_config, state_dict, config.model.path, out)
         else:  # the merged model, and the adapter beside it (as the RL learner's checkpoints)
             lora = LoraSettings.of(config.lora)
-            save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out)
-            save_adapter(out / CHECKPOINT_ADAPTER_DIR, state_dict, lora, base_model=config.model.path)
+            save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out,
+                               extra=lambda tmp: save_adapter(tmp / CHECKPOINT_ADAPTER_DIR, state_dict, lora,
+                                                              base_model=config.model.path))
     dist.barrier()
     return out
 
@@ -498,8 +499,10 @@ def _spawn_ranks(config: OfflineConfig, paradigm: str, data_file: Path) -> None:
     procs = []
     try:
         for rank in range(world):
+            # LAUNCHER_PID_ENV: each rank ends with this process, however it dies (a SIGKILL runs no finally below)
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                   LAUNCHER_PID_ENV: str(os.getpid())}
             args = offline_rank_command(paradigm, str(config.out / "config.yaml"), str(data_file))
             procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         log.info("started %d %s ranks (pids %s)", world, paradigm, ", ".join(str(p.pid) for p in procs))
@@ -534,6 +537,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     config = load_offline_config(args.config)
     ranks = RankInfo.from_environ()
     setup_rank_logging(config.log_level, ranks.rank)
+    stop_when_launcher_dies()  # the `horizonrl sft|dpo` process that started the ranks died: no orphans
     data = (SFTData if args.paradigm == "sft" else DPOData).load(args.data)
     try:
         train_rank(config, args.paradigm, data, ranks)

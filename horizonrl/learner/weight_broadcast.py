@@ -43,6 +43,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
+from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode, signed_by
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
 from horizonrl.protocol.weights import (JOIN_COUNTER, STORE_PREFIX, WeightSyncError, join_key, member_bound_s,
                                         member_prefix)
@@ -89,6 +90,7 @@ class PackedWeights:
     buckets: list[torch.Tensor]  # uint8, one per bucket of ``plan``: the admission copy
     tensors: int
     pack_s: float
+    readers: int = 0  # admissions sending it now, outside the hub's lock: it is not rewritten meanwhile
 
     @property
     def key(self) -> tuple[int, int]:
@@ -274,21 +276,29 @@ def gather_buckets(named: list[tuple[str, torch.Tensor]], plan: list[Bucket], *,
 
 
 class WeightHub:
-    """Hosts the weight store at ``host:port``; admits members; sends each version to every member.
+    """Hosts the weight store at ``host:port`` (listening there only: the address the run binds, loopback
+    unless configured otherwise); admits members; sends each version to every member.
 
-    Thread safety: one lock guards the members and the newest version (its admission copy); a
-    publish, a send and the first send to a newcomer each hold it, so the admission copy is never
-    rewritten while it is being sent. Forming a newcomer's group (which waits for the engine)
-    happens outside the lock, each in its own thread.
+    Admission: a join must carry the run's key (``run_key``; "" checks nothing) — without it nothing of the
+    hub is spent on it (no group, no version) and it is counted (``unauthenticated_joins``): only the run's
+    own engines receive its weights or replace a member.
+
+    Thread safety: one lock guards the members and the newest version (its admission copy); a publish and a
+    send hold it. A newcomer's group is formed and its first version sent *outside* it, each admission in its
+    own thread with its own bound, so a joiner that never receives costs the publishes nothing: the version it
+    reads is marked (``PackedWeights.readers``), and a publish meanwhile fills a new admission copy instead of
+    rewriting the one being read.
     """
 
     def __init__(self, host: str, port: int, *, backend: str, timeout_s: float, run_id: str,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, run_key: str = "") -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
         self.backend = backend
         self.timeout_s = timeout_s
         self.run_id = run_id
+        self.run_key = run_key
+        self.host = host
         self.bucket_bytes = int(bucket_bytes)
         self.address = f"{host}:{port}"
         # NCCL moves device memory only (this process's current device); gloo moves host memory.
@@ -297,15 +307,16 @@ class WeightHub:
             use_blocking_nccl_waits()
         try:
             # port 0: a free port (the learner registers the one it got with the coordinator)
-            self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        except RuntimeError as exc:
+            self.store = hosted_store(host, port, None, timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as exc:
             raise WeightSyncError(f"weight hub: cannot host the weight store at {self.address}: {exc}") from exc
         self.port = self.store.port
         self.address = f"{host}:{self.port}"
         self._joins = dist.PrefixStore(STORE_PREFIX, self.store)
         self.members: dict[tuple[int, int], Member] = {}  # by (actor index, engine worker)
         self.latest: PackedWeights | None = None
-        self.counters: Counter[str] = Counter()  # admitted, replaced, dropped, failed_joins, bad_joins
+        # admitted, replaced, dropped, failed_joins, bad_joins, unauthenticated_joins
+        self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._seen = 0  # join numbers up to this one are handled
         self._waiting: dict[int, float] = {}  # join numbers whose record has not appeared yet -> since
@@ -331,8 +342,8 @@ class WeightHub:
         """Host buffers for ``plan``'s buckets, reused while the plan's sizes stay the same (a fresh
         buffer each version costs its page faults inside the timed send: 2-3x slower on 100 MB)."""
         old = self.latest
-        if old is not None and [b.nbytes for b in old.plan] == [b.nbytes for b in plan]:
-            return old.buckets
+        if old is not None and not old.readers and [b.nbytes for b in old.plan] == [b.nbytes for b in plan]:
+            return old.buckets  # (an admission still reading it: a new copy; the old one goes when it is done)
         self.latest = None  # drop the old copy before allocating the new one
         pin = self.device.type == "cuda"
         return [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=pin) for b in plan]
@@ -623,6 +634,11 @@ class WeightHub:
             self.counters["bad_joins"] += 1
             log.warning("weight hub: refused join %d: %s", number, exc)
             return
+        if not signed_by(join, self.run_key):
+            self.counters["unauthenticated_joins"] += 1  # nothing spent on it: no group, no version
+            log.warning("weight hub: refused join %d (actor %d, pid %d): without the run's key", number, join.actor,
+                        join.pid)
+            return
         worker = int(getattr(join, "worker", 0))
         try:
             if join.ipc_address:
@@ -635,22 +651,14 @@ class WeightHub:
                         join.pid, number, exc)
             return
         member = Member(number, join.actor, worker, join.pid, link)
+        latest = self._first_version(member)
+        if latest is None:
+            return
         with self._lock:
-            if self._closed.is_set() or self.latest is None:
-                # latest is None only after a publish failed half-way (the learner is failing): refuse.
-                self.counters["failed_joins"] += int(not self._closed.is_set())
+            if self._closed.is_set():
                 member.close()
                 return
-            latest = self.latest
-            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes,
-                                   self._sendable(latest), None, latest.nbytes)
-            if outcome:
-                self.counters["failed_joins"] += 1
-                log.warning("weight hub: actor %d worker %d's first version failed: %s", join.actor, worker,
-                            outcome[0][1])
-                member.close()
-                return
-            member.has = latest.key
+            member.has = latest.key  # a version published meanwhile reaches it with the next publish
             previous = self.members.get(member.key)
             if previous is not None:
                 self.counters["replaced"] += 1
@@ -660,6 +668,32 @@ class WeightHub:
         log.info("admitted actor %d's engine worker %d (pid %d, join %d%s) at weights %s (epoch, version)%s",
                  join.actor, worker, join.pid, number, ", CUDA IPC" if join.ipc_address else "", member.has,
                  "; it replaces an earlier one" if previous is not None else "")
+
+    def _first_version(self, member: Member) -> PackedWeights | None:
+        """Send a newcomer the newest version, outside the hub's lock (publishes go on meanwhile: the copy it
+        reads is marked and not rewritten) and bounded like any member's version; the version it got, or None
+        (it failed: counted, closed)."""
+        with self._lock:
+            latest = self.latest
+            if self._closed.is_set() or latest is None:
+                # latest is None only while a version is being written (or after one failed half-way)
+                self.counters["failed_joins"] += int(not self._closed.is_set())
+                member.close()
+                return None
+            latest.readers += 1
+        try:
+            outcome = self._stream([member], latest.key, latest.layout_bytes, latest.bucket_bytes,
+                                   self._sendable(latest), None, latest.nbytes)
+        finally:
+            with self._lock:
+                latest.readers -= 1
+        if outcome:
+            self.counters["failed_joins"] += 1
+            log.warning("weight hub: actor %d worker %d's first version failed: %s", member.actor, member.worker,
+                        outcome[0][1])
+            member.close()
+            return None
+        return latest
 
     def _connect_ipc(self, join: WeightJoin) -> WeightLink:
         """The link of an engine on this GPU (colocated): a PAIR socket to the address it listens on."""
@@ -685,7 +719,7 @@ class WeightHub:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 return dist.ProcessGroupNCCL(store, 0, 2, options)
-            return dist.ProcessGroupGloo(store, 0, 2, timeout)
+            return dist.ProcessGroupGloo(store, 0, 2, gloo_options(self.host, timeout))
         except RuntimeError as exc:  # DistStoreError / DistNetworkError / DistBackendError
             raise WeightSyncError(f"group of join {number} at {self.address} ({self.backend}) not formed within "
                                   f"{self.timeout_s:.0f} s: {exc}") from exc
@@ -703,6 +737,33 @@ class WeightHub:
         if not wait_for_dropped_groups(self.timeout_s + STUCK_MARGIN_S):
             log.warning("weight hub: a dropped member's group was still being destroyed %.0f s after the hub closed "
                         "(its engine frozen?)", self.timeout_s + STUCK_MARGIN_S)
+
+
+def hosted_store(host: str, port: int, world_size: int | None, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` alone (port 0: a free one). ``TCPStore`` by itself listens on
+    every interface of the machine whatever host it is given; here it is handed a socket bound to ``host``
+    (the run's bind address: loopback unless configured otherwise)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        bound_port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(host, bound_port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def gloo_options(host: str, timeout: timedelta) -> "dist.ProcessGroupGloo._Options":
+    """A gloo group's options with its device on ``host``: its pair sockets listen there, not on whatever
+    address the machine's hostname resolves to."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return options
 
 
 def gather_without_sending(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int,

@@ -1,6 +1,7 @@
 """Messages, their msgpack codec and the socket conventions: the bottom layer."""
 
-from horizonrl.protocol.codec import ForeignRunError, OversizedMessage, ProtocolError, decode, decode_as, encode
+from horizonrl.protocol.codec import (ForeignRunError, OversizedMessage, ProtocolError, decode, decode_as, encode,
+                                      signed_by)
 from horizonrl.protocol.messages import (
     ACK_ACCEPTED,
     ACK_DUPLICATE,
@@ -52,6 +53,7 @@ from horizonrl.protocol.messages import (
 )
 
 __all__ = [
+    "signed_by",
     "ACK_ACCEPTED",
     "ACK_DUPLICATE",
     "ACK_REJECTED",

@@ -5,10 +5,19 @@ well-formed message of this schema version within the size limits, whatever the 
 (truncated, invalid UTF-8 in any string, nested past any depth), so a receiving process can
 count it, log it and carry on. Two limits apply: the receiver's (``max_bytes``: its socket's) and
 the message kind's (:data:`KIND_MAX_BYTES`), so a heartbeat cannot be as big as a batch.
+
+The run's key never leaves a process. A message of a :data:`KEYED_KINDS` kind is built with ``key`` = the run's
+key (messages.py), and :func:`encode` sends in its place the message's MAC, ``"mac:" + HMAC-SHA256(run key,
+the message encoded with key="")``; a receiver holding the key checks it with :func:`signed_by`. So whoever
+reads a keyed message — a subscriber of the coordinator's Control, or a process that took a port a dead
+coordinator left — learns nothing it could sign another message with, and no field of a signed message can be
+changed without the key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import TypeVar
 
 import msgspec
@@ -73,9 +82,33 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
+# The kinds that change the run's state: signed with the run's key (see the module docstring).
+KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval, Heartbeat, BatchRequest, WeightJoin, Control)
+MAC_PREFIX = "mac:"
+
 
 def encode(message: Message) -> bytes:
+    """The message's bytes; a keyed kind's ``key`` (the run's key) goes as the message's MAC."""
+    key = getattr(message, "key", "")
+    if key and not key.startswith(MAC_PREFIX) and isinstance(message, KEYED_KINDS):
+        # signed as the receiver will see it: a struct built with an int where a float is typed encodes otherwise
+        # than it decodes, and the receiver's MAC is of what it decoded
+        message = msgspec.msgpack.decode(_encoder.encode(message), type=type(message))
+        message = msgspec.structs.replace(message, key=message_mac(message, key))
     return _encoder.encode(message)
+
+
+def message_mac(message: Message, run_key: str) -> str:
+    """``"mac:" + HMAC-SHA256(run_key, message encoded with key="")``, hex."""
+    body = _encoder.encode(msgspec.structs.replace(message, key=""))
+    return MAC_PREFIX + hmac.new(run_key.encode(), body, hashlib.sha256).hexdigest()
+
+
+def signed_by(message: Message, run_key: str) -> bool:
+    """Whether ``message`` (decoded) was signed with ``run_key`` — always True for a run without a key ("")."""
+    if not run_key:
+        return True
+    return hmac.compare_digest(getattr(message, "key", "").encode(), message_mac(message, run_key).encode())
 
 
 def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES, run_id: str | None = None) -> Message:

@@ -143,6 +143,7 @@ class ActorGauges(msgspec.Struct, kw_only=True):
     weight_epoch: float = 0.0  # the weights its engine holds
     weight_version: float = 0.0
     groups_in_flight: float = 0.0  # group slots running (rollout.concurrency)
+    groups_running: float = 0.0  # groups being played now (their trajectories not yet sent): the rollout's admission
     kv_cache_usage: float = 0.0  # the engine's share of KV blocks in use, 0-1 (0 where it does not report it)
 
 
@@ -168,6 +169,8 @@ class LearnerCounters(msgspec.Struct, kw_only=True):
     trajectories_trained: float = 0.0
     tokens_trained: float = 0.0
     failed_skipped: float = 0.0  # failed trajectories in the batches, left out
+    # a checkpoint the disk refused, written again (a fault of the machine, not a restart: learner/main.py)
+    checkpoint_write_retries: Annotated[float, scalar("faults/checkpoint_write_retries")] = 0.0
 
 
 def heartbeat_counters(*parts: msgspec.Struct, extra: Mapping[str, float] | None = None) -> dict[str, float]:

@@ -6,11 +6,12 @@ process rejects and counts messages of another run), and, where it concerns a po
 policy (weight) version. Arrays travel as raw little-endian bytes (see ``arrays.py``);
 nothing is pickled.
 
-The messages that change the run's state beyond counters — a learner's report or batch request, a
-supervision event, a registration, a held-out evaluation — also carry ``key``: the run's key (``<output_dir>/run_key``,
-made by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a
-message only with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end
-the run, re-wire its endpoints or forge its fault record.
+The messages that change the run's state — a learner's report or batch request, a supervision event, a
+registration, a held-out evaluation, a heartbeat (a buffer's pauses the rollout), an engine's join of the
+weight hub, the coordinator's ``Control`` — also carry ``key``: the run's key (``<output_dir>/run_key``, made
+by the launcher, readable only by the run's owner). A receiver that holds the key accepts such a message only
+with it, so a process that merely knows the run id (it is in ``config.yaml``) cannot end the run, re-wire its
+endpoints, pause its rollout, join its weight hub or forge its fault record.
 
 Weight versions and epochs: the weight version is the learner step that produced the weights
 (0: the starting model). A learner restarted from the checkpoint of step c starts a new *weight
@@ -150,6 +151,7 @@ class Control(msgspec.Struct, tag="control", kw_only=True):
     # The registry (see Registration): every endpoint registered so far, by name, the newest registration of a name
     # winning. A process that connects to a registered endpoint follows it here, and reconnects when it changes.
     endpoints: dict[str, str] = {}
+    key: str = ""  # the run's key (see the module docstring): a subscriber takes only the coordinator's Control
 
 
 # Endpoint names (Registration.endpoints, Control.endpoints).
@@ -262,6 +264,7 @@ class WeightJoin(msgspec.Struct, tag="weight_join", kw_only=True):
     # A colocated engine (on the learner's GPU) takes its versions through CUDA IPC rather than a two-rank
     # group: the ZeroMQ address (tcp://127.0.0.1:PORT) where it waits for the hub (learner/weight_ipc.py).
     ipc_address: str = ""
+    key: str = ""  # the run's key (see the module docstring): a member receives every version and may evict another
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
@@ -318,6 +321,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     index: int
     pid: int
     counters: dict[str, float] = {}
+    key: str = ""  # the run's key (see the module docstring): a buffer's gauges pause the rollout
 
 
 # What happened to a process of the run (ProcessEvent.event).

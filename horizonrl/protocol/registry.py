@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from horizonrl.protocol.codec import ProtocolError, decode_as, encode
+from horizonrl.protocol.codec import ProtocolError, decode_as, encode, signed_by
 from horizonrl.protocol.messages import MAX_CONTROL_BYTES, Control, Registration
 from horizonrl.protocol.transport import make_socket
 
@@ -80,9 +80,9 @@ class FollowedEndpoint:
 
 def wait_for_endpoints(context: zmq.Context, control_endpoint: str, run_id: str,
                        ready: Callable[[Mapping[str, str]], bool], timeout_s: float, *, security=None,
-                       should_stop: Callable[[], bool] = lambda: False) -> dict[str, str] | None:
-    """Subscribe to the coordinator's Control until its endpoints satisfy ``ready``; returns them, or
-    None when ``should_stop()`` says so first. TimeoutError after ``timeout_s``."""
+                       should_stop: Callable[[], bool] = lambda: False, key: str = "") -> dict[str, str] | None:
+    """Subscribe to the coordinator's Control (signed with ``key``, the run's) until its endpoints satisfy
+    ``ready``; returns them, or None when ``should_stop()`` says so first. TimeoutError after ``timeout_s``."""
     sock = make_socket(context, zmq.SUB, max_message_bytes=MAX_CONTROL_BYTES, security=security)
     sock.connect(control_endpoint)
     deadline = time.monotonic() + timeout_s
@@ -98,6 +98,8 @@ def wait_for_endpoints(context: zmq.Context, control_endpoint: str, run_id: str,
                 control = decode_as(sock.recv(), Control, MAX_CONTROL_BYTES, run_id)
             except ProtocolError:
                 continue
+            if not signed_by(control, key):
+                continue  # not the coordinator's
             seen = dict(control.endpoints)
             if ready(seen):
                 return seen

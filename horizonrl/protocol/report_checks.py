@@ -13,19 +13,20 @@ Who may send what is checked first, by the run's key (protocol/messages.py): :da
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_LEARNER_RENDEZVOUS, ENDPOINT_TRAJECTORIES,
-                                         ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, EVENT_DIED, EVENT_GAVE_UP,
-                                         EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS, MAX_SAMPLE_TEXT, STOP_CONTEXT,
-                                         STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS, EpisodeSample, Heartbeat, HeldOutEval,
-                                         LearnerReport, ProcessEvent, Registration)
+from horizonrl.protocol.messages import (ENDPOINT_BATCHES, ENDPOINT_COLOCATED_ENGINE, ENDPOINT_LEARNER_RENDEZVOUS,
+                                         ENDPOINT_TRAJECTORIES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH, EVENT_DIED,
+                                         EVENT_GAVE_UP, EVENT_RECOVERED, EVENT_RESTARTED, FAILURE_KINDS,
+                                         MAX_SAMPLE_TEXT, STOP_CONTEXT, STOP_DONE, STOP_FAILURE, STOP_MAX_TURNS,
+                                         EpisodeSample, Heartbeat, HeldOutEval, LearnerReport, ProcessEvent,
+                                         Registration)
+from horizonrl.protocol.names import MAX_NAME_CHARS, is_label, is_name, shown
 
-# The kinds that change the run's state beyond counters: accepted only with the run's key.
-KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval)
+# The kinds that change the run's state: accepted only with the run's key.
+KEYED_KINDS = (LearnerReport, ProcessEvent, Registration, HeldOutEval, Heartbeat)
 
-MAX_NAME_CHARS = 128  # a counter's, a metric's, an endpoint's name
 MAX_COUNTERS = 1024  # counters in a heartbeat, metrics in a report, endpoints in a registration
 MAX_PID = 2**22  # Linux's pid_max ceiling
 MAX_EXIT_CODE = 255
@@ -34,7 +35,9 @@ PROCESS_EVENTS = (EVENT_DIED, EVENT_RESTARTED, EVENT_GAVE_UP, EVENT_RECOVERED)
 STOP_REASONS = (STOP_DONE, STOP_MAX_TURNS, STOP_CONTEXT, STOP_FAILURE)
 TRANSCRIPT_ROLES = ("observation", "reply")
 HELD_OUT_REQUIRED = ("success_rate", "episodes_valid")
-ENDPOINT_NAMES = (ENDPOINT_TRAJECTORIES, ENDPOINT_BATCHES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH)
+ENDPOINT_NAMES = (ENDPOINT_TRAJECTORIES, ENDPOINT_BATCHES, ENDPOINT_WEIGHTS, ENDPOINT_WEIGHTS_EPOCH,
+                  ENDPOINT_COLOCATED_ENGINE)
+NUMBER_ENDPOINTS = (ENDPOINT_WEIGHTS_EPOCH, ENDPOINT_COLOCATED_ENGINE)  # a number as text, not an address
 
 # Rejection reasons (counted as rejected_<kind>_<reason>).
 REJECT_UNAUTHENTICATED = "unauthenticated"
@@ -45,6 +48,7 @@ REJECT_NUMBER = "non_finite_number"
 REJECT_NAMES = "bad_names"
 REJECT_BACKWARDS = "run_state_backwards"
 REJECT_VALUE = "bad_value"
+REJECT_NOT_REGISTERED = "not_registered"
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,20 @@ def learner_report_order_problem(report: LearnerReport, step: int, epoch: int) -
     return None
 
 
+# Roles whose process registers (Registration, under the role's name) before its first heartbeat.
+REGISTERED_BEFORE_BEATING = ("buffer",)
+
+
+def heartbeat_incarnation_problem(beat: Heartbeat, registered_pids: Mapping[str, int]) -> Problem | None:
+    """A heartbeat of a role that registers before it beats must come from the pid that registered last: any
+    other is a stale incarnation or someone else's, and its gauges would be taken for the run's state (a
+    buffer's ``ready_groups`` pause the rollout)."""
+    registered = registered_pids.get(beat.role) if beat.role in REGISTERED_BEFORE_BEATING else None
+    if registered is not None and registered != beat.pid:
+        return REJECT_NOT_REGISTERED, f"pid {beat.pid}; the {beat.role} that registered last is pid {registered}"
+    return None
+
+
 def _held_out_problem(result: HeldOutEval, shape: RunShape) -> Problem | None:
     if not result.results:
         return REJECT_VALUE, "no environment's results"
@@ -145,6 +163,8 @@ def _held_out_problem(result: HeldOutEval, shape: RunShape) -> Problem | None:
         problem = _numbers_problem(metrics, "metric")
         if problem is not None:
             return problem
+        if not all(is_label(key) for key in metrics):  # charted as eval/<env>/<key>: a part of a name
+            return REJECT_NAMES, f"{env}: a metric name over a label's length or charset (protocol/names.py)"
         missing = [key for key in HELD_OUT_REQUIRED if key not in metrics]
         if missing:
             return REJECT_VALUE, f"{env}: no {missing}"
@@ -180,10 +200,9 @@ def _registration_problem(registration: Registration, shape: RunShape) -> Proble
     if not 0 < registration.pid < MAX_PID or not 0 < len(registration.endpoints) <= MAX_COUNTERS:
         return REJECT_RANGE, f"pid {registration.pid}, {len(registration.endpoints)} endpoints"
     for name, value in registration.endpoints.items():
-        if name not in ENDPOINT_NAMES and not (name.startswith(ENDPOINT_LEARNER_RENDEZVOUS)
-                                               and len(name) <= MAX_NAME_CHARS):
+        if name not in ENDPOINT_NAMES and not (name.startswith(ENDPOINT_LEARNER_RENDEZVOUS) and is_name(name)):
             return REJECT_NAMES, f"endpoint name {name[:MAX_NAME_CHARS]!r}"
-        if not (_small_number(value) is not None if name == ENDPOINT_WEIGHTS_EPOCH else _is_tcp_endpoint(value)):
+        if not (_small_number(value) is not None if name in NUMBER_ENDPOINTS else _is_tcp_endpoint(value)):
             return REJECT_VALUE, f"{name}: {value[:MAX_NAME_CHARS]!r}"
     return None
 
@@ -204,8 +223,10 @@ def _small_number(text: str) -> int | None:
 def _names_problem(values: dict, what: str) -> Problem | None:
     if len(values) > MAX_COUNTERS:
         return REJECT_RANGE, f"{len(values)} {what}s"
-    if any(not name or len(name) > MAX_NAME_CHARS for name in values):
-        return REJECT_NAMES, f"a {what} name is empty or over {MAX_NAME_CHARS} characters"
+    bad = next((name for name in values if not is_name(name)), None)
+    if bad is not None:
+        return REJECT_NAMES, (f"{what} name {shown(bad)}: 1..{MAX_NAME_CHARS} characters of [A-Za-z0-9._-/:+=@] "
+                              "(protocol/names.py)")
     return None
 
 

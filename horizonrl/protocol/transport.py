@@ -180,6 +180,62 @@ def bind_endpoint(sock: zmq.Socket, bind_host: str, port: int, advertised: str) 
     return tcp_endpoint(advertised, port)
 
 
+HELD_PORTS_ENV = "HORIZONRL_HELD_PORTS"  # "PORT=FD,...": listening sockets a launcher holds for its child
+
+
+def hold_port(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that a launcher keeps for the whole run and hands to each
+    incarnation of the process that serves it (:func:`bind_held`): while the launcher holds it no other process
+    can bind the port, so a restarted coordinator always gets its ports back, and clients that connect while
+    none runs wait in the socket's backlog instead of reaching whoever bound the port first."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host.strip("[]"), port))
+        listener.listen(256)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
+
+
+def held_ports_env(held: dict[int, socket.socket]) -> dict[str, str]:
+    """The environment that tells a child which of its ports it finds already bound (``pass_fds`` the sockets)."""
+    if not held:
+        return {}
+    return {HELD_PORTS_ENV: ",".join(f"{port}={sock.fileno()}" for port, sock in held.items())}
+
+
+def bind_held(sock: zmq.Socket, endpoint: str, port: int, environ=None) -> bool:
+    """Bind ``sock`` at ``endpoint``, on the listening socket the launcher holds for ``port`` when it handed one
+    down (ZeroMQ's ZMQ_USE_FD); True then. Otherwise a plain bind (False)."""
+    environ = os.environ if environ is None else environ
+    held = dict(item.split("=", 1) for item in environ.get(HELD_PORTS_ENV, "").split(",") if "=" in item)
+    if str(port) in held:
+        sock.setsockopt(zmq.USE_FD, int(held[str(port)]))
+    sock.bind(endpoint)
+    return str(port) in held
+
+
+def keep_collectives_on(host: str, environ=None) -> str | None:
+    """gloo and NCCL listen on sockets of their own, on the address the machine's hostname resolves to unless
+    told an interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``): name the interface that holds ``host``
+    (the run's bind address, loopback unless configured otherwise) for this process and its children, where the
+    user has not named one. Returns the interface, or None when no interface holds ``host`` (a name, say)."""
+    import psutil
+
+    environ = os.environ if environ is None else environ
+    wanted = host.strip("[]")
+    name = next((interface for interface, addresses in psutil.net_if_addrs().items()
+                 if any(a.address.split("%")[0] == wanted for a in addresses)), None)
+    if name is not None:
+        environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now (see :func:`free_ports`)."""
     return free_ports(1, host)[0]

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
+
+from collections.abc import Collection
 
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
 from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, MAX_SAMPLE_TEXT, Trajectory
+from horizonrl.protocol.names import MAX_ID_CHARS, MAX_LABEL_CHARS, is_id, is_label, shown
 
-MAX_ID_CHARS = 256
+MAX_TIMINGS = 16  # named timings of one episode (the actor sends two)
 LOGPROB_SLACK = 1e-3  # a log-probability is <= 0; float32 rounding may give a hair above
 
 # Rejection reasons (counted by the buffer as rejected_<reason>).
@@ -35,16 +39,98 @@ REJECT_SPANS = "turn_spans"
 REJECT_FIELDS = "fields"
 REJECT_TOO_LONG = "too_long"
 REJECT_SAMPLES = "sample_starts"
+REJECT_NAMES = "names"
 MAX_SAMPLES = 4096  # samples of one episode (one per turn at most)
 
 
+class _CountedText(msgspec.Struct, kw_only=True):
+    replies: msgspec.Raw = msgspec.Raw(b"")
+    actions: msgspec.Raw = msgspec.Raw(b"")
+    observations: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _CountedTrajectory(msgspec.Struct, tag="trajectory", kw_only=True):
+    """A trajectory message with its arrays and lists left as msgpack (``Raw``: a view of the bytes, nothing
+    built): what :func:`trajectory_size_problem` reads."""
+
+    trajectory_id: str = ""
+    token_ids: msgspec.Raw = msgspec.Raw(b"")
+    turn_spans: msgspec.Raw = msgspec.Raw(b"")
+    turn_versions: msgspec.Raw = msgspec.Raw(b"")
+    turn_epochs: msgspec.Raw = msgspec.Raw(b"")
+    turn_rewards: msgspec.Raw = msgspec.Raw(b"")
+    version_spans: msgspec.Raw = msgspec.Raw(b"")
+    sample_starts: msgspec.Raw = msgspec.Raw(b"")
+    timings: msgspec.Raw = msgspec.Raw(b"")
+    text: _CountedText | None = None
+
+
+_counted_decoder = msgspec.msgpack.Decoder(_CountedTrajectory)
+
+
+def trajectory_size_problem(message: bytes | memoryview, *, max_tokens: int | None = None,
+                            max_turns: int | None = None) -> tuple[str, str, str] | None:
+    """The cheap limits, read from the message's msgpack headers before any of it is built into objects:
+    ``(trajectory id, reason, detail)`` when it breaks one, else None (also when it does not decode: the full
+    decode says why). A list of small items costs far more as Python objects than on the wire (a 3-byte turn
+    span is a ~70-byte tuple), so an in-limit message with millions of them would cost many times its size
+    before :func:`trajectory_problem` could refuse it. ``max_turns``: the run's largest turn budget (every list
+    per turn is at most that long); ``max_tokens``: its context (each sample is at most that long)."""
+    try:
+        counted = _counted_decoder.decode(message)
+    except (msgspec.MsgspecError, ValueError, OverflowError, RecursionError):
+        return None
+    tid = counted.trajectory_id if is_id(counted.trajectory_id) else counted.trajectory_id[:MAX_ID_CHARS]
+    tokens = _msgpack_length(counted.token_ids) // TOKEN_DTYPE.itemsize
+    samples = _msgpack_length(counted.sample_starts)
+    if samples > MAX_SAMPLES:
+        return tid, REJECT_SAMPLES, f"{samples + 1} samples; at most {MAX_SAMPLES + 1}"
+    if max_tokens is not None and tokens > max_tokens * (samples + 1):
+        return tid, REJECT_TOO_LONG, f"{tokens} tokens in {samples + 1} samples; the run's context holds {max_tokens}"
+    turn_limit = tokens if max_turns is None else min(tokens, max_turns)  # every turn generates a token
+    lists = {"turn_spans": counted.turn_spans, "turn_versions": counted.turn_versions,
+             "turn_epochs": counted.turn_epochs, "turn_rewards": counted.turn_rewards}
+    if counted.text is not None:
+        lists.update({"text.replies": counted.text.replies, "text.actions": counted.text.actions,
+                      "text.observations": counted.text.observations})
+    for name, raw in lists.items():
+        if _msgpack_length(raw) > turn_limit:
+            return tid, REJECT_TURNS, f"{_msgpack_length(raw)} {name} for at most {turn_limit} turns"
+    if _msgpack_length(counted.version_spans) > tokens:
+        return tid, REJECT_SPANS, f"{_msgpack_length(counted.version_spans)} version spans for {tokens} tokens"
+    if _msgpack_length(counted.timings) > MAX_TIMINGS:
+        return tid, REJECT_NAMES, f"{_msgpack_length(counted.timings)} timings; at most {MAX_TIMINGS}"
+    return None
+
+
+def _msgpack_length(raw: msgspec.Raw) -> int:
+    """The item count (array, map) or byte length (bin, str) a msgpack value's header states; 0 for others."""
+    data = memoryview(raw)
+    if not data:
+        return 0
+    first = data[0]
+    if 0x90 <= first <= 0x9F or 0x80 <= first <= 0x8F:  # fixarray, fixmap
+        return first & 0x0F
+    if 0xA0 <= first <= 0xBF:  # fixstr
+        return first & 0x1F
+    width = {0xC4: 1, 0xD9: 1, 0xC5: 2, 0xDA: 2, 0xDC: 2, 0xDE: 2, 0xC6: 4, 0xDB: 4, 0xDD: 4, 0xDF: 4}.get(first)
+    if width is None or len(data) < 1 + width:
+        return 0
+    return int.from_bytes(data[1:1 + width], "big")
+
+
 def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_tokens: int | None = None,
-                       max_group_size: int | None = None) -> tuple[str, str] | None:
+                       max_group_size: int | None = None,
+                       env_names: Collection[str] | None = None) -> tuple[str, str] | None:
     """``None`` if ``t`` is consistent, else ``(reason, detail)`` (reason: one of the REJECT_* names).
     ``max_tokens``: the run's context limit (rollout.max_context_tokens: no episode of the run is longer);
-    ``max_group_size``: its group size (rollout.n)."""
-    if not t.trajectory_id or not t.group_id or max(len(t.trajectory_id), len(t.group_id)) > MAX_ID_CHARS:
-        return REJECT_IDS, f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters"
+    ``max_group_size``: its group size (rollout.n); ``env_names``: the run's environments (None: any name)."""
+    if not (is_id(t.trajectory_id) and is_id(t.group_id)):
+        return REJECT_IDS, (f"trajectory and group ids must be 1..{MAX_ID_CHARS} characters of [A-Za-z0-9._-:+=@], "
+                            f"not {shown(t.trajectory_id)}, {shown(t.group_id)}")
+    problem = _names_problem(t, env_names)
+    if problem:
+        return REJECT_NAMES, problem
     longest = max(len(t.token_ids) // TOKEN_DTYPE.itemsize, len(t.loss_mask), len(t.logprobs) // LOGPROB_DTYPE.itemsize)
     problem = _sample_starts_problem(t, longest)
     if problem:
@@ -113,6 +199,23 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
         if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
                                                    *text.observations)):
             return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
+    return None
+
+
+def _names_problem(t: Trajectory, env_names: Collection[str] | None) -> str | None:
+    """The strings a trajectory carries beyond its ids, checked before anything else reads them: the environment,
+    the stop reason and the timings' names become parts of metric and counter names (``protocol/names.py``), the
+    category and the failure message are shown to people."""
+    if not is_label(t.env) or (env_names is not None and t.env not in env_names):
+        return f"environment {shown(t.env)} is not one of this run's"
+    if t.stop_reason and not is_label(t.stop_reason):
+        return f"stop reason {shown(t.stop_reason)}"
+    if len(t.category) > MAX_LABEL_CHARS or not t.category.isprintable():
+        return f"category {shown(t.category)}: at most {MAX_LABEL_CHARS} printable characters"
+    if len(t.failure_message) > MAX_SAMPLE_TEXT:
+        return f"a failure message of {len(t.failure_message)} characters"
+    if len(t.timings) > MAX_TIMINGS or not all(is_label(name) for name in t.timings):
+        return f"{len(t.timings)} timings, named {shown(', '.join(list(t.timings)[:4]))}"
     return None
 
 

@@ -9,7 +9,9 @@ ranks) hosts a ``TCPStore`` at ``network.weight_port``; every key below lives un
 prefix ``STORE_PREFIX``. An engine's worker joins in four steps:
 
 1. ``n = add(JOIN_COUNTER, 1)`` — its join number, unique for the store's life;
-2. ``set(join_key(n), encode(WeightJoin(...)))`` — who it is (run id, actor index, pid);
+2. ``set(join_key(n), encode(WeightJoin(...)))`` — who it is (run id, actor index, pid) and the run's key
+   (the actor process puts it in its environment as ``RUN_KEY_ENV`` for its engine's workers; a learner with a
+   key refuses a join without it: only the run's own engines receive its weights or replace its members);
 3. a two-rank ``torch.distributed`` group (gloo on CPU, NCCL on GPU) on the store prefix
    ``member_prefix(n)``: the learner is rank 0, the engine rank 1;
 4. it receives one version at once: the learner's newest (whatever its number), as below.
@@ -53,9 +55,11 @@ from __future__ import annotations
 
 from horizonrl.protocol.messages import WeightJoin, WeightLayout
 
-__all__ = ["ALIGN_BYTES", "FROZEN_MEMBER_FLOOR_S", "JOIN_COUNTER", "SLOWEST_BYTES_PER_S", "STORE_PREFIX", "WeightJoin",
-           "WeightLayout", "WeightSyncError", "join_key", "layout_offsets", "member_bound_s", "member_prefix"]
+__all__ = ["ALIGN_BYTES", "FROZEN_MEMBER_FLOOR_S", "JOIN_COUNTER", "RUN_KEY_ENV", "SLOWEST_BYTES_PER_S", "STORE_PREFIX",
+           "WeightJoin", "WeightLayout", "WeightSyncError", "join_key", "layout_offsets", "member_bound_s",
+           "member_prefix"]
 
+RUN_KEY_ENV = "HORIZONRL_RUN_KEY"  # the run's key, for the engine workers' joins (set by their actor process)
 STORE_PREFIX = "horizonrl-weights"
 JOIN_COUNTER = "joins"
 ALIGN_BYTES = 64  # each tensor's offset in the flat payload; >= every dtype's element size

@@ -64,6 +64,9 @@ async def test_status_codes_and_bad_input(server):
         assert (await post(s, u + "/step", {"id": 10**9, "action": "x"}))[0] == 404
         assert (await post(s, u + "/step", {"id": "abc", "action": "x"}))[0] == 400
         assert (await post(s, u + "/step", [1, 2]))[0] == 400
+        for depth in (65, 100_000):  # past the limit; past the parser's recursion (a 500 before the limit)
+            status, body = await post(s, u + "/step", None, raw=b'{"id": ' + b"[" * depth + b"]" * depth + b"}")
+            assert (status, body["kind"]) == (400, "too_deep"), (depth, status, body)
         big = json.dumps({"id": sid, "action": "x" * (2 << 20)})
         status, body = await post(s, u + "/step", None, raw=big)
         assert status == 413 and "error" in body
@@ -213,3 +216,12 @@ async def test_leak_and_reaping():
             assert h["rss_bytes"] - baseline < 40 * 2**20, (baseline, h["rss_bytes"])
     finally:
         proc.stop()
+
+
+def test_json_depth_counts_nesting_and_not_brackets_inside_strings():
+    from horizonrl.envs.server import json_depth
+
+    assert json_depth(b"{}") == 1 and json_depth(b'{"a": [1, {"b": 2}]}') == 3
+    assert json_depth(b'{"action": "[[[[{{{{"}') == 1  # text, not nesting
+    assert json_depth(b'{"action": "a \\" [[[[ \\\\"}') == 1  # escaped quotes stay inside the string
+    assert json_depth(b"[" * 5000 + b"]" * 5000) == 5000 and json_depth(b"") == 0

@@ -85,6 +85,18 @@ def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
     return cores
 
 
+def listening_sockets(processes: list[psutil.Process]) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every TCP socket these processes listen on."""
+    out = []
+    for process in processes:
+        try:
+            out += [(process.pid, command(process)[:80], c.laddr.ip, c.laddr.port)
+                    for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass  # gone meanwhile
+    return out
+
+
 def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
     run_dir = tmp_path / "interrupted"
     log_path = tmp_path / "interrupted.log"
@@ -122,9 +134,13 @@ def test_ctrl_c_stops_everything_cleanly(tiny_model, tmp_path):
             tree = wait_until(partitioned, 300, "the actor and its engine, every thread on its cores", interval=0.5)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}; last seen: {seen}") from None
+        listening = listening_sockets([psutil.Process(proc.pid), *tree])
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=120)
     finally:
         stop_process(proc)
     assert rc == 130, log_path.read_text()[-3000:]
     assert still_alive(tree) == []
+    # Every socket any process of the run listens on is on loopback (network.host's default): the coordinator's and
+    # buffer's ZeroMQ sockets, the weight hub's store, the learner's rendezvous, gloo's own pair sockets, vLLM's.
+    assert listening and all(ip in ("127.0.0.1", "::1") for _, _, ip, _ in listening), listening

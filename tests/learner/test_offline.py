@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -366,6 +367,42 @@ def test_two_gloo_ranks_give_the_losses_of_one_rank(model_dir, expert_files, tmp
     key = "nll" if paradigm == "sft" else "loss"
     assert two["after"][key] == pytest.approx(one["after"][key], abs=1e-5)
     assert abs(two["after"][key] - two["before"][key]) > 1e-3  # the weights did change, the same way on both
+
+
+@pytest.mark.slow  # two gloo ranks under `horizonrl sft`, its first process killed
+def test_a_killed_sft_process_takes_its_ranks_with_it(model_dir, expert_files, tmp_path):
+    """``kill -9`` of the `horizonrl sft` process that started two ranks (each in a session of its own): the
+    ranks see their parent gone and stop (core/runtime.py stop_when_launcher_dies), none left running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from horizonrl.core.programs import OFFLINE_RANK_MODULE
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: {{path: {model_dir}}}\ndata: {expert_files[0]}\noutput_dir: {tmp_path / 'out'}\n"
+                      "num_threads: 1\nnum_ranks: 2\nepochs: 1000\nbatch_size: 4\nmicro_batch_size: 2\n")
+    parent = subprocess.Popen([sys.executable, "-m", "horizonrl", "sft", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            ranks = [p for p in psutil.Process(parent.pid).children() if OFFLINE_RANK_MODULE in " ".join(p.cmdline())]
+            time.sleep(0.2)
+        assert len(ranks) == 2, f"the ranks never started (exit code {parent.poll()})"
+        time.sleep(3)  # into their process group's set-up
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        gone, alive = psutil.wait_procs(ranks, timeout=90)
+        assert alive == [], [p.pid for p in alive]
+    finally:
+        for rank in ranks:
+            if rank.is_running():
+                os.killpg(rank.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------- entry points

@@ -18,10 +18,11 @@ Runs go seed by seed, the arms' order alternating between seeds (``report.altern
 hits every arm alike. Reported per arm (median and range over seeds): the final held-out success; the wall time
 at which the run first reaches the synchronous arm's final held-out success of the same seed (linear between
 checkpoints) and the ratio of the two; samples/s, the learner's and the engines' idle shares, the staleness, and
-the trainer-engine mismatch (``mismatch/mean``, ``correction/k3_kl``). The bound a 2-core machine puts on the
-ratio comes from the synchronous run's own phases: generation g and training t per step give
-(g + t) / max(g, t) for a perfect overlap, and (g + t) / (t + g / 2) when the learner's two threads and the
-engine's one must share two cores.
+the trainer-engine mismatch (``mismatch/mean``, ``correction/k3_kl``). Two bounds on the ratio come from the
+synchronous runs themselves: with generation g and training t per step, a perfect overlap on hardware of their
+own would give (g + t) / max(g, t) (``pipeline_bound``); on one machine whose cores both phases already use, the
+overlap can at best fill the CPU time the synchronous loop leaves idle, 1 / its busy CPU share (``cpu_bound``,
+from /proc/stat over the run; the machine must be otherwise quiet).
 
     python -m horizonrl.apps.bench.learning_clock [--out runs/learning-clock] [--seeds 0 1] [--arms ...]
         [--steps 10] [--save-every 2] [--episodes 100] [--peer trl=DIR] [--report]
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 from horizonrl.apps.bench.report import alternate, progress, summarize
-from horizonrl.apps.bench.training import REPO, read_scalars, run_training
+from horizonrl.apps.bench.training import REPO, groups_per_actor, read_scalars, run_training
 from horizonrl.core.programs import horizonrl_command
 from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir
 
@@ -53,6 +54,10 @@ ARMS = {
     "async_stale_corrected": [*STALE, "learner.decoupled_loss=true", "algorithm.rollout_correction.is_level=token",
                               "algorithm.rollout_correction.is_cap=2.0"],
 }
+# Every arm alike: the synchronous loop makes exactly one batch per version, so no arm's buffer drops
+# equal-reward groups (the learner still leaves them out of the step: learner/batching.py), and every arm keeps
+# one batch's worth of groups in flight (the synchronous loop plays its whole share at once).
+EVERY_ARM = ["buffer.skip_equal_reward_groups=false"]
 BASELINE = "synchronous"
 RUN_TIMEOUT_S = 4 * 3600.0
 EVAL_TIMEOUT_S = 1800.0
@@ -62,40 +67,49 @@ def run_command(config: Path, run_dir: Path, arm: str, seed: int, steps: int, sa
                 extra: list[str]) -> list[str]:
     return horizonrl_command("train", str(config), f"run.output_dir={run_dir}", f"run.seed={seed}",
                              f"learner.total_steps={steps}", f"learner.save_every={save_every}", "eval.every=0",
-                             *ARMS[arm], *extra)
+                             *EVERY_ARM, *ARMS[arm], *extra)
 
 
 def checkpoint_steps(steps: int, save_every: int) -> list[int]:
     return sorted({*range(save_every, steps + 1, save_every), steps})
 
 
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU time of the whole machine so far, in clock ticks (/proc/stat's first line)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - idle, total
+
+
 def train_arm(out: Path, config: Path, arm: str, seed: int, steps: int, save_every: int, extra: list[str]) -> Path:
     """One run (skipped if its last checkpoint exists); writes ``clock.json`` with each checkpoint's wall time
-    since the launch, then drops the checkpoints' optimizer state (only the weights are evaluated)."""
+    since the launch and the machine's busy CPU share over the run, then drops the checkpoints' optimizer state
+    (only the weights are evaluated)."""
     run_dir = out / f"{arm}-s{seed}"
     if (checkpoint_dir(run_dir, steps) / STATE_FILE).exists() and (run_dir / "clock.json").exists():
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    started = time.time()
+    started, (busy0, total0) = time.time(), cpu_times()
     run_training(run_command(config, run_dir, arm, seed, steps, save_every, extra), out / f"{arm}-s{seed}.log",
                  timeout_s=RUN_TIMEOUT_S)
+    busy1, total1 = cpu_times()
     clock = {step: (checkpoint_dir(run_dir, step) / STATE_FILE).stat().st_mtime - started
              for step in checkpoint_steps(steps, save_every)}
-    (run_dir / "clock.json").write_text(json.dumps({"launched": started, "checkpoint_wall_s": clock}, indent=1))
+    (run_dir / "clock.json").write_text(json.dumps({"launched": started, "checkpoint_wall_s": clock,
+                                                    "cpu_busy_share": (busy1 - busy0) / (total1 - total0)}, indent=1))
     for step in clock:
         shutil.rmtree(checkpoint_dir(run_dir, step) / "train_state", ignore_errors=True)
     return run_dir
 
 
-def eval_settings(config_path: Path, extra: list[str]) -> dict:
+def eval_settings(cfg) -> dict:
     """What ``horizonrl eval`` needs to play the config's held-out episodes as the demo does (core/config.py)."""
-    from horizonrl.core.config import load_config
     from horizonrl.core.schedule import TurnBudgetSchedule
 
-    cfg = load_config(config_path, extra)
     if len(cfg.envs) != 1:
-        raise ValueError(f"{config_path}: the study evaluates one environment, the config has {len(cfg.envs)}")
+        raise ValueError(f"the study evaluates one environment, the config has {len(cfg.envs)}")
     env = cfg.envs[0]
     turns = cfg.eval.max_turns or TurnBudgetSchedule.from_config(cfg.algorithm.rounds_ctrl).final_max_turns
     return {"env": env.name, "settings": dict(env.settings), "max_turns": turns, "dtype": cfg.rollout.engine.dtype,
@@ -153,11 +167,10 @@ def run_figures(run_dir: Path, steps: int) -> dict[str, float]:
     }
 
 
-def overlap_bounds(generate_s: float, train_s: float) -> dict[str, float]:
-    """The speed-up a perfect overlap of a synchronous loop's phases could give: free (g + t) / max(g, t), and on
-    two cores shared by a two-thread learner and a one-thread engine (g + t) / (t + g / 2)."""
-    return {"pipeline_bound": (generate_s + train_s) / max(generate_s, train_s),
-            "two_core_bound": (generate_s + train_s) / (train_s + generate_s / 2)}
+def pipeline_bound(generate_s: float, train_s: float) -> float:
+    """The speed-up a perfect overlap of a synchronous loop's phases could give on hardware of their own:
+    (g + t) / max(g, t)."""
+    return (generate_s + train_s) / max(generate_s, train_s)
 
 
 def peer_curve(peer_dir: Path) -> dict:
@@ -167,15 +180,21 @@ def peer_curve(peer_dir: Path) -> dict:
 
 
 def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int, save_every: int, episodes: int,
-          extra: list[str]) -> dict:
+          extra: list[str], train_only: bool = False) -> dict | None:
+    from horizonrl.core.config import load_config
+
     out.mkdir(parents=True, exist_ok=True)
-    spec = eval_settings(config, extra)
+    cfg = load_config(config, extra)
+    spec = eval_settings(cfg)
+    extra = [*extra, f"rollout.groups_in_flight={groups_per_actor(cfg)}"]
     for r, seed in enumerate(seeds):
         for arm in alternate(r, arms):
             progress("learning-clock", f"seed {seed}: {arm}, {steps} learner steps")
             started = time.time()
             train_arm(out, config, arm, seed, steps, save_every, extra)
             progress("learning-clock", f"  {arm} s{seed}: {time.time() - started:.0f} s")
+    if train_only:
+        return None
     evals = out / "evals"
     evals.mkdir(exist_ok=True)
     start = evaluate(REPO / spec["model"], evals / "start.json", spec, episodes)
@@ -184,8 +203,8 @@ def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int
     for seed in seeds:
         for arm in arms:
             run_dir = out / f"{arm}-s{seed}"
-            clock = json.loads((run_dir / "clock.json").read_text())["checkpoint_wall_s"]
-            clock = {int(step): wall_s for step, wall_s in clock.items()}
+            timing = json.loads((run_dir / "clock.json").read_text())
+            clock = {int(step): wall_s for step, wall_s in timing["checkpoint_wall_s"].items()}
             curve = [(0.0, start)]
             for step, wall_s in sorted(clock.items()):
                 success = evaluate(checkpoint_dir(run_dir, step), evals / f"{arm}-s{seed}-step{step}.json", spec,
@@ -193,7 +212,8 @@ def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int
                 curve.append((wall_s, success))
                 progress("learning-clock", f"{arm} s{seed} step {step}: held-out {success:.3f} "
                          f"at {wall_s / 60:.1f} min")
-            runs[arm][str(seed)] = {"curve": curve, **run_figures(run_dir, steps)}
+            runs[arm][str(seed)] = {"curve": curve, "cpu_busy_share": timing.get("cpu_busy_share", float("nan")),
+                                    **run_figures(run_dir, steps)}
     return {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config), "overrides": extra,
             "arms": {arm: ARMS[arm] for arm in arms}, "seeds": seeds, "steps": steps, "save_every": save_every,
             "episodes": episodes, "start_success": start, "runs": runs}
@@ -216,21 +236,23 @@ def summary(result: dict) -> dict[str, dict]:
                 continue
             b = base[seed]
             t = reach_time(r["curve"], b["curve"][-1][1])
-            if t is not None:
+            if t:  # None: never reached; 0: the starting model already had it (no time to compare)
                 reach.append(t / 60)
                 ratios.append(b["curve"][-1][0] / t)
         if reach:
             row["reach_baseline_min"] = summarize(reach)
             row["baseline_time_ratio"] = summarize(ratios)
         row["reached"] = f"{len(reach)}/{len(by_seed)}"
-        for key in ("samples_per_s", "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean",
-                    "k3_kl", "truncated_fraction", "generate_s_per_step", "train_s_per_step"):
+        for key in ("cpu_busy_share", "samples_per_s", "learner_idle_share", "engine_idle_share", "staleness",
+                    "mismatch_mean", "k3_kl", "truncated_fraction", "generate_s_per_step", "train_s_per_step"):
             values = [r[key] for r in by_seed.values() if r[key] == r[key]]
             if values:
                 row[key] = summarize(values)
         out[arm] = row
     if base:
-        bounds = [overlap_bounds(r["generate_s_per_step"], r["train_s_per_step"]) for r in base.values()]
+        bounds = [{"pipeline_bound": pipeline_bound(r["generate_s_per_step"], r["train_s_per_step"]),
+                   **({"cpu_bound": 1 / r["cpu_busy_share"]} if r.get("cpu_busy_share", 0) > 0 else {})}
+                  for r in base.values()]
         out[BASELINE]["bounds"] = {k: summarize([b[k] for b in bounds]) for k in bounds[0]}
     return out
 
@@ -242,7 +264,8 @@ def _cell(value) -> str:
 
 
 def table(rows: dict[str, dict]) -> str:
-    columns = ("final_success", "wall_min", "reach_baseline_min", "baseline_time_ratio", "reached", "samples_per_s",
+    columns = ("final_success", "wall_min", "reach_baseline_min", "baseline_time_ratio", "reached", "cpu_busy_share",
+               "samples_per_s",
                "learner_idle_share", "engine_idle_share", "staleness", "mismatch_mean", "k3_kl")
     lines = ["| arm | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for arm, row in rows.items():
@@ -291,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=DIR",
                         help="a peer's run to plot beside (scripts/peer_trl.py's output directory)")
     parser.add_argument("--report", action="store_true", help="only the table and plot of --out's results.json")
+    parser.add_argument("--train-only", action="store_true",
+                        help="only the timed runs (the evaluations, off the clock, can run later on a busy machine)")
     args = parser.parse_args(argv)
     path = args.out / "results.json"
     if args.report:
@@ -299,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.config.resolve().exists():
             parser.error(f"--config {args.config}: no such file")
         result = study(args.out.resolve(), args.config.resolve(), args.arms, args.seeds, args.steps, args.save_every,
-                       args.episodes, args.set)
+                       args.episodes, args.set, args.train_only)
+        if result is None:
+            return
     peers = {}
     for item in args.peer:
         name, _, directory = item.partition("=")
