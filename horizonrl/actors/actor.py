@@ -772,7 +772,8 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvF
     keep_collectives_on(config.network.bind_address())  # their gloo sockets listen where the run binds
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index,
-                                 cpus=engine_cpus_of(config, index))
+                                 cpus=engine_cpus_of(config, index),
+                                 lora_rank=config.learner.lora.rank if config.learner.lora else None)
     actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path), make_env)
     try:
         if r.agent is not None:
