@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,16 @@ def test_results_json_and_chart_are_written(tmp_path):
     assert "hostname" not in json.dumps(saved["machine"]).lower()
     png = paths["chart"].read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_a_benchmark_run_started_from_another_directory_finds_its_model(tmp_path, monkeypatch):
+    """The bench's runs start in the checkout, so the relative paths the caller gave (its .cache/ model, its run
+    directory, its config) are resolved against the caller's directory before they are handed over."""
+    from horizonrl.apps.bench.training import train_command
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".cache" / "tiny-signpost").mkdir(parents=True)
+    command = train_command(Path("my.yaml"), ".cache/tiny-signpost", Path("runs/x"), 2, [])
+    assert f"model.path={tmp_path / '.cache' / 'tiny-signpost'}" in command
+    assert f"run.output_dir={tmp_path / 'runs' / 'x'}" in command and str(tmp_path / "my.yaml") in command
+    assert "model.path=HuggingFaceTB/SmolLM2" in train_command(Path("c.yaml"), "HuggingFaceTB/SmolLM2", Path("r"), 1, [])

@@ -77,17 +77,21 @@ BENCH_CONFIGS = ["bench_heavy_tail.yaml",  # the training benchmark's long-taile
                  "bench_rising_budget.yaml"]  # adaptive vs fixed groups in flight under a rising budget
 PRETRAINED_CONFIGS = ["smollm2_babyai.yaml", "smollm2_textcraft.yaml", "smollm2_searchqa.yaml"]  # SmolLM2-135M-Instruct, imported and format-warmed by `horizonrl demo`
 TURN_CREDIT_CONFIGS = ["signpost_long.yaml"]  # outcome-only GRPO against GiGPO (scripts/compare_turn_credit.py)
+AGENT_CONFIGS = ["agent_babyai.yaml"]  # an openai-client agent through the endpoint (docs/agents.md)
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml",
                                   "dpo_signpost.yaml", *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS,
-                                  *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS])
+                                  *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS, *TURN_CREDIT_CONFIGS,
+                                  *AGENT_CONFIGS])
 def test_shipped_configs_load(name):
     from horizonrl.core.offline_config import load_offline_config
 
     loader = load_offline_config if name.startswith(("sft", "dpo")) else load_config
     config = loader(REPO / "configs" / name)
     assert config is not None
+    if name in AGENT_CONFIGS:
+        assert config.rollout.agent.command[0] == "python" and (REPO / config.rollout.agent.command[1]).is_file()
     if name == "demo.yaml":  # the schedule the demo's learning was measured with
         assert (config.learner.lr, config.learner.lr_schedule, config.learner.min_lr_ratio) == (6e-4, "linear", 0.1)
 
@@ -96,7 +100,7 @@ def test_every_shipped_config_is_covered():
     assert sorted(p.name for p in (REPO / "configs").glob("*.yaml")) == sorted(
         ["demo.yaml", "signpost_test.yaml", "webarena_tiny.yaml", "sft_signpost.yaml", "dpo_signpost.yaml",
          *SCALING_INTER_ARMS, *SMOLLM2_SCALING_INTER_ARMS, *LEARNING_CONFIGS, *BENCH_CONFIGS, *PRETRAINED_CONFIGS,
-         *TURN_CREDIT_CONFIGS])
+         *TURN_CREDIT_CONFIGS, *AGENT_CONFIGS])
 
 
 def test_a_pretrained_recipe_makes_the_demo_import_and_warm_up_the_model():

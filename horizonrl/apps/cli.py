@@ -22,6 +22,8 @@ Commands:
   view RUN_DIR                   browse a run's recorded episodes in the browser, live (docs/episodes.md)
   report RUN_DIR [RUN_DIR ...]   learning curves of runs from their TensorBoard events: PNG + table (docs/learning.md)
   env ...                        list / check / serve environments
+  endpoint --model DIR           the OpenAI-compatible endpoint alone in front of one engine (docs/agents.md)
+  agent-eval CONFIG              held-out success of the config's agent program through the endpoint
   coordinator | buffer | learner | actor --config RESOLVED.yaml
                                  one process of a run, started alone (for debugging)
 """
@@ -239,6 +241,10 @@ def _add_tiny(sub) -> None:
                                             "format warm-up (see `horizonrl make-warmup-data --help`)")
     sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face checkpoint (see `horizonrl import-gguf "
                                        "--help`)")
+    sub.add_parser("endpoint", help="the OpenAI-compatible endpoint alone in front of one engine (see `horizonrl "
+                                    "endpoint --help`)")
+    sub.add_parser("agent-eval", help="held-out success of a config's agent program (rollout.agent) through the "
+                                      "endpoint (see `horizonrl agent-eval --help`)")
 
 
 def _add_env(sub) -> None:
@@ -486,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.apps.warmup_data import main as warmup_main
 
         return warmup_main(argv[1:])
+    if argv[:1] == ["endpoint"]:
+        from horizonrl.apps.endpoint import main as endpoint_main
+
+        return endpoint_main(argv[1:])
+    if argv[:1] == ["agent-eval"]:
+        from horizonrl.apps.agent_eval import main as agent_eval_main
+
+        return agent_eval_main(argv[1:])
     if argv[:1] in (["make-model"], ["import-gguf"]):
         from horizonrl.apps.model_import import import_gguf_main, make_model_main
 

@@ -53,7 +53,9 @@ def ensure_pretrained(config) -> Path:
     if recipe.format_warmup is None:
         return ensure_imported(out, packaged=recipe.packaged, dtype=recipe.dtype)
     base = ensure_imported(out.with_name(out.name + ".base"), packaged=recipe.packaged, dtype=recipe.dtype)
-    wanted = {"base": str(base), "recipe": recipe.model_dump(),
+    # exclude_none: a recipe that does not use a newer setting (lora, pack_tokens) matches the spec of a model built
+    # before the setting existed, which is then reused, not built again
+    wanted = {"base": str(base), "recipe": recipe.model_dump(exclude_none=True),
               "envs": [{"name": e.name, "settings": dict(e.settings)} for e in config.envs],
               "rounds": list(config.algorithm.rounds_ctrl.rounds), "system_prompt": config.rollout.system_prompt}
     try:
@@ -86,6 +88,7 @@ def format_warmup(config, base: Path, out: Path) -> dict:
         "max_steps": warm.steps, "epochs": 100, "batch_size": warm.batch_size,
         "micro_batch_size": min(warm.batch_size, 8), "lr": warm.lr, "lr_warmup_steps": min(5, warm.steps),
         "compute_dtype": "bfloat16", "seed": config.run.seed, "log_every": 10,
+        "lora": warm.lora.model_dump() if warm.lora is not None else None, "pack_tokens": warm.pack_tokens,
         # the first and last steps' losses say enough; a pass over all the data before and after costs as much as
         # the warm-up itself on the CPU
         "measure_before_after": False})

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from horizonrl.core.agent_config import AgentConfig
 from horizonrl.core.run_dirs import RunDir
 from horizonrl.protocol.names import LABEL_PATTERN
 from horizonrl.protocol.transport import advertise_host, tcp_endpoint
@@ -47,6 +48,22 @@ class TinyModelRecipe(_Frozen):
                         "the recipe: a model built on a GPU is reused on the CPU")
 
 
+# The linear layers of a Llama/Qwen2-style decoder layer (attention and MLP): what learner.lora adapts by default.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Frozen):
+    """Low-rank adapters (Hu et al. 2021): the learner trains only A (r x in) and B (out x r) of each target layer,
+    ΔW = (alpha / r) · B A, and the engines load each new adapter version in place (docs/learning.md, LoRA)."""
+
+    rank: int = Field(..., ge=1, le=512, description="r: the adapter's rank (vLLM serves ranks up to 512)")
+    alpha: float = Field(32.0, gt=0, description="lora_alpha: the update is scaled by alpha / r. A fixed alpha (not "
+                         "one proportional to r) keeps the best learning rate about the same across ranks")
+    target_modules: list[str] = Field(list(LORA_DEFAULT_TARGETS), min_length=1,
+                                      description="names of the decoder layers' linear layers to adapt (every layer's "
+                                                  "module of that name)")
+
+
 class FormatWarmup(_Frozen):
     """A short SFT of a pretrained model on random-policy episodes of the run's environments
     (horizonrl/apps/warmup_data.py): the reply format, not the skill (every reply in the data is a random valid
@@ -56,6 +73,10 @@ class FormatWarmup(_Frozen):
     steps: int = Field(40, ge=1, description="SFT optimizer steps on them")
     batch_size: int = Field(16, ge=1, description="episodes per step")
     lr: float = Field(2e-5, gt=0)
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters only, then merge them (a LoRA lr is "
+                                      "typically ~10x a full fine-tune's); None: every weight")
+    pack_tokens: int | None = Field(None, ge=8, description="pack each micro-batch's episodes into rows of at most "
+                                    "this many tokens instead of padding them (learner/packing.py); None: padding")
 
 
 class PretrainedRecipe(_Frozen):
@@ -92,7 +113,10 @@ class EnvSpec(_Frozen):
 
 
 class EngineConfig(_Frozen):
-    kv_cache_gib: float = Field(1.0, gt=0, description="the KV cache on the CPU, in GiB (vLLM's kv_cache_memory_bytes)")
+    kv_cache_gib: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="the KV cache on the CPU, in GiB (vLLM's kv_cache_memory_bytes). auto: the launcher sizes "
+                            "it for the run's concurrent sequences and context from the model's shape "
+                            "(core/memory_plan.py); an engine started outside a run takes 1")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="the engine's KV-cache blocks (vLLM's num_gpu_blocks_override), instead of what its "
                                 "memory gives: the benchmarks make a small cache to see preemptions (docs/horizon.md)")
@@ -138,6 +162,11 @@ class EngineConfig(_Frozen):
             warnings.warn(f"rollout.engine.recompute_kv_on_update is deprecated: use on_weight_update={meant}",
                           FutureWarning, stacklevel=2)  # FutureWarning: shown to users by default
         return data
+
+    @property
+    def kv_cache_gib_or_default(self) -> float:
+        """kv_cache_gib, "auto" not resolved by a launcher (an engine started alone: ``horizonrl eval``) read as 1."""
+        return 1.0 if self.kv_cache_gib == "auto" else float(self.kv_cache_gib)
 
 
 class ConcurrencyConfig(_Frozen):
@@ -197,6 +226,8 @@ class RolloutConfig(_Frozen):
                                    "learner steps (and after its last); buffer.max_staleness must be at least N - 1")
     engine: EngineConfig = EngineConfig()
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
+    agent: AgentConfig | None = Field(None, description="play the episodes with an agent program through an "
+                                      "OpenAI-compatible endpoint in front of each actor's engine (docs/agents.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -335,16 +366,29 @@ class LearnerConfig(_Frozen):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1, description="trajectories per forward/backward on one rank")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=1, description="also cap each micro-batch at this many padded tokens (rows x longest row); a "
-                                "trajectory longer than that is a micro-batch of its own. None: trajectories only")
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | None | Literal["auto"] = Field(
+        "auto", description="also cap each micro-batch at this many padded tokens (rows x longest row); a "
+                            "trajectory longer than that is a micro-batch of its own. None: trajectories only. auto: "
+                            "the launcher takes the most that fits the learner's share of the host's memory on the "
+                            "CPU (core/memory_plan.py), None on GPUs")
+    pack_tokens: int | None = Field(
+        None, ge=8, description="pack each micro-batch's trajectories end to end into one row of at most this many "
+                                "tokens (each keeps its own positions and attends only to itself: learner/packing.py) "
+                                "instead of padding micro_batch_size rows to the longest. None: padding. Outcome "
+                                "estimators only (grpo, rloo, gigpo): gae and reinforce_plus_plus scan along a row")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="master weights, gradients and AdamW state (bfloat16 rounds lr-1e-6 updates away)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="forward/backward (FSDP2 MixedPrecisionPolicy; gradients reduce in float32). auto: "
                             "bfloat16 when the learner runs on CUDA, float32 on the CPU")
-    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
-                                           "backward pass instead of keeping them (memory for ~1/3 more compute)")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer's activations in the backward pass instead of keeping them "
+                            "(memory for ~1/3 more compute). auto: the launcher turns it on on the CPU only when "
+                            "a micro-batch of 8 full contexts would not fit without it (core/memory_plan.py); off on "
+                            "GPUs")
+    compile: bool = Field(False, description="torch.compile each decoder layer of the policy (inductor; on the CPU "
+                          "it needs a C++ compiler): fuses the elementwise work between the matmuls. Off by default: "
+                          "the first steps pay the compilation (scripts/bench_learner_mfu.py measures both)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch (verl's ppo_epochs)")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="groups per optimizer update (verl's ppo_mini_batch_size, in prompts); None: the "
@@ -361,6 +405,9 @@ class LearnerConfig(_Frozen):
     step_timeout_s: float = Field(3600.0, gt=0, description="a learner step (advantages and updates) running longer "
                                   "fails the learner, which the launcher restarts from its newest checkpoint; at a "
                                   "stop signal a step is abandoned after monitor.stop_timeout_s / 2")
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters instead of every weight "
+                                    "(learner.lora.rank=16); the engines then take each adapter "
+                                    "version, megabytes, in place of the model. None: full training")
     weight_bucket_mb: float = Field(256.0, gt=0, description="weights travel to the engines in buckets of at most "
                                     "this many MB, each gathered and sent as it fills (a bigger tensor goes alone); "
                                     "a model smaller than one bucket is one collective per update")
@@ -372,6 +419,16 @@ class LearnerConfig(_Frozen):
             raise ValueError("learner.behav_imp_weight_cap is now algorithm.rollout_correction: is_level=token with "
                              f"is_cap={data['behav_imp_weight_cap']} (docs/algorithms.md, \"Rollout correction\")")
         return data
+
+    @property
+    def checkpointing(self) -> bool:
+        """activation_checkpointing, "auto" not resolved by a launcher (a learner started by hand) read as off."""
+        return self.activation_checkpointing is True
+
+    @property
+    def micro_batch_token_cap(self) -> int | None:
+        """max_tokens_per_micro_batch, "auto" not resolved by a launcher read as no cap."""
+        return None if self.max_tokens_per_micro_batch == "auto" else self.max_tokens_per_micro_batch
 
     @property
     def clip_low(self) -> float:
@@ -687,6 +744,11 @@ class TrainConfig(_Frozen):
             if per_actor is not None and len(per_actor) != self.rollout.num_actors:
                 raise ValueError(f"resources.{name} has {len(per_actor)} core lists for rollout.num_actors="
                                  f"{self.rollout.num_actors}: give one list per actor")
+        if self.learner.pack_tokens is not None and self.algorithm.adv_estimator in ("gae", "reinforce_plus_plus"):
+            raise ValueError(f"learner.pack_tokens packs trajectories into one row, but adv_estimator="
+                             f"{self.algorithm.adv_estimator} computes returns along each row, which would run from "
+                             "one trajectory into the next: unset learner.pack_tokens, or use an outcome estimator "
+                             "(grpo)")
         if self.eval.stop_after_plateau and not self.eval.every:
             raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
                              "(e.g. eval.every=10)")

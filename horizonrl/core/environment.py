@@ -107,5 +107,19 @@ def extract_action(reply: str, reply_format: str = "react") -> str:
     return extract_react_action(reply) or ""
 
 
+def as_reply(text: str, reply_format: str = "react") -> str:
+    """A step's action as the whole reply an environment parses.
+
+    AgentGym's clients send the bare action (``turn left``); horizonrl's environments read the
+    action after ``Action:`` in the model's reply. Text with no ``Action:`` is taken as the action
+    itself, so a valid bare action is applied and an invalid one gets the environment's "invalid
+    action" answer (not its "invalid format" one). Environments whose replies are not ReAct
+    (SearchQA's tags) get the text unchanged.
+    """
+    if reply_format != "react" or extract_react_action(text) is not None:
+        return text
+    return f"Action: {text.strip()}"
+
+
 EnvFactory = Callable[[str, dict[str, Any] | None], Environment]
 """``make_env(name, settings) -> Environment``: how an actor gets environments."""

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from horizonrl.core.config import ModelConfig, dump_config, load_typed_config
+from horizonrl.core.config import LoraConfig, ModelConfig, dump_config, load_typed_config
 
 PARADIGMS = ("sft", "dpo")
 
@@ -44,6 +44,11 @@ class OfflineConfig(_Frozen):
     beta: float = Field(0.1, gt=0, description="DPO: the KL-penalty strength beta of the implicit reward")
     sft_weight: float = Field(0.0, ge=0, description="DPO: weight of an extra token-mean NLL on the chosen "
                               "sides (RPO); keeps a weak model's replies from collapsing while their margin grows")
+    lora: LoraConfig | None = Field(None, description="SFT: train low-rank adapters only (as a training run's "
+                                    "learner.lora); the checkpoint is the merged model, the adapter beside it")
+    pack_tokens: int | None = Field(None, ge=8, description="SFT: pack each micro-batch's records end to end into "
+                                    "rows of at most this many tokens (each keeps its own positions and attends only "
+                                    "to itself) instead of padding each to the longest. None: padding")
     num_ranks: int = Field(1, ge=1, description="FSDP world size")
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
     param_dtype: Literal["float32", "bfloat16"] = Field(

@@ -21,11 +21,16 @@ What the clients send (read from agentenv's client code):
   named ``env_idx`` in every later body (``/reset {"env_idx", "id": task}``, ``/step {"env_idx",
   "action"}`` with the whole reply, ``/close {"env_idx"}``) and ``GET /observation?env_idx=``;
   ``/reset`` and ``/observation`` answer a bare string.
+- WebArena: ``POST /create`` with no body, answered ``{"env_idx": id}``; the session is named ``env_idx``
+  in every later body (``/reset {"env_idx", "seed": 0, "idx": task}``, ``/step {"env_idx", "action"}``
+  with the whole reply, ``/close {"env_idx"}``) and ``GET /observation?env_idx=``; ``/reset`` answers
+  ``{"observation"}``, ``/observation`` a bare string, ``/step`` ``{"observation", "reward",
+  "terminated", "truncated", "info"}`` (no ``done``).
 
-What they read: ``id`` (create), ``observation``, ``reward``, ``score`` (BabyAI and SciWorld use
-``score`` as the reward), ``done``; SciWorld's reset also ``task_description`` (the client shows
-``task_description + "\\n" + observation``). AgentGym's servers answer every failure with HTTP 200
-and ``{"error": message}``; its clients assert status 200.
+What they read: ``id`` (create; WebArena's ``env_idx``), ``observation``, ``reward``, ``score`` (BabyAI
+and SciWorld use ``score`` as the reward), ``done`` (WebArena's ``terminated``); SciWorld's reset also
+``task_description`` (the client shows ``task_description + "\\n" + observation``).
+AgentGym's servers answer every failure with HTTP 200 and ``{"error": message}``; its clients assert status 200.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from horizonrl.envs.base import extract_react_action
+from horizonrl.core.environment import as_reply  # noqa: F401 - the bottom layer's now (the endpoint uses it too)
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,11 @@ class Dialect:
     task_key: str = "data_idx"              # the reset body key that names the task
     create_body: dict | None = None         # what the client posts to /create (None: no body)
     create_answers_bare_id: bool = False    # /create answers the id itself, not {"id": ...}
+    create_answer_key: str = "id"           # the key of the session id in /create's answer
     create_starts_episode: bool = False     # /create starts an episode and answers its observation
-    reset_answers_bare_text: bool = False   # /reset and /observation answer the observation string
+    reset_answers_bare_text: bool = False   # /reset answers the observation string
+    observation_answers_bare_text: bool = False  # GET /observation answers the observation string
+    reset_extra: dict | None = None         # more keys the client sends in /reset's body (WebArena's seed)
     reset_splits_task: bool = False         # /reset answers task_description apart from observation
     action: str = "first_action"            # how the client cuts the action out of a reply
     score_in_points: bool = False           # reward and score on a 0-100 scale (ScienceWorld's)
@@ -57,8 +65,13 @@ DIALECTS: dict[str, Dialect] = {
     "textcraft": Dialect(create_body={"minecraft_dir": "agentenv_textcraft/", "commands": None, "goal": None},
                          create_starts_episode=True, action="textcraft"),
     "searchqa": Dialect(session_key="env_idx", task_key="id", create_body={"id": 0}, create_answers_bare_id=True,
-                        reset_answers_bare_text=True, action="whole_reply"),
+                        reset_answers_bare_text=True, observation_answers_bare_text=True, action="whole_reply"),
+    "webarena": Dialect(session_key="env_idx", task_key="idx", create_answer_key="env_idx",
+                        observation_answers_bare_text=True, reset_extra={"seed": 0}, action="whole_reply"),
 }
+# AgentGym's names for the session and the task beside horizonrl's, accepted on the root routes.
+SESSION_KEYS = ("id", "env_idx")
+TASK_KEYS = ("data_idx", "task_id", "idx")
 DEFAULT_DIALECT = Dialect()
 
 
@@ -83,17 +96,3 @@ def agentgym_action(env_name: str | None, reply: str) -> str:
         reply = reply[:-len("</s>")]
     parts = reply.split("Action:")
     return (parts[1] if len(parts) > 1 else parts[0]).strip()
-
-
-def as_reply(text: str, reply_format: str = "react") -> str:
-    """A step's action as the whole reply an environment parses.
-
-    AgentGym's clients send the bare action (``turn left``); horizonrl's environments read the
-    action after ``Action:`` in the model's reply. Text with no ``Action:`` is taken as the action
-    itself, so a valid bare action is applied and an invalid one gets the environment's "invalid
-    action" answer (not its "invalid format" one). Environments whose replies are not ReAct
-    (SearchQA's tags) get the text unchanged.
-    """
-    if reply_format != "react" or extract_react_action(text) is not None:
-        return text
-    return f"Action: {text.strip()}"

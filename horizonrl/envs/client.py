@@ -12,7 +12,7 @@ server dies mid-way ends as an environment failure (counted, never trained on).
 server itself (``url`` is then optional: it picks a free port); the client ignores those keys.
 
 ``protocol="agentgym"`` talks to AgentGym's own servers (``agentenv-*``), with ``env`` naming
-which one (``babyai``, ``textcraft``, ``sciworld``, ``searchqa``): bodies, keys and answer shapes
+which one (``babyai``, ``textcraft``, ``sciworld``, ``searchqa``, ``webarena``): bodies, keys and answer shapes
 as that server has them (``agentgym_api.DIALECTS``), the bare action cut from the reply as
 AgentGym's own client cuts it, errors answered with HTTP 200 and ``{"error": ...}`` turned into
 EnvironmentFailure; SciWorld's 0-100 reward is scaled to 0-1 as in-process. Those servers
@@ -65,11 +65,12 @@ class HTTPEnv:
                 created = await self._post("/create", speaks.create_body, retry=True)
             else:
                 created = await self._post("/create", {"env": self.env_name} if self.env_name else {}, retry=True)
-            # SearchQA's AgentGym server answers the bare id (parsed into {"value": id})
-            self._id = created["id"] if "id" in created else created.get("value")
+            # SearchQA's AgentGym server answers the bare id (parsed into {"value": id}), WebArena's {"env_idx": id}
+            self._id = next((created[k] for k in ("id", speaks.create_answer_key, "value") if k in created), None)
             if not isinstance(self._id, int):
                 raise EnvironmentFailure(f"{self.url}/create answered no session id: {created!r}"[:300])
-        payload = await self._post("/reset", {speaks.session_key: self._id, speaks.task_key: task_id}, retry=True)
+        payload = await self._post("/reset", {speaks.session_key: self._id, speaks.task_key: task_id,
+                                              **(speaks.reset_extra or {})}, retry=True)
         observation = payload.get("observation", "")
         if "task_description" in payload:  # SciWorld's servers send the task apart
             observation = f"{payload['task_description']}\n{observation}"

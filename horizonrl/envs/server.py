@@ -3,13 +3,15 @@
 Endpoints (AgentGym's, plus /health and two for the client's metadata):
 
 - ``POST /create {"env"?: name}`` -> ``{"id": int}`` (``env`` may be left out when one is served)
-- ``POST /reset {"id", "data_idx"}`` (``task_id`` / ``env_idx`` accepted) -> ``{"observation",
-  "reward": 0, "score": 0, "done": false}``
+- ``POST /reset {"id", "data_idx"}`` -> ``{"observation", "reward": 0, "score": 0, "done": false}``.
+  AgentGym's names are accepted beside these: the session as ``env_idx`` (when there is no ``id``),
+  the task as ``task_id`` or ``idx`` (WebArena's client sends ``{"env_idx", "seed", "idx"}``)
 - ``POST /step {"id", "action", "whole_reply"?}`` -> ``{"observation", "reward", "score", "done",
-  "success", "info"}``. ``action`` is the model's whole reply or, as AgentGym's clients send it,
+  "terminated", "truncated", "success", "info"}`` (``terminated`` = ``done``, ``truncated`` false:
+  WebArena's names). ``action`` is the model's whole reply or, as AgentGym's clients send it,
   the bare action (``turn left``); ``whole_reply: true`` (horizonrl's client) asks for the reply's
   format to be checked exactly as in-process, so a reply without ``Action:`` is "invalid format".
-- ``GET /observation?id=`` -> ``{"observation"}`` (the last one)
+- ``GET /observation?id=`` (or ``?env_idx=``) -> ``{"observation"}`` (the last one)
 - ``POST /close {"id"}`` -> ``{"closed": true}``; closing a closed session again is not an error
 - ``GET /health`` -> ``{"status": "ok", "envs", "sessions", "reaped", "rss_bytes"}``
 - ``GET /tasks?env=`` -> ``{"train": [...], "test": [...], "categories": {...}}``
@@ -17,7 +19,7 @@ Endpoints (AgentGym's, plus /health and two for the client's metadata):
 
 ``/<env>/create|reset|step|observation|close`` serve AgentGym's clients for ``<env>``, with the
 bodies they send and the answers they read (``agentgym_api.DIALECTS``: TextCraft's create starts
-an episode, SearchQA names the session ``env_idx`` and answers bare values, ...), so one process
+an episode, SearchQA and WebArena name the session ``env_idx``, SearchQA answers bare values, ...), so one process
 hosts several environments, each at its own base URL ``http://HOST:PORT/<env>``. The root routes
 add the same dictionary fields (TextCraft's create ``observation``, SciWorld's reset
 ``task_description``) so that an AgentGym client works there too when one environment is served.
@@ -48,7 +50,7 @@ from typing import Any
 
 from aiohttp import web
 
-from horizonrl.envs.agentgym_api import DEFAULT_DIALECT, as_reply, dialect
+from horizonrl.envs.agentgym_api import DEFAULT_DIALECT, SESSION_KEYS, TASK_KEYS, as_reply, dialect
 from horizonrl.envs.base import Environment, EnvironmentFailure
 from horizonrl.envs.registry import make_env
 
@@ -153,7 +155,7 @@ class EnvServer:
         speaks = dialect(name)
         if speaks.create_answers_bare_id and route_env:
             return web.json_response(session_id)
-        answer: dict[str, Any] = {"id": session_id}
+        answer: dict[str, Any] = {"id": session_id, speaks.create_answer_key: session_id}
         if speaks.create_starts_episode:
             # AgentGym's TextCraft client reads an observation from /create (then resets anyway).
             first_task = min(env.task_ids("train"))
@@ -170,8 +172,8 @@ class EnvServer:
         if not route_env and "env_idx" in body and "id" in body and "data_idx" not in body:
             raise HTTPError(400, "ambiguous reset {id, env_idx}: AgentGym's SearchQA client names the session "
                                  "env_idx; point it at the base URL http://HOST:PORT/searchqa")
-        session = self._session(body.get(keys.session_key), route_env)
-        task_keys = (keys.task_key,) if route_env else ("data_idx", "task_id", "env_idx")
+        session = self._session(self._session_id(body, route_env), route_env)
+        task_keys = (keys.task_key,) if route_env else TASK_KEYS
         task_id = next((body[k] for k in task_keys if k in body), None)
         if not isinstance(task_id, int) or isinstance(task_id, bool):
             raise HTTPError(400, f"reset needs an integer {task_keys[0]}")
@@ -194,7 +196,7 @@ class EnvServer:
     async def step(self, request: web.Request) -> web.Response:
         route_env = self._route_env(request)
         body = await self._json(request)
-        session = self._session(body.get(dialect(route_env).session_key if route_env else "id"), route_env)
+        session = self._session(self._session_id(body, route_env), route_env)
         action = body.get("action")
         if not isinstance(action, str):
             raise HTTPError(400, "step needs a string action")
@@ -206,22 +208,23 @@ class EnvServer:
             result = await session.env.step(action)
             session.observation, session.last_used = result.observation, time.monotonic()
         return web.json_response({"observation": result.observation, "reward": result.reward,
-                                  "score": result.score, "done": result.done, "success": result.success,
-                                  "info": _jsonable(result.info)})
+                                  "score": result.score, "done": result.done, "terminated": result.done,
+                                  "truncated": False, "success": result.success, "info": _jsonable(result.info)})
 
     async def observation(self, request: web.Request) -> web.Response:
         route_env = self._route_env(request)
         speaks = dialect(route_env) if route_env else DEFAULT_DIALECT
-        session = self._session(_int_param(request, speaks.session_key), route_env)
+        key = speaks.session_key if route_env else next((k for k in SESSION_KEYS if k in request.query), "id")
+        session = self._session(_int_param(request, key), route_env)
         session.last_used = time.monotonic()
-        if speaks.reset_answers_bare_text and route_env:
+        if speaks.observation_answers_bare_text and route_env:
             return web.json_response(session.observation)
         return web.json_response({"observation": session.observation})
 
     async def close(self, request: web.Request) -> web.Response:
         route_env = self._route_env(request)
         body = await self._json(request)
-        session_id = body.get(dialect(route_env).session_key if route_env else "id")
+        session_id = self._session_id(body, route_env)
         if isinstance(session_id, int) and not isinstance(session_id, bool) \
                 and 0 <= session_id < self._next_id and session_id not in self.sessions:
             return web.json_response({"closed": True})  # closed before (or reaped): closing is idempotent
@@ -270,6 +273,14 @@ class EnvServer:
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
         return body
+
+    @staticmethod
+    def _session_id(body: dict[str, Any], route_env: str | None) -> Any:
+        """The session a body names: by the route's AgentGym key on ``/<env>/...``; on the root routes by
+        ``id``, else by AgentGym's ``env_idx``."""
+        if route_env:
+            return body.get(dialect(route_env).session_key)
+        return next((body[k] for k in SESSION_KEYS if k in body), None)
 
     def _route_env(self, request: web.Request) -> str | None:
         """The environment named in the path (``/<env>/step``), or None on the root routes."""

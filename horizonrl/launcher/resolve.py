@@ -119,6 +119,50 @@ def resolve_vocab_size(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": vocab})})
 
 
+def resolve_memory_defaults(config: TrainConfig, gpus: int | None = None, meminfo: str | None = None) -> TrainConfig:
+    """The memory settings left at ``auto`` (activation checkpointing, the micro-batch token cap, the engines' KV
+    cache) fixed from the model's shape and this host's available memory (core/memory_plan.py), for a CPU run. On
+    GPUs, or without the model's config.json, "auto" stays, which every process reads as the earlier defaults."""
+    from horizonrl.core.memory_plan import (DTYPE_BYTES, RunShape, lora_params, mem_available_bytes,
+                                            plan_memory)
+    from horizonrl.core.model_shape import ModelShape
+    from horizonrl.core.precision import resolve_compute_dtype, resolve_engine_dtype
+
+    lc, r = config.learner, config.rollout
+    if "auto" not in (lc.activation_checkpointing, lc.max_tokens_per_micro_batch, r.engine.kv_cache_gib):
+        return config
+    if (cuda_device_count() if gpus is None else gpus) > 0:
+        return config
+    try:
+        shape = ModelShape.from_hf_config(json.loads((Path(config.model.path) / "config.json").read_text()))
+        available = mem_available_bytes(meminfo if meminfo is not None else Path("/proc/meminfo").read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("memory defaults left to each process (cannot read the model's shape or the host's memory: %s)",
+                    exc)
+        return config
+    trained = shape.params if lc.lora is None else lora_params(shape, lc.lora.rank, lc.lora.target_modules)
+    run = RunShape(num_actors=r.num_actors, learner_ranks=lc.num_ranks,
+                   sequences_per_engine=min(r.groups_in_flight * r.n, r.engine.max_num_seqs),
+                   context_tokens=r.max_context_tokens,
+                   step_tokens_per_rank=lc.groups_per_step * r.n * r.max_context_tokens // lc.num_ranks,
+                   engine_dtype_bytes=DTYPE_BYTES[resolve_engine_dtype(r.engine.dtype, config.model.dtype, False)],
+                   compute_bytes=DTYPE_BYTES[resolve_compute_dtype(lc.compute_dtype, False)], trained_params=trained)
+    plan = plan_memory(shape, run, available)
+    chosen = {"activation_checkpointing": plan.activation_checkpointing,
+              "max_tokens_per_micro_batch": plan.max_tokens_per_micro_batch}
+    learner = lc.model_copy(update={k: v for k, v in chosen.items() if getattr(lc, k) == "auto"})
+    engine = r.engine if r.engine.kv_cache_gib != "auto" else r.engine.model_copy(
+        update={"kv_cache_gib": plan.kv_cache_gib})
+    log.info("memory defaults for %s on %.1f GiB available: %s", config.model.path, available / 2**30,
+             ", ".join(f"{k}={v}" for k, v in plan.as_dict().items()))
+    if not plan.fits:
+        log.warning("the run may not fit this host's memory: the learner's share (%.2f GiB per rank) holds less than "
+                    "one full context (rollout.max_context_tokens) with activation checkpointing",
+                    plan.learner_budget_gib)
+    return config.model_copy(update={"learner": learner,
+                                     "rollout": r.model_copy(update={"engine": engine})})
+
+
 def check_model_path(config: TrainConfig) -> None:
     """A model directory that is not there fails the launch at once, naming how to make one, rather than after each
     process has failed on it and been restarted to its limit. A name that could be a Hugging Face Hub id
@@ -164,6 +208,7 @@ def prepare_run(config: TrainConfig) -> tuple[TrainConfig, Path]:
     config = resolve_resume_setting(config)
     config = resolve_run_identity(config, resuming)
     config = resolve_vocab_size(config)
+    config = resolve_memory_defaults(config)
     config = resolve_env_servers(config)
     start_launch(config.output_dir)
     path = config.run_dir.config

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from horizonrl.learner.packing import PAD_TOKEN_ID, pack_rows  # noqa: F401 - PAD_TOKEN_ID: imported from here
+
 from horizonrl.learner.advantages import (
     OUTCOME_ESTIMATORS,
     discounted_returns,
@@ -52,7 +54,6 @@ from horizonrl.learner.turn_advantages import (
 from horizonrl.protocol import FAILURE_NONE, Batch, Trajectory
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, unpack
 
-PAD_TOKEN_ID = 0  # right padding: with causal attention it never influences real tokens
 
 
 @dataclass
@@ -100,6 +101,10 @@ class MicroBatch:
     proximal_logprobs: torch.Tensor | None = None  # (B, T): log π_prox before the step's first update
     turn_of_token: torch.Tensor | None = None  # (B, T): Sample.turn_of_token, −1 on padding
     turn_index: torch.Tensor | None = None  # (B, T): Sample.turn_index, 0 on padding
+    # Packed (learner.pack_tokens, :func:`collate_packed`): sequences end to end in one row, each with its own
+    # positions 0, 1, ... (B, T), and the index of the sequence each token belongs to (B, T). None: a row per sequence.
+    position_ids: torch.Tensor | None = None
+    sequence_index: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         def move(x):
@@ -108,8 +113,16 @@ class MicroBatch:
         return MicroBatch(
             self.input_ids.to(device), self.loss_mask.to(device), self.behaviour_logprobs.to(device),
             self.advantages.to(device), self.num_sequences, move(self.token_rewards), move(self.returns),
-            move(self.proximal_logprobs), move(self.turn_of_token), move(self.turn_index),
+            move(self.proximal_logprobs), move(self.turn_of_token), move(self.turn_index), move(self.position_ids),
+            move(self.sequence_index),
         )
+
+    @property
+    def sequence_of_token(self) -> torch.Tensor:
+        """(B, T): which of the micro-batch's sequences each position belongs to (its row when not packed)."""
+        if self.sequence_index is not None:
+            return self.sequence_index
+        return torch.arange(self.input_ids.shape[0], device=self.input_ids.device)[:, None].expand_as(self.input_ids)
 
 
 def trainable(trajectory: Trajectory) -> bool:
@@ -325,16 +338,44 @@ def pack_micro_batches(share: list[Sample], max_sequences: int, max_tokens: int 
 
 
 def micro_batches_for_rank(
-    samples: list[Sample], rank: int, world_size: int, micro_batch_size: int, max_tokens: int | None = None
+    samples: list[Sample], rank: int, world_size: int, micro_batch_size: int, max_tokens: int | None = None,
+    pack_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches, padded with empty ones to the count of the busiest rank.
 
-    Every rank packs every rank's share (cheap, and identical everywhere), so all agree on the count."""
-    packed = [pack_micro_batches(share, micro_batch_size, max_tokens)
-              for share in split_across_ranks(samples, world_size)]
+    Every rank packs every rank's share (cheap, and identical everywhere), so all agree on the count.
+    ``pack_tokens``: each micro-batch is one row of sequences end to end, at most that many tokens
+    (learner/packing.py), instead of ``micro_batch_size`` padded rows."""
+    shares = split_across_ranks(samples, world_size)
+    if pack_tokens is not None:
+        packed = [[[share[i] for i in row] for row in pack_rows([s.num_tokens for s in share], pack_tokens)]
+                  for share in shares]
+        build = collate_packed
+    else:
+        packed = [pack_micro_batches(share, micro_batch_size, max_tokens) for share in shares]
+        build = collate
     count = max(1, max(len(chunks) for chunks in packed))
     chunks = packed[rank]
-    return [collate(chunk) for chunk in chunks] + [empty_micro_batch() for _ in range(count - len(chunks))]
+    return [build(chunk) for chunk in chunks] + [empty_micro_batch() for _ in range(count - len(chunks))]
+
+
+def collate_packed(samples: list[Sample]) -> MicroBatch:
+    """``samples`` end to end in one row (B = 1), each with its own positions from 0 and its index in
+    ``sequence_index``; every per-token field as :func:`collate` makes it for the sample alone. Each sample's
+    first token has loss mask 0 (Sample's invariant), so no token is predicted across a boundary."""
+    alone = [collate([sample]) for sample in samples]
+
+    def joined(field: str) -> torch.Tensor | None:
+        parts = [getattr(mb, field) for mb in alone]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=1)
+
+    lengths = [s.num_tokens for s in samples]
+    return MicroBatch(
+        joined("input_ids"), joined("loss_mask"), joined("behaviour_logprobs"), joined("advantages"), len(samples),
+        token_rewards=joined("token_rewards"), turn_of_token=joined("turn_of_token"),
+        turn_index=joined("turn_index"),
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        sequence_index=torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lengths)])[None])
 
 
 def collate(samples: list[Sample]) -> MicroBatch:

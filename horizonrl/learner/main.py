@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
 from horizonrl.core.config import TrainConfig
 from horizonrl.core.disk import Backoff
 from horizonrl.core.placement import (choose_backends, is_colocated, learner_device_index, local_device_type,
@@ -43,6 +44,7 @@ from horizonrl.learner.loop import (LearnerServices, LoopSettings, LoopState, Pu
 from horizonrl.learner.checkpoint import (CheckpointWriteError, checkpoint_dir, disk_refusal, load_train_state,
                                          resolve_resume, save_train_state)
 from horizonrl.learner.step_watchdog import StepWatchdog
+from horizonrl.learner.lora import LoraSettings, adapter_to_send, merged_state_dict, save_adapter
 from horizonrl.learner.model import (
     gather_full_state_dict,
     build_sharded_model,
@@ -125,12 +127,15 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
     # compute in learner.compute_dtype (core/precision.py).
     precision = learner_precision(config, device)
 
-    def build(kind):
+    def build(kind, lora=None):
         return build_sharded_model(config.model.path, kind=kind, policy=precision, device=device,
-                                   activation_checkpointing=lc.activation_checkpointing)
+                                   activation_checkpointing=lc.checkpointing, lora=lora,
+                                   seed=config.run.seed, compile_layers=lc.compile and kind == "policy")
 
-    model = build("policy")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+    model = build("policy", LoraSettings.from_config(config))
+    # With learner.lora only the adapters require gradients: AdamW keeps state for them alone.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lc.lr,
+                                  weight_decay=lc.weight_decay)
     out = Trainables(model, optimizer, schedule(optimizer))
     if lc.use_kl_loss and lc.kl_loss_coef > 0:
         out.reference = build("reference")
@@ -232,8 +237,9 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
     if is_main:
         _open_weight_hub(config, res, backend, epoch)
     # Collective: every joining engine gets these weights first (no members yet: only gathers).
+    lora = LoraSettings.from_config(config)
     publish_weights(tr.model, res.weight_hub, version=step, epoch=epoch, bucket_mb=lc.weight_bucket_mb,
-                    dtype=engine_dtype, stop=stop)
+                    dtype=engine_dtype, stop=stop, lora=lora)
     if is_main:
         res.weight_hub.start()
         log.info("weight hub on port %d: engines join it with weights %s (epoch, version)", res.weight_hub.port,
@@ -245,8 +251,8 @@ def train(config: TrainConfig, ranks: RankInfo, stop: threading.Event, res: Reso
         ranks=DistributedRanks(ranks.rank, control_timeout_s),
         batches=BufferBatches(res.batches, lc) if is_main else NoBatches(),
         reporter=RunReporter(res.reports, res.events) if is_main else NullReporter(),
-        publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop) if is_main
-                   else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype)),
+        publisher=(HubPublisher(tr.model, res, epoch, lc.weight_bucket_mb, engine_dtype, stop, lora) if is_main
+                   else GatherOnly(tr.model, lc.weight_bucket_mb, engine_dtype, lora)),
         checkpointer=TrainStateCheckpointer(config, tr, res, ranks, counters, control_timeout_s),
         train=train_step_function(config, tr, ranks, device, res.step_watchdog, first_step=step + 1, epoch=epoch),
     )
@@ -438,9 +444,9 @@ class HubPublisher:
     the engines do not take within STOP_SEND_GRACE_S is abandoned, and nothing more is sent."""
 
     def __init__(self, model, res: Resources, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, lora: LoraSettings | None = None) -> None:
         self.model, self.res, self.epoch = model, res, epoch
-        self.bucket_mb, self.dtype, self.stop = bucket_mb, dtype, stop
+        self.bucket_mb, self.dtype, self.stop, self.lora = bucket_mb, dtype, stop, lora
 
     @property
     def usable(self) -> bool:
@@ -448,7 +454,8 @@ class HubPublisher:
 
     def publish(self, version: int, *, background: bool) -> Publication:
         stats = publish_weights(self.model, self.res.weight_hub, version=version, epoch=self.epoch,
-                                bucket_mb=self.bucket_mb, dtype=self.dtype, stop=self.stop, background=background)
+                                bucket_mb=self.bucket_mb, dtype=self.dtype, stop=self.stop, background=background,
+                                lora=self.lora)
         if stats is None:
             return Publication(abandoned=self._abandon(version))
         return Publication(stats=stats)
@@ -476,12 +483,12 @@ class GatherOnly:
 
     usable = True
 
-    def __init__(self, model, bucket_mb: float, dtype: torch.dtype | None) -> None:
-        self.model, self.bucket_mb, self.dtype = model, bucket_mb, dtype
+    def __init__(self, model, bucket_mb: float, dtype: torch.dtype | None, lora: LoraSettings | None = None) -> None:
+        self.model, self.bucket_mb, self.dtype, self.lora = model, bucket_mb, dtype, lora
 
     def publish(self, version: int, *, background: bool) -> Publication:
         publish_weights(self.model, None, version=version, epoch=0, bucket_mb=self.bucket_mb, dtype=self.dtype,
-                        stop=threading.Event())
+                        stop=threading.Event(), lora=self.lora)
         return Publication()
 
     def finish_sending(self, in_flight: int) -> int | None:
@@ -560,7 +567,7 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
     out_dir = checkpoint_dir(config.output_dir, step)
     refused = None
     if ranks.rank == 0:
-        refused = disk_refusal(lambda: save_hf_checkpoint(tr.model.config, state_dict, config.model.path, out_dir))
+        refused = disk_refusal(lambda: save_policy(config, tr.model.config, state_dict, out_dir))
     refused = agree(refused)
     if refused is not None:
         raise CheckpointWriteError(refused)
@@ -580,6 +587,18 @@ def _save(config: TrainConfig, tr: Trainables, state_dict: dict[str, torch.Tenso
     return out_dir
 
 
+def save_policy(config: TrainConfig, model_config, state_dict: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """The policy as a Hugging Face model at ``out_dir``. With ``learner.lora`` the adapter is merged into the
+    base weights (W = W₀ + s·BA: a plain model for transformers, vLLM and ``horizonrl eval``) and also kept as a
+    PEFT adapter in ``out_dir/adapter``."""
+    lora = LoraSettings.from_config(config)
+    if lora is None:
+        return save_hf_checkpoint(model_config, state_dict, config.model.path, out_dir)
+    return save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out_dir,
+                              extra=lambda tmp: save_adapter(tmp / CHECKPOINT_ADAPTER_DIR, state_dict, lora,
+                                                             base_model=config.model.path))
+
+
 def next_weight_epoch(output_dir: Path) -> int:
     """This learner incarnation's weight epoch: one more than the last one started in this run directory."""
     path = RunDir(output_dir).learner_epoch
@@ -597,15 +616,19 @@ def weight_bucket_bytes(bucket_mb: float) -> int:
 
 def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, dtype: torch.dtype | None,
                     stop: threading.Event, grace_s: float = STOP_SEND_GRACE_S,
-                    background: bool = False) -> dict[str, float] | None:
+                    background: bool = False, lora: LoraSettings | None = None) -> dict[str, float] | None:
     """Collective (every rank calls it; ``hub`` is rank 0's, None elsewhere): the model's weights go to
     every engine bucket by bucket, gathered from the FSDP shards on the learner's device in ``dtype``
     (weight_broadcast.py; ``background``: see ``WeightHub.publish``). Rank 0 returns the hub's statistics,
     or None when a stop was requested and the engines still had not taken the version ``grace_s`` later
-    (they may have exited already; the checkpoint matters more than this version). Other ranks return None."""
+    (they may have exited already; the checkpoint matters more than this version). Other ranks return None.
+
+    ``lora``: a version is the adapter alone (learner/lora.py ``adapter_to_send``), which the engines load as
+    their LoRA adapter in place of the last one; the base weights never leave the learner."""
     from horizonrl.learner.weight_broadcast import gather_without_sending
 
-    named = weights_to_send(model.config, model.state_dict())  # sharded DTensors: nothing gathered yet
+    # sharded DTensors: nothing gathered yet
+    named = adapter_to_send(model, lora) if lora is not None else weights_to_send(model.config, model.state_dict())
     if hub is None:
         gather_without_sending(named, bucket_bytes=weight_bucket_bytes(bucket_mb), dtype=dtype)
         return None

@@ -93,7 +93,8 @@ def load_model(path: str, dtype: str | None, device: torch.device) -> nn.Module:
     return model
 
 
-def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The (N, V) logits predicting the N loss tokens: ``logits[:, :-1][selected]`` for ``selected`` (B, T-1), rows in
     the same order, but the output layer runs only at the K positions where some sequence has a loss token.
 
@@ -102,11 +103,14 @@ def loss_token_logits(model: nn.Module, input_ids: torch.Tensor, selected: torch
     micro-batch of 8 × 1,024 took 1.39× as long and ~1.4 GB more (scripts/bench_learner_logits.py). Hugging Face
     causal LMs take the positions as ``logits_to_keep``; going through the model's own forward keeps FSDP2's hooks
     where they are.
+
+    ``position_ids`` (B, T): rows of packed sequences (learner/packing.py); None: one sequence per row from 0.
     """
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     if not takes_logits_to_keep(model):  # a model class from before transformers 4.50, or a custom one
-        return model(input_ids=input_ids, use_cache=False).logits[:, :-1][selected]
+        return model(input_ids=input_ids, use_cache=False, **extra).logits[:, :-1][selected]
     positions = selected.any(0).nonzero().squeeze(-1)  # (K,) ascending: the rows come in the same order
-    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=positions, **extra).logits  # (B, K, V)
     return logits[selected[:, positions]]
 
 
@@ -227,29 +231,48 @@ def _restore_non_persistent_buffers(model: nn.Module, device: torch.device) -> N
 
 
 def build_sharded_model(path: str, *, kind: str, policy: PrecisionPolicy, device: torch.device,
-                        activation_checkpointing: bool = False, read_weights: bool | None = None) -> nn.Module:
+                        activation_checkpointing: bool = False, read_weights: bool | None = None,
+                        lora=None, seed: int = 0, compile_layers: bool = False) -> nn.Module:
     """A collective: the model at ``path`` FSDP2-sharded over the default process group, loaded so that
     only rank 0 reads the weight files (see the module docstring).
 
     kind: "policy" (trained), "reference" (frozen, eval mode) or "critic" (:class:`Critic`).
     read_weights: whether this rank reads the checkpoint (default: rank 0 only; tests pass False to prove
-    the other ranks need no files)."""
+    the other ranks need no files).
+    lora: a policy's :class:`~horizonrl.learner.lora.LoraSettings`: low-rank adapters on its decoder layers, the
+    only trained parameters, first valued by ``initial_adapter(model, seed)`` (learner/lora.py).
+    compile_layers: ``torch.compile`` each decoder layer in place (before sharding, as torchtitan does, so that
+    FSDP2's hooks stay outside the compiled graphs)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if kind not in ("policy", "reference", "critic"):
         raise ValueError(f"unknown model kind {kind!r}")
+    if lora is not None and kind != "policy":
+        raise ValueError(f"LoRA adapts the policy, not the {kind}")
     rank = dist.get_rank()
     read_weights = rank == 0 if read_weights is None else read_weights
     model = _empty_model(path, kind, policy)
+    if lora is not None:
+        from horizonrl.learner.lora import add_lora
+
+        add_lora(model, lora)
     if activation_checkpointing and kind != "reference":
         enable_activation_checkpointing(model)
+    if compile_layers:
+        for layer in decoder_layers(model):
+            layer.compile()
     # Rank 0 prepares the full state dict before any collective, and tells the others if it failed,
     # so that a bad checkpoint is one clear error on every rank instead of a hang in the broadcast.
     full, error = {}, None
     if read_weights:
         try:
-            full = full_state_dict_for(model, checkpoint_tensors(path))
+            checkpoint = checkpoint_tensors(path)
+            if lora is not None:
+                from horizonrl.learner.lora import initial_adapter
+
+                checkpoint.update(initial_adapter(model, seed))
+            full = full_state_dict_for(model, checkpoint)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = f"{type(exc).__name__}: {exc}"
     errors = [error]
@@ -288,10 +311,12 @@ def weights_to_send(model_config, state_dict: dict[str, torch.Tensor],
             if not (tied and name == "lm_head.weight")]
 
 
-def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source_dir: str, out_dir: Path) -> Path:
+def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source_dir: str, out_dir: Path,
+                       extra=None) -> Path:
     """A Hugging Face checkpoint (config + safetensors + tokenizer files) loadable by transformers and vLLM.
 
-    Written to a temporary sibling and renamed, so a directory named step_N is always complete.
+    Written to a temporary sibling and renamed, so a directory named step_N is always complete; ``extra(tmp)``
+    writes more into it before the rename (a LoRA run's adapter, learner/main.py ``save_policy``).
     """
     from safetensors.torch import save_file
 
@@ -310,6 +335,8 @@ def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source
             if source.is_file():
                 shutil.copy2(source, tmp / name)
                 copied.append(name)
+        if extra is not None:
+            extra(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk: no half-written checkpoint left to keep it full
         raise

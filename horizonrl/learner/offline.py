@@ -56,7 +56,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from horizonrl.learner.batching import PAD_TOKEN_ID  # right padding: causal attention never looks right
+from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
+from horizonrl.learner.lora import LoraSettings, merged_state_dict, save_adapter
 from horizonrl.learner.main import RankInfo
+from horizonrl.learner.packing import pack_rows, packed_batch
 from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict,
                                      loss_token_logits, resolve_backend, save_hf_checkpoint)
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
@@ -99,15 +102,17 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
 
 
-def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor,
-                      loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and mask -> (per-token log π of the N loss tokens (N,), per-sequence sums (B,)).
+def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and mask -> (per-token log π of the N loss tokens (N,), per-row sums (B,)).
 
     Logits at t−1 predict token t, so only the (N, V) rows where ``loss_mask[:, 1:]`` is 1 are
-    computed (``loss_token_logits``: memory about N·V, not B·T·V).
+    computed (``loss_token_logits``: memory about N·V, not B·T·V). ``position_ids``: packed rows
+    (learner/packing.py), whose per-row sums are not per-sequence.
     """
     selected = loss_mask[:, 1:].bool()
-    logprobs = token_logprobs(loss_token_logits(model, input_ids, selected), input_ids[:, 1:][selected])  # (N,)
+    logprobs = token_logprobs(loss_token_logits(model, input_ids, selected, position_ids),
+                              input_ids[:, 1:][selected])  # (N,)
     rows = selected.nonzero()[:, 0]
     sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
     return logprobs, sums
@@ -186,14 +191,23 @@ def sft_step(tr: Trainer, data: SFTData, indices: np.ndarray) -> dict[str, float
     tr.optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(3, dtype=torch.float64)  # Σ −log π, loss tokens, tokens
     for chunk in tr.chunks(indices):
-        input_ids, loss_mask = collate([seqs.get(int(i)) for i in chunk], tr.device)
-        logprobs, _ = sequence_logprobs(tr.model, input_ids, loss_mask)
+        logprobs, _ = sequence_logprobs(tr.model, *sft_micro_batch(tr.config, [seqs.get(int(i)) for i in chunk],
+                                                                  tr.device))
         (sft_loss(logprobs, num_loss_tokens) * tr.world_size).backward()
         tokens = sum(seqs.num_tokens(int(i)) for i in chunk)
         sums += torch.tensor([-float(logprobs.detach().sum()), logprobs.numel(), tokens], dtype=torch.float64)
     grad_norm = tr.update(sums)
     return {"loss": float(sums[0] / max(sums[1], 1)), "grad_norm": grad_norm, "loss_tokens": float(sums[1]),
             "tokens": float(sums[2])}
+
+
+def sft_micro_batch(config: OfflineConfig, sequences: list[tuple[np.ndarray, np.ndarray]],
+                    device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A micro-batch's (input_ids, loss_mask[, position_ids]): padded rows, or with ``pack_tokens`` packed ones."""
+    if config.pack_tokens is None or not sequences:
+        return collate(sequences, device)
+    rows = pack_rows([len(ids) for ids, _ in sequences], config.pack_tokens)
+    return packed_batch(sequences, rows, device)
 
 
 def _pair_logprobs(model: nn.Module, data: DPOData, chunk: np.ndarray,
@@ -295,9 +309,11 @@ def offline_precision(config: OfflineConfig, device: torch.device) -> PrecisionP
 
 def build_trainer(config: OfflineConfig, device: torch.device, rank: int, world_size: int, total_steps: int) -> Trainer:
     # As the RL learner loads: meta-device init, rank 0 alone reads the files, shards are scattered.
+    lora = LoraSettings.of(config.lora)
     model = build_sharded_model(config.model.path, kind="policy", policy=offline_precision(config, device),
-                                device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+                                device=device, lora=lora, seed=config.seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                  weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, config.lr_warmup_steps, total_steps, config.lr_schedule, config.min_lr_ratio))
     return Trainer(config, model, optimizer, scheduler, device, rank, world_size)
@@ -394,7 +410,13 @@ def save_checkpoint(model: nn.Module, config: OfflineConfig) -> Path:
     if dist.get_rank() == 0:
         model_config = copy.deepcopy(model.config)
         model_config.use_cache = True  # turned off for training; generation wants it
-        save_hf_checkpoint(model_config, state_dict, config.model.path, out)
+        if config.lora is None:
+            save_hf_checkpoint(model_config, state_dict, config.model.path, out)
+        else:  # the merged model, and the adapter beside it (as the RL learner's checkpoints)
+            lora = LoraSettings.of(config.lora)
+            save_hf_checkpoint(model_config, merged_state_dict(state_dict, lora), config.model.path, out,
+                               extra=lambda tmp: save_adapter(tmp / CHECKPOINT_ADAPTER_DIR, state_dict, lora,
+                                                              base_model=config.model.path))
     dist.barrier()
     return out
 

@@ -99,10 +99,12 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
 
 
-def aggregation_weights(loss_mask: torch.Tensor, mode: str, num_loss_tokens: int, num_sequences: int) -> torch.Tensor:
+def aggregation_weights(loss_mask: torch.Tensor, mode: str, num_loss_tokens: int, num_sequences: int,
+                        sequence_index: torch.Tensor | None = None) -> torch.Tensor:
     """One weight per token so that Σ_t w_t ℓ_t is the step's loss.
 
-    loss_mask:       (B, T) of this micro-batch; each row is one sequence
+    loss_mask:       (B, T) of this micro-batch; each row is one sequence, unless ``sequence_index`` (B, T) says
+                     which sequence each token belongs to (packed rows, learner/packing.py)
     num_loss_tokens: N, loss tokens of the WHOLE step;  num_sequences: S, sequences of the whole step
     returns (B, T):  token-mean           w = 1 / N              (every token counts the same)
                      seq-mean-token-mean  w = 1 / (n_i · S)      (every sequence counts the same)
@@ -112,7 +114,12 @@ def aggregation_weights(loss_mask: torch.Tensor, mode: str, num_loss_tokens: int
     if mode == "token-mean":
         return mask / max(num_loss_tokens, 1)
     if mode == "seq-mean-token-mean":
-        per_sequence = mask.sum(-1, keepdim=True).clamp(min=1.0)
+        if sequence_index is None:
+            per_sequence = mask.sum(-1, keepdim=True).clamp(min=1.0)
+        else:  # n_i of each token's own sequence
+            counts = torch.zeros(int(sequence_index.max()) + 1, dtype=mask.dtype, device=mask.device)
+            counts.index_add_(0, sequence_index.flatten(), mask.flatten())
+            per_sequence = counts[sequence_index].clamp(min=1.0)
         return mask / per_sequence / max(num_sequences, 1)
     if mode == "seq-mean-token-sum":
         return mask / max(num_sequences, 1)

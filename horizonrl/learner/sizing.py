@@ -31,63 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from horizonrl.core.model_shape import LOGITS_BYTES_PER_VOCAB, ModelShape  # noqa: F401 - ModelShape lived here
+
 GB = 1e9
 COMPUTE_BYTES = 2  # bfloat16
 MASTER_BYTES = 4  # float32 params, grads, each AdamW moment
-LOGITS_BYTES_PER_VOCAB = 23
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool = True
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        return attention + 3 * h * self.intermediate + 2 * h
-
-    @property
-    def root_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.root_params
-
-    @property
-    def layer_activation_bytes(self) -> int:
-        """Per token, what one decoder layer keeps for backward (bf16 compute)."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 16 * h + 4 * q + 4 * kv + 8 * self.intermediate
-
-    def stored_activation_bytes(self, checkpointing: bool) -> int:
-        """Per token, what the trunk keeps from forward to backward. With checkpointing a layer keeps
-        its bf16 input only, and the rotary tables are consumed inside the checkpointed layers."""
-        if checkpointing:
-            return self.layers * 2 * self.hidden + 6 * self.hidden
-        return self.layers * self.layer_activation_bytes + 6 * self.hidden + 4 * self.head_dim
-
-    def activation_bytes_per_token(self, checkpointing: bool) -> int:
-        """Per token at the backward's peak: the stored part, plus the layer being recomputed."""
-        return self.stored_activation_bytes(checkpointing) + (self.layer_activation_bytes if checkpointing else 0)
-
-    @property
-    def logits_bytes_per_token(self) -> int:
-        return LOGITS_BYTES_PER_VOCAB * self.vocab
-
-    @property
-    def largest_tensor(self) -> int:
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
 
 # Qwen2.5 shapes (the models' config.json): vocab, hidden, intermediate, layers, heads, kv heads, head_dim, tied

@@ -95,12 +95,13 @@ class UpdateSettings:
     micro_batch_size: int = 16  # trajectories per forward/backward on one rank
     grad_clip: float = 1.0
     max_tokens_per_micro_batch: int | None = None  # padded tokens per forward/backward; None: no token cap
+    pack_tokens: int | None = None  # each micro-batch one row of sequences end to end (learner/packing.py)
 
     @classmethod
     def from_config(cls, config) -> "UpdateSettings":
         lc = config.learner
-        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip,
-                   lc.max_tokens_per_micro_batch)
+        return cls(lc.ppo_epochs, lc.ppo_mini_batch_size, lc.micro_batch_size, lc.grad_clip, lc.micro_batch_token_cap,
+                   lc.pack_tokens)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -180,17 +181,19 @@ def micro_batch_loss(
     """
     selected = micro_batch.loss_mask[:, 1:].bool()  # (B, T-1)
     targets = micro_batch.input_ids[:, 1:][selected]
-    logits = loss_token_logits(model, micro_batch.input_ids, selected)  # (N_mb, V)
+    positions = micro_batch.position_ids  # packed rows (learner/packing.py); None: a row per sequence
+    logits = loss_token_logits(model, micro_batch.input_ids, selected, positions)  # (N_mb, V)
     logprobs, entropy = token_logprobs_and_entropy(logits, targets, settings.temperature,
                                                    settings.top_p)  # (N_mb,)
-    weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences)
+    weights = aggregation_weights(micro_batch.loss_mask, settings.loss_agg_mode, num_loss_tokens, num_sequences,
+                                  micro_batch.sequence_index)
     w = weights[:, 1:][selected]  # (N_mb,)
 
     behaviour = micro_batch.behaviour_logprobs[:, 1:][selected]
     proximal = None if micro_batch.proximal_logprobs is None else micro_batch.proximal_logprobs[:, 1:][selected]
     # π_old: the learner's policy before the step's first update (decoupled: π_prox; bypass: this update's own)
     old = proximal if proximal is not None else logprobs.detach()
-    rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
+    rows = micro_batch.sequence_of_token[:, 1:][selected]  # (N_mb,) the sequence of each token
     turns = (micro_batch.turn_index[:, 1:][selected] if micro_batch.turn_index is not None
              else torch.ones_like(rows))
     correction = rollout_correction(old.clamp(min=LOGPROB_FLOOR) - behaviour, rows, turns, settings.correction,
@@ -207,8 +210,8 @@ def micro_batch_loss(
 
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = token_logprobs(loss_token_logits(reference, micro_batch.input_ids, selected), targets,
-                                          settings.temperature)
+            ref_logprobs = token_logprobs(loss_token_logits(reference, micro_batch.input_ids, selected, positions),
+                                          targets, settings.temperature)
         # KL(π_θ ‖ π_ref) between the untruncated distributions, both sides: with top_p < 1 the
         # nucleus log π_θ is not comparable with the full log π_ref, and is −inf outside the nucleus
         # (k3 = e^∞ − ∞ = NaN)
@@ -250,7 +253,7 @@ def train_on_batch(
     reduced over all ranks; no samples: no update (``learner/updates`` = 0)."""
     cuts = mini_batches(samples, update.ppo_mini_batch_size)
     plan = [(cut, micro_batches_for_rank(cut, rank, world_size, update.micro_batch_size,
-                                         update.max_tokens_per_micro_batch)) for cut in cuts]
+                                         update.max_tokens_per_micro_batch, update.pack_tokens)) for cut in cuts]
     # Advantages and proximal log-probs are functions of the policy *before* the first update.
     prepare_advantages([mb for _, micro in plan for mb in micro], advantage, critic, device)
     if settings.clip.decoupled and update.ppo_epochs * len(plan) > 1:
@@ -289,7 +292,8 @@ def fill_proximal_logprobs(model: nn.Module, micro_batches: list[MicroBatch], se
     for mb in micro_batches:
         input_ids = mb.input_ids.to(device)
         selected = mb.loss_mask[:, 1:].bool().to(device)
-        logprobs = token_logprobs(loss_token_logits(model, input_ids, selected), input_ids[:, 1:][selected],
+        positions = None if mb.position_ids is None else mb.position_ids.to(device)
+        logprobs = token_logprobs(loss_token_logits(model, input_ids, selected, positions), input_ids[:, 1:][selected],
                                   settings.temperature, settings.top_p)
         proximal = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=device)
         proximal[:, 1:][selected] = logprobs

@@ -4,9 +4,10 @@ The fake servers below reproduce, from reading agentenv-babyai / -textcraft / -s
 -searchqa's server code, the bodies those servers accept (a body that lacks a field they require
 gets FastAPI's 422) and the answers they give: no ``success`` field, every failure as HTTP 200
 with ``{"error": ...}``, SciWorld's task description apart and its reward in points, SearchQA's
-bare id and bare observation strings, session key ``env_idx``. BabyAI, TextCraft and SearchQA
+bare id and bare observation strings, session key ``env_idx``, WebArena's ``env_idx``, ``idx`` and
+``terminated``. BabyAI, TextCraft and SearchQA
 play the real environments behind those shapes (the server applies the bare action it receives);
-SciWorld is a scripted two-step task so that no JVM is needed. Each server records what it was
+SciWorld and WebArena are scripted tasks so that no JVM or browser is needed. Each server records what it was
 sent, so the tests check the client's requests as well as the outcome.
 """
 
@@ -44,14 +45,16 @@ class FakeAgentGymServer:
 
     @property
     def key(self) -> str:
-        return "env_idx" if self.name == "searchqa" else "id"
+        return "env_idx" if self.name in ("searchqa", "webarena") else "id"
 
     async def create(self, request: web.Request) -> web.Response:
         await self._body(request, *(("id",) if self.name == "searchqa" else ()))
         new_id = len(self.envs)
-        self.envs[new_id] = None if self.name == "sciworld" else make_env(self.name)
+        self.envs[new_id] = None if self.name in ("sciworld", "webarena") else make_env(self.name)
         if self.name == "searchqa":
             return web.json_response(new_id)
+        if self.name == "webarena":
+            return web.json_response({"env_idx": new_id})
         if self.name == "textcraft":  # its create starts task `id` and answers the observation
             observation = await self.envs[new_id].reset(new_id)
             return web.json_response({"id": new_id, "observation": observation, "done": False, "reward": 0})
@@ -62,6 +65,10 @@ class FakeAgentGymServer:
             body = await self._body(request, "env_idx")
             env = self.envs.get(body["env_idx"])
             return web.json_response(await env.reset(body["id"]))
+        if self.name == "webarena":  # its server reads seed and idx (a KeyError, HTTP 500, without them)
+            body = await self._body(request, "env_idx", "seed", "idx")
+            self.envs[body["env_idx"]] = body["idx"]
+            return web.json_response({"observation": f"OBSERVATION: task {body['idx']}"})
         body = await self._body(request, "id", "data_idx")
         if body["id"] not in self.envs:
             return web.json_response({"error": f"The id {body['id']} is not valid."})
@@ -83,6 +90,10 @@ class FakeAgentGymServer:
             score = self.envs[body["id"]]
             return web.json_response({"observation": f"You did {body['action']}.", "reward": gained, "score": score,
                                       "done": score >= 100})
+        if self.name == "webarena":  # a scripted task: the reply that stops with the right answer wins
+            won = "```stop [42]```" in body["action"]
+            return web.json_response({"observation": "PREVIOUS ACTION: " + body["action"], "reward": float(won),
+                                      "terminated": "```stop" in body["action"], "truncated": False, "info": {}})
         env = self.envs[body[self.key]]
         reply = body["action"] if self.name == "searchqa" else f"Action: {body['action']}"
         result = await env.step(reply)
@@ -97,7 +108,7 @@ class FakeAgentGymServer:
     async def close(self, request: web.Request) -> web.Response:
         body = await self._body(request, self.key)
         self.envs.pop(body[self.key], None)
-        return web.json_response(True)
+        return web.Response(text="closed") if self.name == "webarena" else web.json_response(True)
 
     def sent(self, path: str) -> list[object]:
         return [body for p, body in self.requests if p == path]
@@ -184,6 +195,20 @@ async def test_searchqa_env_idx_bare_answers_and_whole_replies(fake):
     assert server.sent("/create") == [{"id": 0}]
     assert server.sent("/reset") == [{"env_idx": 0, "id": task_id}]
     assert [b["action"] for b in server.sent("/step")] == plan  # the whole reply, as AgentGym's client sends
+    await env.close()
+    assert server.sent("/close") == [{"env_idx": 0}]
+
+
+async def test_webarena_env_idx_idx_seed_and_terminated(fake):
+    server, url = await fake("webarena")
+    env = HTTPEnv(url, env="webarena", protocol="agentgym", retry_for_s=5)
+    assert await env.reset(5) == "OBSERVATION: task 5"
+    assert server.sent("/create") == [None]
+    assert server.sent("/reset") == [{"env_idx": 0, "idx": 5, "seed": 0}]
+    first = await env.step("In summary, the next action I will perform is ```click [3]```")
+    assert not first.done and first.observation.endswith("```click [3]```")  # the whole reply was sent
+    last = await env.step("In summary, the next action I will perform is ```stop [42]```")
+    assert (last.done, last.success, last.reward) == (True, True, 1.0)  # done read from `terminated`
     await env.close()
     assert server.sent("/close") == [{"env_idx": 0}]
 

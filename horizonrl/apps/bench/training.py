@@ -47,6 +47,12 @@ def groups_per_actor(cfg) -> int:
 
 
 def train_command(config: Path, model: str, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
+    """The ``horizonrl train`` command of one benchmark run. The run starts in the checkout (``run_training``), so
+    every path is resolved here, once, against the caller's directory: a model built under the caller's
+    ``.cache/`` is found wherever the bench was started."""
+    if Path(model).exists():
+        model = str(Path(model).resolve())
+    config, run_dir = Path(config).resolve(), Path(run_dir).resolve()
     return horizonrl_command("train", str(config), f"model.path={model}", f"run.output_dir={run_dir}",
                              f"learner.total_steps={steps}", "buffer.skip_equal_reward_groups=false",
                              "learner.save_every=0", *extra)
