@@ -15,6 +15,7 @@ from horizonrl.apps.bench.learning_clock import (
     cpu_times,
     peer_curve,
     peer_summary,
+    reach_peer,
     pipeline_bound,
     reach_time,
     run_command,
@@ -91,3 +92,13 @@ def test_a_peer_is_read_on_its_scripts_clock_and_against_the_baselines_median(tm
     assert row["baseline_time_ratio"] == pytest.approx(480.0 / 430.0)
     assert row["reached"] == "1/1" and row["final_success"] == 0.5
     assert peer_summary({"curve": [(0.0, 0.2), (300.0, 0.3)]}, base)["reached"] == "0/1"
+
+
+def test_each_arm_is_timed_to_the_peers_final_success():
+    """reach_peer: seed by seed, when the arm's curve reaches the peer's last success, and the peer's wall over it."""
+    peer = {"curve": [(0.0, 0.2), (900.0, 0.4)]}
+    runs = {"async": {"0": {"curve": [(0.0, 0.2), (200.0, 0.6)]}, "1": {"curve": [(0.0, 0.2), (300.0, 0.3)]}}}
+    row = reach_peer(runs, peer)["async"]
+    assert row["reached"] == "1/2"  # seed 1 never got to 0.4
+    assert row["reach_min"]["median"] == pytest.approx(100.0 / 60)  # 0.4 half-way up seed 0's line
+    assert row["time_ratio"]["median"] == pytest.approx(9.0)

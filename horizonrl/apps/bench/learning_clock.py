@@ -196,6 +196,21 @@ def peer_summary(peer: dict, base: dict[str, dict]) -> dict:
     return row
 
 
+def reach_peer(runs: dict[str, dict[str, dict]], peer: dict) -> dict[str, dict]:
+    """Per arm: the wall time each seed's run took to reach the peer's final success, and the peer's wall time over
+    it (the issue's goal against TRL: >= 2)."""
+    target, peer_wall = peer["curve"][-1][1], peer["curve"][-1][0]
+    out = {}
+    for arm, by_seed in runs.items():
+        times = [t for r in by_seed.values() if (t := reach_time(r["curve"], target))]
+        row = {"reached": f"{len(times)}/{len(by_seed)}"}
+        if times:
+            row.update(reach_min=summarize([t / 60 for t in times]),
+                       time_ratio=summarize([peer_wall / t for t in times]))
+        out[arm] = row
+    return out
+
+
 def study(out: Path, config: Path, arms: list[str], seeds: list[int], steps: int, save_every: int, episodes: int,
           extra: list[str], train_only: bool = False) -> dict | None:
     from horizonrl.core.config import load_config
@@ -352,9 +367,15 @@ def main(argv: list[str] | None = None) -> None:
     result["summary"] = summary(result)
     for name, peer in peers.items():  # one run each: its own row, read against the baseline's median
         result["summary"][name] = peer_summary(peer, result["runs"].get(BASELINE, {}))
+        result[f"reach_{name}"] = reach_peer(result["runs"], peer)
     path.write_text(json.dumps(result, indent=1))
     plot(result, peers, args.out / "learning-clock.png")
     print(table(result["summary"]))
+    for name in peers:
+        print(f"\ntime to reach {name}'s final held-out success ({peers[name]['curve'][-1][1]:.3f} at "
+              f"{peers[name]['curve'][-1][0] / 60:.1f} min):")
+        for arm, row in result[f"reach_{name}"].items():
+            print(f"  {arm}: " + ", ".join(f"{k} {_cell(v)}" for k, v in row.items()))
     print(f"results: {path}; plot: {args.out / 'learning-clock.png'}")
 
 
