@@ -111,6 +111,21 @@ def agreed_update(results: list) -> WeightUpdate:
     return WeightUpdate(version, epoch, max(r.receive_s for r in replies), max(r.load_s for r in replies), 0.0)
 
 
+def cpu_engine_setup(engine: EngineConfig, api: EngineApi, cpus: Sequence[int] | None) -> dict:
+    """A CPU engine's KV-cache arguments; with tensor parallelism, its workers' core binding too."""
+    tp = engine.tensor_parallel_size
+    if tp > 1:
+        # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses to start
+        # on a host with fewer nodes than workers. Each worker gets its share of this engine's cores instead ("0|1"
+        # on 2 cores; "nobind" only when there are fewer cores than workers): unbound, the workers' threads compete
+        # for every core, and the tensor-parallel engine test ran 3.4x slower.
+        from horizonrl.core.placement import vllm_cpu_binding
+
+        cores = sorted(cpus) if cpus else sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_cpu_binding(cores, tp))
+    return cpu_kv_cache_args(engine.kv_cache_gib_or_default, api.has("kv_cache_bytes"))
+
+
 class RolloutEngine:
     """One vLLM ``AsyncLLM`` with the weights it holds, ``weights`` = (epoch, version).
 
@@ -232,18 +247,7 @@ class RolloutEngine:
             raise ConfigError(f"rollout.engine.tensor_parallel_size={tp} but this engine sees {len(gpus)} GPU(s) "
                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); start it "
                               "with `horizonrl train`, which gives each engine its GPUs (docs/gpu.md)")
-        kv_cache = {}
-        if not on_gpu:
-            kv_cache = cpu_kv_cache_args(engine.kv_cache_gib_or_default, api.has("kv_cache_bytes"))
-            if tp > 1:
-                # vLLM-CPU's automatic binding gives each tensor-parallel worker a NUMA node of its own and refuses
-                # to start on a host with fewer nodes than workers. Each worker gets its share of this engine's
-                # cores instead ("0|1" on 2 cores; "nobind" only when there are fewer cores than workers): unbound,
-                # the workers' threads compete for every core, and the tensor-parallel engine test ran 3.4x slower.
-                from horizonrl.core.placement import vllm_cpu_binding
-
-                cores = sorted(cpus) if cpus else sorted(os.sched_getaffinity(0))
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_cpu_binding(cores, tp))
+        kv_cache = {} if on_gpu else cpu_engine_setup(engine, api, cpus)
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,

@@ -21,7 +21,7 @@ import numpy as np
 from collections.abc import Collection
 
 from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
-from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, MAX_SAMPLE_TEXT, Trajectory
+from horizonrl.protocol.messages import FAILURE_KINDS, FAILURE_NONE, MAX_SAMPLE_TEXT, EpisodeText, Trajectory
 from horizonrl.protocol.names import MAX_ID_CHARS, MAX_LABEL_CHARS, is_id, is_label, shown
 
 MAX_TIMINGS = 16  # named timings of one episode (the actor sends two)
@@ -191,14 +191,18 @@ def trajectory_problem(t: Trajectory, vocab_size: int | None = None, *, max_toke
         problem = _version_spans_problem(t)
         if problem:
             return REJECT_SPANS, problem
-    if t.text is not None:
-        text = t.text
-        if not len(text.replies) == len(text.actions) == turns or len(text.observations) > turns:
-            return REJECT_FIELDS, (f"text of {len(text.replies)} replies, {len(text.actions)} actions and "
-                                   f"{len(text.observations)} observations for {turns} turns")
-        if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
-                                                   *text.observations)):
-            return REJECT_FIELDS, f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
+    problem = _text_problem(t.text, turns) if t.text is not None else None
+    return (REJECT_FIELDS, problem) if problem else None
+
+
+def _text_problem(text: EpisodeText, turns: int) -> str | None:
+    """The episode's recorded text (``Trajectory.text``): one reply and action per turn, bounded lengths."""
+    if not len(text.replies) == len(text.actions) == turns or len(text.observations) > turns:
+        return (f"text of {len(text.replies)} replies, {len(text.actions)} actions and "
+                f"{len(text.observations)} observations for {turns} turns")
+    if any(len(x) > MAX_SAMPLE_TEXT for x in (text.first_observation, *text.replies, *text.actions,
+                                               *text.observations)):
+        return f"a text of the episode is over {MAX_SAMPLE_TEXT} characters"
     return None
 
 
