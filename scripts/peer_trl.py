@@ -517,7 +517,7 @@ def eval_command(config: TrainConfig, checkpoint: Path, episodes: int | None, re
                "--temperature", str(config.eval.temperature), "--max-tokens-per-turn", str(r.max_tokens_per_turn),
                "--max-context-tokens", str(r.max_context_tokens), "--seed", str(config.run.seed),
                "--samples", str(config.eval.samples_per_task), "--dtype", r.engine.dtype,
-               "--kv-cache-gib", str(r.engine.kv_cache_gib), "--json", str(result_json)]
+               "--kv-cache-gib", str(r.engine.kv_cache_gib_or_default), "--json", str(result_json)]
     if r.system_prompt is not None:
         command += ["--system-prompt", r.system_prompt]
     return command
