@@ -30,6 +30,7 @@ malformed reply, an unknown id, a goto off the task's sites — is an observatio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import urllib.error
@@ -303,10 +304,20 @@ class WebArenaEnv:
 
     async def _settle(self, page: Any, before: int, grace_s: float = 0.25) -> str:
         """After an input that may navigate: if it started a navigation, wait for the new document's
-        ``load`` event (counted per page; Playwright's wait_for_load_state would see the old one)."""
+        ``load`` event (counted per page; Playwright's wait_for_load_state would see the old one).
+
+        Whether it started one is known only from the navigation request's event, which comes some time after the
+        input. So the grace starts once the page itself has run a task queued after the input's (its default action,
+        a link's navigation, comes first), and lasts at least four times that round trip: on a loaded machine the
+        renderer and the browser are slow alike, and a fixed 0.25 s from the click missed a link's navigation (the
+        observation was the old page's: `env check --server` counted a mismatch under a full test run)."""
         loop = asyncio.get_running_loop()
         loads = self._loads.get(page, 0)
-        deadline = loop.time() + grace_s
+        started = loop.time()
+        with contextlib.suppress(Exception):  # the document may be gone already: a navigation, which is counted
+            await asyncio.wait_for(page.evaluate("() => new Promise(r => setTimeout(r, 0))"), self.action_timeout_s)
+        round_trip = loop.time() - started
+        deadline = loop.time() + max(grace_s, 4 * round_trip)
         while self._navigations.get(page, 0) == before and loop.time() < deadline:
             await asyncio.sleep(0.01)
         if self._navigations.get(page, 0) == before:
