@@ -87,6 +87,14 @@ def test_the_rollout_pauses_once_the_groups_made_and_being_made_fill_the_stalene
         assert c.rollout_paused  # P = 4, the oldest engine 1 version behind
         c.on_heartbeat(beat("actor", 10, groups_running=1.0, weight_version=1.0))  # it has the new weights
         assert not c.rollout_paused  # P = 4 < 8
+        # An engine frozen at version 1 while the learner reaches 5 (L = 4 > η): without a floor every actor
+        # would pause and the learner starve; the bound never falls below one batch (B = 4 groups) ahead.
+        c.on_learner_report(LearnerReport(run_id="test-run", step=5, weight_version=5))
+        c.on_heartbeat(beat("actor", 11, index=1, groups_running=1.0, weight_version=5.0))
+        c.on_heartbeat(beat("buffer", 20, ready_groups=1.0))
+        assert not c.rollout_paused  # P = 1 + 1 + 1 = 3 < 4
+        c.on_heartbeat(beat("buffer", 20, ready_groups=2.0))
+        assert c.rollout_paused  # P = 4: one batch is ahead
     finally:
         c.close()
 

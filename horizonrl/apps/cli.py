@@ -508,13 +508,20 @@ def main(argv: list[str] | None = None) -> int:
     from horizonrl.core.config import ConfigError
 
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    _terminated.clear()
     try:
-        return args.func(args)
+        rc = args.func(args)
+        # A command whose event loop took the cancellation and returned normally was still interrupted: say so in
+        # the exit code (seen in a full suite run: `horizonrl eval` exited 0 after a SIGTERM mid-evaluation).
+        return 128 + signal.SIGTERM if _terminated else rc
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_terminated: set[int] = set()  # the SIGTERMs this command received (main() returns 143 after one)
 
 
 def _interrupt(signum: int, _frame) -> None:
@@ -525,6 +532,7 @@ def _interrupt(signum: int, _frame) -> None:
     It is delivered as a SIGINT where Python handles one: inside ``asyncio.run`` that cancels the main task, which
     unwinds at an await. A KeyboardInterrupt raised here instead lands at whatever bytecode runs — once in an
     evaluation's event loop the command then went on playing and never exited (seen once, in a full suite run)."""
+    _terminated.add(signum)
     if callable(signal.getsignal(signal.SIGINT)):
         signal.raise_signal(signal.SIGINT)
         return

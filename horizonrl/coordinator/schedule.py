@@ -37,7 +37,7 @@ class TrainingProgress:
           per step and engines holding weights L versions behind the learner (the newest weights not yet
           received: L = s − the oldest live engine's version), it is served ⌈(P + 1) / B⌉ batches from now, to
           a learner at version s + ⌈(P + 1) / B⌉, with its oldest token of version s − L: staleness
-          L + ⌈(P + 1) / B⌉, at most η exactly while P < (η − L)·B.
+          L + ⌈(P + 1) / B⌉, at most η exactly while P < (η − L)·B; never paused below one batch ahead.
         """
         if buffer.ready_groups >= self.capacity_groups:
             return True
@@ -46,7 +46,10 @@ class TrainingProgress:
         if self.max_staleness == 0:  # every group would be one version stale: only the capacity bounds it
             return ahead >= self.groups_per_step
         lag = max(0, self.weight_version - min((int(a.weight_version) for a in actors), default=self.weight_version))
-        return ahead >= (self.max_staleness - lag) * self.groups_per_step
+        # Never below one batch ahead (what the synchronous loop keeps): an engine that lags far, frozen or dropped
+        # from the weight hub, must not pause every actor and starve the learner (the frozen-engine test saw a
+        # 58.6 s gap, the whole freeze, without this floor). Only a lagging engine's own groups risk being dropped.
+        return ahead >= max(1, self.max_staleness - lag) * self.groups_per_step
 
     def take(self, report: LearnerReport) -> bool:
         """Move to where the learner's report says it is; True when the report repeats the step before (the
