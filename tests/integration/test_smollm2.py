@@ -27,12 +27,14 @@ pytestmark = pytest.mark.slow
 BF16_MEAN_TOLERANCE = 0.1  # mean |Δ logprob| per token, engine vs learner, both in bf16 (see above)
 
 
-def test_smollm2_learner_step_reaches_the_live_engine_and_the_checkpoint_reloads(smollm2_model, tmp_path):
-    script = Path(__file__).with_name("smollm2_check.py")
-    log = tmp_path / "smollm2.log"
+def run_check_script(name: str, model, tmp_path) -> dict:
+    """Run tests/integration/``name`` (model, two free ports, a work directory) in a process group of its own,
+    within 600 s, and return the JSON of its ``RESULT`` line."""
+    log = tmp_path / Path(name).with_suffix(".log").name
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(script), str(smollm2_model), str(free_port()), str(free_port()),
-                                 str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name(name)), str(model), str(free_port()),
+                                 str(free_port()), str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=600)
         finally:
@@ -41,7 +43,11 @@ def test_smollm2_learner_step_reaches_the_live_engine_and_the_checkpoint_reloads
                 proc.wait()
     text = log.read_text()
     assert rc == 0, text[-4000:]
-    result = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
+    return json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_smollm2_learner_step_reaches_the_live_engine_and_the_checkpoint_reloads(smollm2_model, tmp_path):
+    result = run_check_script("smollm2_check.py", smollm2_model, tmp_path)
     print("smollm2:", json.dumps(result))
     assert result["joined_at"] == 0 and result["version"] == 1 and result["tokens"] == 32
     assert result["bytes"] > 2.5e8 and result["buckets"] >= 2  # ~270 MB in bf16, streamed in buckets
@@ -57,20 +63,7 @@ def test_smollm2_lora_step_reaches_the_live_engine_as_an_adapter(smollm2_model, 
     engine's logprobs on a fixed prompt match the learner's within the bf16 tolerance of the full-weight test above
     (tests/integration/lora_engine_check.py). Also the checkpoint: merged weights transformers reloads, and the
     adapter in PEFT's format, which the same engine loads and serves."""
-    script = Path(__file__).with_name("lora_engine_check.py")
-    log = tmp_path / "lora.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(script), str(smollm2_model), str(free_port()), str(free_port()),
-                                 str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=600)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    text = log.read_text()
-    assert rc == 0, text[-4000:]
-    result = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
+    result = run_check_script("lora_engine_check.py", smollm2_model, tmp_path)
     print("smollm2 lora:", json.dumps(result))
     assert result["joined_at"] == 0 and result["version"] == 1 and result["tokens"] == 32
     assert result["load_paths"] == ["adapter"]  # the version went in as the engine's adapter, not as weights
