@@ -17,7 +17,7 @@ CHARTED = {
     "rollout/weight_pause_wait_s", "rollout/continued_requests", "rollout/kept_requests",
     "rollout/lost_stage_messages", "rollout/engine_idle_s_total", "rollout/engine_wall_s_total",
     "rollout/engine_request_s_total", "rollout/paused_s", "rollout/send_wait_s", "rollout/engine_preemptions",
-    "rollout/in_flight_changes",
+    "rollout/in_flight_changes", "rollout/context_windows",
 }
 
 

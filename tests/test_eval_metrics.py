@@ -32,17 +32,18 @@ def test_pass_at_1_is_the_success_fraction_and_bad_arguments_raise():
         pass_at_k(3, 1, 4)
 
 
-def _ep(success, score=0.0, turns=3, invalid=0):
+def _ep(success, score=0.0, turns=3, invalid=0, stop="done", windows=0):
     return SimpleNamespace(success=success, score=score, reward=float(success), num_turns=turns,
-                           invalid_actions=invalid)
+                           invalid_actions=invalid, stop_reason=stop, hidden_turns_at=dict.fromkeys(range(windows), 1))
 
 
 def test_summary_and_table():
-    played = [(1, _ep(True, 100, 2)), (1, _ep(False, 20, 4, invalid=1)), (2, _ep(False, 0, 6, invalid=6)),
-              (2, _ep(False, 10, 6))]
+    played = [(1, _ep(True, 100, 2, windows=3)), (1, _ep(False, 20, 4, invalid=1)),
+              (2, _ep(False, 0, 6, invalid=6, stop="context_limit")), (2, _ep(False, 10, 6, stop="max_turns"))]
     s = summarise(played, k=2)
     assert s["success_rate"] == 0.25 and s["mean_score"] == pytest.approx(32.5) and s["mean_turns"] == 4.5
     assert s["invalid_action_rate"] == pytest.approx(7 / 18)  # per turn played
+    assert s["context_limit_rate"] == 0.25 and s["context_windows"] == 0.75  # per episode
     # task 1: pass@1 = 1/2, pass@2 = 1; task 2: 0 and 0 -> averaged over tasks
     assert s["pass@1"] == pytest.approx(0.25) and s["pass@2"] == pytest.approx(0.5) and s["pass_at_k_tasks"] == 2
     result = {"env": "fake", "tasks": 2, "samples_per_task": 2, "max_turns": 6, "infra_failures": 0, **s,

@@ -78,7 +78,6 @@ from horizonrl.protocol.weights import RUN_KEY_ENV, WeightSyncError
 from horizonrl.core.run_dirs import read_run_key
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import RateLimitedLog, StopFlag
-from horizonrl.core.schedule import TurnBudgetSchedule
 
 log = logging.getLogger("horizonrl.actors")
 
@@ -123,6 +122,7 @@ def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str
         turn_epochs=ep.turn_epochs,
         version_spans=ep.version_spans,
         sample_starts=ep.sample_starts,
+        hidden_turns=[ep.hidden_turns_at.get(start, 0) for start in ep.sample_starts] if ep.hidden_turns_at else [],
         turn_rewards=ep.turn_rewards,
         reward=ep.reward,
         success=ep.success,
@@ -232,8 +232,7 @@ class Actor:
                                                           c.hold_s), start=r.groups_in_flight)
                           if c.mode == "adaptive" else None)
         self.groups_running = 0
-        self.sampling = SamplingSettings(r.temperature, r.top_p, r.max_tokens_per_turn, r.max_context_tokens,
-                                         r.system_prompt, r.turn_timeout_s, r.episode_timeout_s)
+        self.sampling = SamplingSettings.from_config(r)
         net = config.network
         self.ctx = zmq.asyncio.Context()
         self.security = wire_security(self.ctx, net.host, net.curve_keys_dir)
@@ -629,6 +628,7 @@ class Actor:
         self.counters.episodes += 1
         self.counters.generated_tokens += ep.generated_tokens
         self.counters.turns += ep.num_turns
+        self.counters.context_windows += len(ep.hidden_turns_at)
         if ep.failure:
             # Never trained on; counted by kind (rollout/failures/<kind> in TensorBoard).
             self.counters.count_failure(ep.failure)
@@ -646,16 +646,9 @@ class Actor:
         return ep
 
     def held_out_specs(self) -> list[EvalSpec]:
-        """One evaluation per environment: its first ``eval.episodes_during_training`` test-split tasks, at
-        ``eval.temperature`` and ``eval.max_turns`` (default: the schedule's last budget), otherwise sampled
-        as in training."""
-        ev, r = self.config.eval, self.config.rollout
-        max_turns = ev.max_turns or TurnBudgetSchedule.from_config(self.config.algorithm.rounds_ctrl).final_max_turns
-        return [EvalSpec(env=spec.name, env_settings=dict(spec.settings), split="test",
-                         episodes=ev.episodes_during_training, max_turns=max_turns, temperature=ev.temperature,
-                         max_tokens_per_turn=r.max_tokens_per_turn, max_context_tokens=r.max_context_tokens,
-                         seed=self.config.run.seed, system_prompt=r.system_prompt, turn_timeout_s=r.turn_timeout_s,
-                         episode_timeout_s=r.episode_timeout_s) for spec in self.config.envs]
+        """One evaluation per environment: its first ``eval.episodes_during_training`` test-split tasks."""
+        episodes = self.config.eval.episodes_during_training
+        return [EvalSpec.for_run(self.config, spec, episodes=episodes) for spec in self.config.envs]
 
     async def _evaluate_held_out(self) -> None:
         """Evaluate the newest step the coordinator asks for, once the engine holds that step's weights

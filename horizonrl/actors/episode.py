@@ -10,6 +10,12 @@ prompt in full. Where that rendering does not extend the tokens the current samp
 episode *branches*: the current sample ends and a new one starts, whose prompt is the rendering.
 The episode's arrays are then its samples one after another (``sample_starts`` says where each
 after the first begins); the engine is always prompted with the current sample only.
+
+The same mechanism carries an episode past the context (``rollout.context.policy: window``): when the
+next turn would not fit, a new sample (a *segment*) starts whose prompt is the conversation with its
+oldest turns dropped — the system prompt and the task kept, a note saying how many turns are not
+shown, then the newest turns that fit in ``window_fill`` of the context. Each segment is trained as a
+sequence of its own, token-exact, with the episode's return (docs/horizon.md).
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from horizonrl.protocol import (
     STOP_MAX_TURNS,
 )
 
+CONTEXT_CUT = "cut"  # rollout.context.policy: the episode ends where its next turn would not fit
+CONTEXT_WINDOW = "window"  # it goes on in a new segment whose prompt drops the oldest turns
+
 log = logging.getLogger("horizonrl.actors.episode")
 
 T = TypeVar("T")
@@ -55,6 +64,17 @@ class SamplingSettings:
     system_prompt: str | None = None
     turn_timeout_s: float | None = None  # one generation
     episode_timeout_s: float | None = None  # the whole episode, environment steps included
+    context_policy: str = CONTEXT_CUT  # when the next turn would not fit: end the episode (cut) or window
+    window_fill: float = 0.5  # window: a new segment's prompt holds at most this share of the context
+    max_segments: int = 4  # window: the episode ends rather than start a segment past this many
+
+    @classmethod
+    def from_config(cls, rollout) -> "SamplingSettings":
+        """As the run's ``rollout`` section says (core/config.py RolloutConfig)."""
+        c = rollout.context
+        return cls(rollout.temperature, rollout.top_p, rollout.max_tokens_per_turn, rollout.max_context_tokens,
+                   rollout.system_prompt, rollout.turn_timeout_s, rollout.episode_timeout_s, c.policy, c.window_fill,
+                   c.max_segments)
 
 
 @dataclass
@@ -88,6 +108,10 @@ class Episode:
     # Where each sample after the first begins (a template that rewrites history: see the module docstring).
     sample_starts: list[int] = field(default_factory=list)
     system_prompt: str | None = None  # what the episode's conversation starts with (rendered prompts need it)
+    # Context windows: the first turn the current sample's prompt shows (0: all of them), and for each sample
+    # start made by a window, how many earlier turns its prompt does not show.
+    shown_from: int = 0
+    hidden_turns_at: dict[int, int] = field(default_factory=dict)
 
     def transcript(self) -> list[tuple[str, str]]:
         """What the agent saw and said, in order: ("observation", text) and ("reply", text) pairs."""
@@ -146,8 +170,9 @@ class Episode:
             self.stop_reason = STOP_CONTEXT
         return bool(self.stop_reason)
 
-    def close_turn(self, chat, generated_ids: list[int], result, max_context_tokens: int) -> bool:
-        """Record the environment's answer to a turn; append the next observation. False: the episode ended."""
+    def close_turn(self, chat, generated_ids: list[int], result, sampling: SamplingSettings) -> bool:
+        """Record the environment's answer to a turn; append the next observation (in a new segment when the
+        context policy is window and the next turn would not fit). False: the episode ended."""
         self.turn_rewards.append(float(result.reward))
         self.score = float(result.score)
         self.invalid_actions += bool((result.info or {}).get("invalid_action"))
@@ -159,11 +184,21 @@ class Episode:
             continuation, branch = chat.continuation_ids(result.observation, generated_ids), False
         else:
             continuation, branch = self._rendered_next(chat)
-        if (0 if branch else len(self.token_ids) - self.sample_start) + len(continuation) >= max_context_tokens:
+        held = 0 if branch else len(self.token_ids) - self.sample_start
+        window = None
+        if (sampling.context_policy == CONTEXT_WINDOW
+                and held + len(continuation) + sampling.max_tokens_per_turn > sampling.max_context_tokens
+                and len(self.sample_starts) + 1 < sampling.max_segments):
+            window = self._windowed_prompt(chat, sampling)
+            if window is not None:
+                continuation, branch, held = window[0], True, 0
+        if held + len(continuation) >= sampling.max_context_tokens:
             self.stop_reason = STOP_CONTEXT
             return False
         if branch:
             self.sample_starts.append(len(self.token_ids))
+        if window is not None:
+            self.shown_from = self.hidden_turns_at[len(self.token_ids)] = window[1]
         self.append_context(continuation)
         return True
 
@@ -171,16 +206,43 @@ class Episode:
         """A sample started for a turn that was never played (the turn budget ran out, a failure) is only a
         prompt: nothing to train, so it is not sent."""
         if self.sample_starts and self.sample_starts[-1] >= (self.turn_spans[-1][1] if self.turn_spans else 0):
-            self.cut_to(self.sample_starts.pop())
+            start = self.sample_starts.pop()
+            self.hidden_turns_at.pop(start, None)
+            self.cut_to(start)
 
     def _rendered_next(self, chat) -> tuple[list[int], bool]:
         """The next prompt rendered in full: (the ids that extend the current sample to it, False) when the
         sample is a prefix of it, else (the whole rendering, True): a new sample starts there."""
-        rendered = chat.conversation_ids(self.observations, self.replies, self.system_prompt)
+        rendered = chat.conversation_ids(*self.shown_conversation(self.shown_from), self.system_prompt)
         current = self.sample_ids
         if rendered[:len(current)] == current:
             return rendered[len(current):], False
         return rendered, True
+
+    def shown_conversation(self, first: int, turns: int | None = None) -> tuple[list[str], list[str]]:
+        """(observations, replies) of a prompt that shows the turns from ``first`` on: the task, a note saying how
+        many turns are not shown and the observation the turn ``first`` answered, as one user message; then the
+        turns as they were. ``first`` 0: the whole conversation; ``turns``: of its first ``turns`` turns only
+        (default: all played so far)."""
+        turns = len(self.replies) if turns is None else turns
+        observations, replies = self.observations[:turns + 1], self.replies[:turns]
+        if first == 0:
+            return observations, replies
+        note = f"[{first} earlier turn{'' if first == 1 else 's'} not shown]"
+        head = f"{observations[0]}\n\n{note}\n\n{observations[first]}"
+        return [head, *observations[first + 1:]], replies[first:]
+
+    def _windowed_prompt(self, chat, sampling: SamplingSettings) -> tuple[list[int], int] | None:
+        """The next segment's prompt and the first turn it shows: as many of the newest turns as fit in
+        ``window_fill`` of the context, else only the task and the latest observation. None: that does not
+        leave room for a turn either (the episode ends at the context)."""
+        budget = int(sampling.window_fill * sampling.max_context_tokens)
+        newest = len(self.replies)
+        for first in range(self.shown_from + 1, newest + 1):  # the fewest turns dropped first
+            ids = chat.conversation_ids(*self.shown_conversation(first), self.system_prompt)
+            if len(ids) <= budget or (first == newest and len(ids) < sampling.max_context_tokens):
+                return ids, first
+        return None
 
     @property
     def reward(self) -> float:
@@ -249,7 +311,7 @@ async def run_episode(
             ep.replies.append(reply)
             ep.actions.append(extract_action(reply, getattr(env, "reply_format", "react")))
             result = await _timed_env(ep, env.step(reply), clock.left())
-            if not ep.close_turn(chat, gen.token_ids, result, sampling.max_context_tokens):
+            if not ep.close_turn(chat, gen.token_ids, result, sampling):
                 break
     except _EpisodeFailed as failed:
         ep.failure, ep.failure_message, ep.stop_reason = failed.kind, failed.message[:500], STOP_FAILURE

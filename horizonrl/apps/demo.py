@@ -22,7 +22,6 @@ from pathlib import Path
 from horizonrl.core.config import TinyModelRecipe, TrainConfig, load_config
 from horizonrl.launcher.console import output_to_file
 from horizonrl.core.run_dirs import latest_checkpoint
-from horizonrl.core.schedule import TurnBudgetSchedule
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 # The default recipe (model.tiny), which the integration tests use too: 1,500 random-policy episodes,
@@ -35,13 +34,8 @@ def held_out_specs(config: TrainConfig, episodes: int | None = None) -> list:
     ``eval.samples_per_task`` each, sampled as in training (its system prompt, token limits)."""
     from horizonrl.actors.evaluate import EvalSpec
 
-    max_turns = config.eval.max_turns or TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl).final_max_turns
-    return [EvalSpec(env=spec.name, env_settings=spec.settings, split="test", episodes=episodes or config.eval.episodes,
-                     max_turns=max_turns, temperature=config.eval.temperature, samples=config.eval.samples_per_task,
-                     max_tokens_per_turn=config.rollout.max_tokens_per_turn,
-                     max_context_tokens=config.rollout.max_context_tokens, seed=config.run.seed,
-                     system_prompt=config.rollout.system_prompt)
-            for spec in config.envs]
+    return [EvalSpec.for_run(config, spec, episodes=episodes or config.eval.episodes,
+                             samples=config.eval.samples_per_task) for spec in config.envs]
 
 
 def held_out_success(model_path: str, config: TrainConfig) -> dict[str, dict]:

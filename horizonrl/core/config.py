@@ -197,6 +197,22 @@ class ConcurrencyConfig(_Frozen):
         return self
 
 
+class ContextConfig(_Frozen):
+    """``rollout.context``: what an episode does when its next turn would not fit in ``rollout.max_context_tokens``
+    (actors/episode.py; docs/horizon.md)."""
+
+    policy: Literal["cut", "window"] = Field(
+        "cut", description="cut: the episode ends there (stop reason context_limit); window: it goes on in a new "
+                           "segment whose prompt keeps the system prompt, the task and the newest turns that fit "
+                           "(the oldest turns dropped, a note says how many), each segment trained as a sample of "
+                           "its own with the episode's return")
+    window_fill: float = Field(0.5, gt=0, lt=1, description="window: a new segment's prompt holds at most this share "
+                               "of the context, so that several turns fit after it before the next window")
+    max_segments: int = Field(4, ge=2, le=64, description="window: an episode ends (context_limit) rather than "
+                              "start a segment past this many; bounds an episode's tokens, and so a learner step's, at "
+                              "max_segments x max_context_tokens")
+
+
 class RolloutConfig(_Frozen):
     num_actors: int = Field(2, ge=1)
     n: int = Field(8, ge=1, description="episodes per task: the GRPO group size (AgentGym-RL: rollout.n)")
@@ -226,6 +242,7 @@ class RolloutConfig(_Frozen):
                                    "learner steps (and after its last); buffer.max_staleness must be at least N - 1")
     engine: EngineConfig = EngineConfig()
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
+    context: ContextConfig = ContextConfig()
     agent: AgentConfig | None = Field(None, description="play the episodes with an agent program through an "
                                       "OpenAI-compatible endpoint in front of each actor's engine (docs/agents.md)")
 
@@ -749,6 +766,9 @@ class TrainConfig(_Frozen):
                              f"{self.algorithm.adv_estimator} computes returns along each row, which would run from "
                              "one trajectory into the next: unset learner.pack_tokens, or use an outcome estimator "
                              "(grpo)")
+        if self.rollout.agent is not None and self.rollout.context.policy != "cut":
+            raise ValueError(f"rollout.context.policy={self.rollout.context.policy} applies to episodes the actor "
+                             "plays itself; an agent program (rollout.agent) keeps its own history: leave it cut")
         if self.eval.stop_after_plateau and not self.eval.every:
             raise ValueError("eval.stop_after_plateau needs held-out evaluations during training: set eval.every "
                              "(e.g. eval.every=10)")
@@ -766,8 +786,11 @@ class TrainConfig(_Frozen):
     @property
     def step_token_budget(self) -> int:
         """The most tokens one learner step may be given: groups_per_step groups of rollout.n trajectories, each at
-        the context limit (the buffer refuses longer ones at its door; the learner refuses a bigger batch)."""
-        return self.learner.groups_per_step * self.rollout.n * self.rollout.max_context_tokens
+        the context limit in each of its segments (the buffer refuses longer ones at its door; the learner refuses a
+        bigger batch)."""
+        context = self.rollout.context
+        segments = context.max_segments if context.policy == "window" else 1
+        return self.learner.groups_per_step * self.rollout.n * self.rollout.max_context_tokens * segments
 
 
 class ConfigError(ValueError):

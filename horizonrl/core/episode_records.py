@@ -15,8 +15,10 @@ The files are JSON Lines, append-only, readable with nothing but the standard li
   (what the reply names, "" when nothing), ``observation`` (the environment's answer; null when
   the episode failed before it came), ``reward`` (null likewise), ``version`` and ``epoch`` (the
   weights that generated the reply), ``sample`` (which of the episode's samples the turn is in:
-  0 unless the chat template rewrites history, ``Trajectory.sample_starts``); ``samples``: how
-  many samples the episode was trained as (1 unless the template rewrites history).
+  0 unless the chat template rewrites history or a context window started a new segment,
+  ``Trajectory.sample_starts``); ``samples``: how many samples the episode was trained as;
+  ``hidden_turns``: per sample, how many earlier turns its prompt does not show (0 but for a
+  segment a context window started, ``rollout.context.policy: window``).
 - ``"trained"``: ``learner_step`` and the ``group_ids`` of the batch that step trained on
   (written when the batch is handed to the learner; a batch handed out again after a learner
   restart gets a newer line, and the last one holds).
@@ -66,6 +68,7 @@ def episode_record(t: Trajectory, evaluation: bool = False) -> dict[str, Any]:
         "num_turns": t.num_turns, "max_turns": t.max_turns, "stop_reason": t.stop_reason, "failure": t.failure,
         "failure_message": t.failure_message, "evaluation": evaluation, "first_observation": text.first_observation,
         "turns": turns, "samples": len(t.sample_starts) + 1,
+        "hidden_turns": [0, *(t.hidden_turns or [0] * len(t.sample_starts))],
     }
 
 

@@ -67,6 +67,8 @@ class ActorCounters(msgspec.Struct, kw_only=True):
     stop_max_turns: Annotated[float, scalar("rollout/stop/max_turns")] = 0.0
     stop_context_limit: Annotated[float, scalar("rollout/stop/context_limit")] = 0.0
     invalid_actions: Annotated[float, scalar("rollout/agent/invalid_actions")] = 0.0  # replies naming no valid action
+    # segments a context window started (rollout.context.policy: window): the episode went on past the context
+    context_windows: Annotated[float, scalar("rollout/context_windows")] = 0.0
     # weights: joins of the hub, updates, and the engine's time spent on them
     weight_joins: float = 0.0
     weight_updates: Annotated[float, scalar("rollout/weight_updates")] = 0.0

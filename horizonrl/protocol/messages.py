@@ -79,7 +79,10 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     begins (empty: one sample). Each sample is a sequence of its own — its first tokens are
     the prompt the engine was given (loss mask 0), no turn span crosses a start, and no sample
     is longer than the context. The trajectory is still one episode: one reward, one member
-    of its group, one advantage shared by its samples (``docs/algorithms.md``).
+    of its group, one advantage shared by its samples (``docs/algorithms.md``). An episode that
+    went on past the context (``rollout.context.policy: window``) is several samples the same
+    way; ``hidden_turns[k]`` says how many earlier turns the prompt of sample ``k + 1`` does not
+    show (0 for a template's rendering, which shows them all; empty: none hidden anywhere).
     """
 
     v: int = SCHEMA_VERSION
@@ -111,6 +114,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     text: EpisodeText | None = None  # on the episodes the actor samples for recording (monitor.record_*)
     version_spans: list[tuple[int, int, int, int]] = []
     sample_starts: list[int] = []
+    hidden_turns: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -125,7 +125,7 @@ async def run_lockstep(engine, chat, workload: Workload, task_ids: list[int], co
                 episodes[i].replies.append(replies[-1])
             results = await asyncio.gather(*(envs[i].step(reply) for i, reply in zip(generating, replies)))
             active = [i for i, gen, result in zip(generating, gens, results)
-                      if episodes[i].close_turn(chat, gen.token_ids, result, SAMPLING.max_context_tokens)]
+                      if episodes[i].close_turn(chat, gen.token_ids, result, SAMPLING)]
         finished += episodes
     return finished
 

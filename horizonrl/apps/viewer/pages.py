@@ -207,8 +207,11 @@ def _facts(entry: Entry, index: EpisodeIndex) -> str:
                    f'<span class="small">{esc(r.get("failure_message"))}</span></dd>')
     _, full = when(r)
     samples = r.get("samples", 1)
-    # An episode whose chat template rewrites history trains as several sequences (docs/episodes.md).
-    branched = f" · trained as {esc(samples)} samples (the template rewrites history)" if samples > 1 else ""
+    # An episode whose chat template rewrites history, or that went on past the context in windows, trains
+    # as several sequences (docs/episodes.md).
+    windows = sum(1 for hidden in r.get("hidden_turns", [])[1:] if hidden)
+    why = f"{windows} context window{'' if windows == 1 else 's'}" if windows else "the template rewrites history"
+    branched = f" · trained as {esc(samples)} samples ({why})" if samples > 1 else ""
     return f"""<dl class="facts">
 <dt>environment</dt><dd>{esc(r.get("env"))}</dd>
 <dt>task</dt><dd>{esc(r.get("task_id"))} <span class="small">{esc(r.get("category"))}</span>
@@ -257,6 +260,20 @@ def _state_html(entry: Entry, position: int, replay: Replay | None, current: boo
     return f'<p class="score">Return so far <b>{returns[position]:.3g}</b></p>'
 
 
+def _segment_note(record: dict[str, Any], position: int) -> str:
+    """Above the first turn of each sample after the first: where the new sequence starts and what its prompt
+    leaves out (a context window), or that the template re-rendered the history."""
+    turns = record.get("turns", [])
+    sample = turns[position - 1].get("sample", 0)
+    if sample == 0 or (position > 1 and turns[position - 2].get("sample", 0) == sample):
+        return ""
+    hidden = (record.get("hidden_turns") or [])[sample:sample + 1] or [0]
+    shown = f"turns {hidden[0] + 1}–{position - 1}" if hidden[0] < position - 1 else "the last observation"
+    what = (f"its prompt shows the task and {shown}; turns 1–{hidden[0]} are not shown (context window)"
+            if hidden[0] else "its prompt is the history as the template renders it")
+    return f'<p class="segment small">New sample {sample + 1}: {what}.</p>'
+
+
 def replay_html(entry: Entry, replay: Replay | None, current: int) -> str:
     r = entry.record
     turns = r.get("turns", [])
@@ -275,7 +292,8 @@ def replay_html(entry: Entry, replay: Replay | None, current: int) -> str:
                 answer = f'<p class="bad">no answer: the episode failed here ({esc(r.get("failure"))})</p>'
             else:
                 answer = f'<pre class="observation">{esc(turn.get("observation"))}</pre>'
-            text = (f'<h3>Turn {position}</h3><p class="small">policy v{esc(turn.get("version"))} '
+            text = (f'{_segment_note(r, position)}'
+                    f'<h3>Turn {position}</h3><p class="small">policy v{esc(turn.get("version"))} '
                     f'(epoch {esc(turn.get("epoch"))}) · reward {_number(turn.get("reward"))}</p>'
                     f'<h4>Reply</h4><pre class="reply">{esc(turn.get("reply"))}</pre>'
                     f'<h4>Action</h4><p class="action">{action}</p><h4>Environment</h4>{answer}')
