@@ -60,6 +60,7 @@ from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
 from horizonrl.learner.lora import LoraSettings, merged_state_dict, save_adapter
 from horizonrl.learner.main import RankInfo
 from horizonrl.learner.packing import pack_rows, packed_batch
+from horizonrl.learner.policy_loss import token_logprobs
 from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict,
                                      loss_token_logits, resolve_backend, save_hf_checkpoint)
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
@@ -78,11 +79,6 @@ METRICS_FILE = "metrics.jsonl"
 
 
 # ---------------------------------------------------------------------------- the losses (pure)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (N, V) predicting targets (N,) -> log π(target) (N,), in float32."""
-    return -F.cross_entropy(logits.float(), targets, reduction="none")
 
 
 def sft_loss(logprobs: torch.Tensor, num_loss_tokens: int) -> torch.Tensor:

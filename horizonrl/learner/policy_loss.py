@@ -92,9 +92,14 @@ def token_logprobs_and_entropy(
     return logprobs, entropy
 
 
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0,
                    top_p: float = 1.0) -> torch.Tensor:
-    """Log-probability of each target token alone (shapes as :func:`token_logprobs_and_entropy`)."""
+    """Log-probability of each target token alone (shapes as :func:`token_logprobs_and_entropy`), in float32; the
+    one function for it, the policy loss's and the offline losses' (SFT, DPO: temperature 1, no nucleus)."""
+    if temperature == 1.0 and top_p >= 1.0:  # −cross-entropy: no (..., V) log-softmax kept beside the logits
+        flat = -torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target_ids.reshape(-1),
+                                                  reduction="none")
+        return flat.reshape(target_ids.shape)
     logp = torch.log_softmax(nucleus_logits(logits.float() / temperature, top_p), dim=-1)
     return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
 
