@@ -52,7 +52,8 @@ def test_records_round_trip_through_a_standard_library_reader(tmp_path):
         ("signpost", 41, "g7", True, 1.0)
     assert episode["first_observation"] == "Find the exit."
     assert episode["turns"] == [{"reply": "Thought: go.\nAction: go left", "action": "go left",
-                                 "observation": "A wall. ✓", "reward": 1.0, "version": 3, "epoch": 1, "sample": 0}]
+                                 "observation": "A wall. ✓", "reward": 1.0, "version": 3, "epoch": 1, "sample": 0,
+                                 "summary": False}]
     assert episode["samples"] == 1
     assert episode["evaluation"] is False and episode["failure"] == "" and episode["stop_reason"] == "done"
     assert read["trained"] == {"g7": 4, "g8": 4}

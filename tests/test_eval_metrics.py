@@ -33,7 +33,7 @@ def test_pass_at_1_is_the_success_fraction_and_bad_arguments_raise():
 
 
 def _ep(success, score=0.0, turns=3, invalid=0, stop="done", windows=0):
-    return SimpleNamespace(success=success, score=score, reward=float(success), num_turns=turns,
+    return SimpleNamespace(success=success, score=score, reward=float(success), num_turns=turns, env_turns=turns,
                            invalid_actions=invalid, stop_reason=stop, hidden_turns_at=dict.fromkeys(range(windows), 1))
 
 

@@ -123,6 +123,7 @@ def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str
         version_spans=ep.version_spans,
         sample_starts=ep.sample_starts,
         hidden_turns=[ep.hidden_turns_at.get(start, 0) for start in ep.sample_starts] if ep.hidden_turns_at else [],
+        summary_turns=ep.summary_turns,
         turn_rewards=ep.turn_rewards,
         reward=ep.reward,
         success=ep.success,
@@ -627,7 +628,7 @@ class Actor:
             self.envs.release(env_name, env, healthy=ep is not None and ep.failure not in UNHEALTHY_ENV_FAILURES)
         self.counters.episodes += 1
         self.counters.generated_tokens += ep.generated_tokens
-        self.counters.turns += ep.num_turns
+        self.counters.turns += ep.env_turns
         self.counters.context_windows += len(ep.hidden_turns_at)
         if ep.failure:
             # Never trained on; counted by kind (rollout/failures/<kind> in TensorBoard).
@@ -641,7 +642,7 @@ class Actor:
             self.counters.successes += ep.success
             self.counters.reward_sum += ep.reward
             self.counters.count_stop(ep.stop_reason)  # the agent's outcomes: done, max_turns, context_limit
-            self.counters.completed_turns += ep.num_turns
+            self.counters.completed_turns += ep.env_turns
             self.counters.invalid_actions += ep.invalid_actions  # the agent's errors (observations, not failures)
         return ep
 

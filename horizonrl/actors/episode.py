@@ -11,11 +11,9 @@ episode *branches*: the current sample ends and a new one starts, whose prompt i
 The episode's arrays are then its samples one after another (``sample_starts`` says where each
 after the first begins); the engine is always prompted with the current sample only.
 
-The same mechanism carries an episode past the context (``rollout.context.policy: window``): when the
-next turn would not fit, a new sample (a *segment*) starts whose prompt is the conversation with its
-oldest turns dropped — the system prompt and the task kept, a note saying how many turns are not
-shown, then the newest turns that fit in ``window_fill`` of the context. Each segment is trained as a
-sequence of its own, token-exact, with the episode's return (docs/horizon.md).
+The same mechanism carries an episode past the context (``rollout.context.policy``: window or
+summarize, ``actors/context.py``): when the next turn would not fit, a new sample (a *segment*) starts
+whose prompt drops the history, keeping the newest turns or the model's own summary of them.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
+from horizonrl.actors.context import (CONTEXT_CUT, CONTEXT_SUMMARIZE, SUMMARY_REQUEST, ContextPolicy,
+                                      shown_conversation, summary_head, windowed_prompt)
 from horizonrl.core.environment import Environment, EnvironmentFailure, extract_action
 from horizonrl.protocol import (
     FAILURE_ENGINE,
@@ -38,9 +38,6 @@ from horizonrl.protocol import (
     STOP_FAILURE,
     STOP_MAX_TURNS,
 )
-
-CONTEXT_CUT = "cut"  # rollout.context.policy: the episode ends where its next turn would not fit
-CONTEXT_WINDOW = "window"  # it goes on in a new segment whose prompt drops the oldest turns
 
 log = logging.getLogger("horizonrl.actors.episode")
 
@@ -64,17 +61,14 @@ class SamplingSettings:
     system_prompt: str | None = None
     turn_timeout_s: float | None = None  # one generation
     episode_timeout_s: float | None = None  # the whole episode, environment steps included
-    context_policy: str = CONTEXT_CUT  # when the next turn would not fit: end the episode (cut) or window
-    window_fill: float = 0.5  # window: a new segment's prompt holds at most this share of the context
-    max_segments: int = 4  # window: the episode ends rather than start a segment past this many
+    context: ContextPolicy = ContextPolicy()  # when the next turn would not fit (actors/context.py)
 
     @classmethod
     def from_config(cls, rollout) -> "SamplingSettings":
         """As the run's ``rollout`` section says (core/config.py RolloutConfig)."""
-        c = rollout.context
         return cls(rollout.temperature, rollout.top_p, rollout.max_tokens_per_turn, rollout.max_context_tokens,
-                   rollout.system_prompt, rollout.turn_timeout_s, rollout.episode_timeout_s, c.policy, c.window_fill,
-                   c.max_segments)
+                   rollout.system_prompt, rollout.turn_timeout_s, rollout.episode_timeout_s,
+                   ContextPolicy.from_config(rollout.context))
 
 
 @dataclass
@@ -108,10 +102,15 @@ class Episode:
     # Where each sample after the first begins (a template that rewrites history: see the module docstring).
     sample_starts: list[int] = field(default_factory=list)
     system_prompt: str | None = None  # what the episode's conversation starts with (rendered prompts need it)
-    # Context windows: the first turn the current sample's prompt shows (0: all of them), and for each sample
-    # start made by a window, how many earlier turns its prompt does not show.
+    # The context manager (actors/context.py): the first turn the current sample's prompt shows (0: all of them);
+    # for each sample start it made, how many earlier turns that prompt does not show; the turns that are summaries
+    # (no environment step), the turns whose segment starts with a summary, and a summary asked for, not yet written
+    # (the latest observation it must keep).
     shown_from: int = 0
     hidden_turns_at: dict[int, int] = field(default_factory=dict)
+    summary_turns: list[int] = field(default_factory=list)
+    summary_heads: set[int] = field(default_factory=set)
+    summary_due: str | None = None
 
     def transcript(self) -> list[tuple[str, str]]:
         """What the agent saw and said, in order: ("observation", text) and ("reply", text) pairs."""
@@ -164,15 +163,16 @@ class Episode:
 
     def stop_before_turn(self, max_turns: int, max_context_tokens: int) -> bool:
         """Whether the turn budget or the context is spent (sets ``stop_reason``) before the next turn."""
-        if self.num_turns >= max_turns:
+        if self.env_turns >= max_turns:
             self.stop_reason = STOP_MAX_TURNS
         elif max_context_tokens - (len(self.token_ids) - self.sample_start) < 1:
             self.stop_reason = STOP_CONTEXT
         return bool(self.stop_reason)
 
     def close_turn(self, chat, generated_ids: list[int], result, sampling: SamplingSettings) -> bool:
-        """Record the environment's answer to a turn; append the next observation (in a new segment when the
-        context policy is window and the next turn would not fit). False: the episode ended."""
+        """Record the environment's answer to a turn; append the next observation — in a new segment when the next
+        turn would not fit and the context policy is window, after a request for a summary (``summary_due``) when
+        it is summarize. False: the episode ended."""
         self.turn_rewards.append(float(result.reward))
         self.score = float(result.score)
         self.invalid_actions += bool((result.info or {}).get("invalid_action"))
@@ -185,11 +185,13 @@ class Episode:
         else:
             continuation, branch = self._rendered_next(chat)
         held = 0 if branch else len(self.token_ids) - self.sample_start
-        window = None
-        if (sampling.context_policy == CONTEXT_WINDOW
-                and held + len(continuation) + sampling.max_tokens_per_turn > sampling.max_context_tokens
-                and len(self.sample_starts) + 1 < sampling.max_segments):
-            window = self._windowed_prompt(chat, sampling)
+        context, window = sampling.context, None
+        if (context.policy != CONTEXT_CUT and len(self.sample_starts) + 1 < context.max_segments
+                and held + len(continuation) + sampling.max_tokens_per_turn + context.reserve(chat)
+                > sampling.max_context_tokens):
+            if context.policy == CONTEXT_SUMMARIZE and self._ask_for_summary(chat, generated_ids, sampling):
+                return True
+            window = windowed_prompt(self, chat, context.window_fill, sampling.max_context_tokens)
             if window is not None:
                 continuation, branch, held = window[0], True, 0
         if held + len(continuation) >= sampling.max_context_tokens:
@@ -200,6 +202,47 @@ class Episode:
         if window is not None:
             self.shown_from = self.hidden_turns_at[len(self.token_ids)] = window[1]
         self.append_context(continuation)
+        return True
+
+    def _ask_for_summary(self, chat, generated_ids: list[int], sampling: SamplingSettings) -> bool:
+        """Append the latest observation with the request for a summary, if the request and the summary fit in
+        the current segment (else False, and nothing changed)."""
+        observation = self.observations[-1]
+        self.observations[-1] = f"{observation}\n\n{SUMMARY_REQUEST}"
+        if getattr(chat, "append_only", True):
+            request, branch = chat.continuation_ids(self.observations[-1], generated_ids), False
+        else:
+            request, branch = self._rendered_next(chat)
+        held = 0 if branch else len(self.token_ids) - self.sample_start
+        if held + len(request) + sampling.context.summary_tokens > sampling.max_context_tokens:
+            self.observations[-1] = observation
+            return False
+        if branch:
+            self.sample_starts.append(len(self.token_ids))
+        self.append_context(request)
+        self.summary_due = observation
+        return True
+
+    def close_summary(self, chat, generation, weights: tuple[int, int], max_context_tokens: int) -> bool:
+        """Record the summary the model wrote as a turn (reward 0, no action), then start the segment whose prompt
+        is the task, the summary and the latest observation. False: not even that fits (the episode ended)."""
+        self.append_generated(generation.token_ids, generation.logprobs, weights, generation.version_spans)
+        summary = chat.decode(generation.token_ids)
+        self.replies.append(summary)
+        self.actions.append("")
+        self.turn_rewards.append(0.0)
+        self.summary_turns.append(self.num_turns - 1)
+        self.observations.append(summary_head(self, summary, self.summary_due))
+        self.summary_due = None
+        first = len(self.replies)
+        self.summary_heads.add(first)
+        prompt = chat.conversation_ids(*shown_conversation(self, first), self.system_prompt)
+        if len(prompt) >= max_context_tokens:
+            self.stop_reason = STOP_CONTEXT
+            return False
+        self.sample_starts.append(len(self.token_ids))
+        self.shown_from = self.hidden_turns_at[len(self.token_ids)] = first
+        self.append_context(prompt)
         return True
 
     def drop_unplayed_sample(self) -> None:
@@ -213,36 +256,11 @@ class Episode:
     def _rendered_next(self, chat) -> tuple[list[int], bool]:
         """The next prompt rendered in full: (the ids that extend the current sample to it, False) when the
         sample is a prefix of it, else (the whole rendering, True): a new sample starts there."""
-        rendered = chat.conversation_ids(*self.shown_conversation(self.shown_from), self.system_prompt)
+        rendered = chat.conversation_ids(*shown_conversation(self, self.shown_from), self.system_prompt)
         current = self.sample_ids
         if rendered[:len(current)] == current:
             return rendered[len(current):], False
         return rendered, True
-
-    def shown_conversation(self, first: int, turns: int | None = None) -> tuple[list[str], list[str]]:
-        """(observations, replies) of a prompt that shows the turns from ``first`` on: the task, a note saying how
-        many turns are not shown and the observation the turn ``first`` answered, as one user message; then the
-        turns as they were. ``first`` 0: the whole conversation; ``turns``: of its first ``turns`` turns only
-        (default: all played so far)."""
-        turns = len(self.replies) if turns is None else turns
-        observations, replies = self.observations[:turns + 1], self.replies[:turns]
-        if first == 0:
-            return observations, replies
-        note = f"[{first} earlier turn{'' if first == 1 else 's'} not shown]"
-        head = f"{observations[0]}\n\n{note}\n\n{observations[first]}"
-        return [head, *observations[first + 1:]], replies[first:]
-
-    def _windowed_prompt(self, chat, sampling: SamplingSettings) -> tuple[list[int], int] | None:
-        """The next segment's prompt and the first turn it shows: as many of the newest turns as fit in
-        ``window_fill`` of the context, else only the task and the latest observation. None: that does not
-        leave room for a turn either (the episode ends at the context)."""
-        budget = int(sampling.window_fill * sampling.max_context_tokens)
-        newest = len(self.replies)
-        for first in range(self.shown_from + 1, newest + 1):  # the fewest turns dropped first
-            ids = chat.conversation_ids(*self.shown_conversation(first), self.system_prompt)
-            if len(ids) <= budget or (first == newest and len(ids) < sampling.max_context_tokens):
-                return ids, first
-        return None
 
     @property
     def reward(self) -> float:
@@ -250,7 +268,12 @@ class Episode:
 
     @property
     def num_turns(self) -> int:
+        """Every generated turn, summaries included (``env_turns``: those the environment answered)."""
         return len(self.turn_spans)
+
+    @property
+    def env_turns(self) -> int:
+        return len(self.turn_spans) - len(self.summary_turns)
 
     @property
     def generated_tokens(self) -> int:
@@ -313,10 +336,24 @@ async def run_episode(
             result = await _timed_env(ep, env.step(reply), clock.left())
             if not ep.close_turn(chat, gen.token_ids, result, sampling):
                 break
+            if ep.summary_due is not None and not await _summarize(ep, engine, chat, sampling, weights, clock):
+                break
     except _EpisodeFailed as failed:
         ep.failure, ep.failure_message, ep.stop_reason = failed.kind, failed.message[:500], STOP_FAILURE
     ep.drop_unplayed_sample()
     return ep
+
+
+async def _summarize(ep: Episode, engine: Generator, chat, sampling: SamplingSettings,
+                     weights: Callable[[], tuple[int, int]], clock: "_Deadline") -> bool:
+    """The summary turn the context manager asked for (``Episode.close_summary``). False: the episode ended."""
+    prompt = ep.sample_ids
+    turn_weights = weights()
+    gen = await _timed_generate(ep, engine.generate(
+        prompt, max_tokens=min(sampling.context.summary_tokens, sampling.max_context_tokens - len(prompt)),
+        temperature=sampling.temperature, top_p=sampling.top_p, stop_token_ids=chat.stop_token_ids,
+    ), clock.left(sampling.turn_timeout_s))
+    return ep.close_summary(chat, gen, turn_weights, sampling.max_context_tokens)
 
 
 class _EpisodeFailed(Exception):

@@ -19,7 +19,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from horizonrl.actors.episode import CONTEXT_CUT, SamplingSettings, run_episode
+from horizonrl.actors.context import ContextPolicy
+from horizonrl.actors.episode import SamplingSettings, run_episode
 from horizonrl.core.config import EngineConfig
 from horizonrl.core.environment import EnvFactory
 from horizonrl.core.schedule import TurnBudgetSchedule
@@ -45,23 +46,21 @@ class EvalSpec:
     system_prompt: str | None = None  # as in training (rollout.system_prompt)
     turn_timeout_s: float | None = None  # a generation taking longer ends the episode as a timeout failure
     episode_timeout_s: float | None = None
-    context: str = CONTEXT_CUT  # as in training (rollout.context): cut, or window past the context
-    window_fill: float = 0.5
-    max_segments: int = 4
+    context: ContextPolicy = ContextPolicy()  # as in training (rollout.context): what happens past the context
 
     @classmethod
     def for_run(cls, config, env, *, episodes: int, **more) -> "EvalSpec":
         """Held-out tasks of one of the run's environments (``config.envs``), sampled as in training: its system
         prompt, token limits, context policy and timeouts, at ``eval.temperature`` and ``eval.max_turns``
         (default: the schedule's last budget)."""
-        r, context = config.rollout, config.rollout.context
+        r = config.rollout
         max_turns = (config.eval.max_turns
                      or TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl).final_max_turns)
         return cls(env=env.name, env_settings=dict(env.settings), split="test", episodes=episodes,
                    max_turns=max_turns, temperature=config.eval.temperature, max_tokens_per_turn=r.max_tokens_per_turn,
                    max_context_tokens=r.max_context_tokens, seed=config.run.seed, system_prompt=r.system_prompt,
-                   turn_timeout_s=r.turn_timeout_s, episode_timeout_s=r.episode_timeout_s, context=context.policy,
-                   window_fill=context.window_fill, max_segments=context.max_segments, **more)
+                   turn_timeout_s=r.turn_timeout_s, episode_timeout_s=r.episode_timeout_s,
+                   context=ContextPolicy.from_config(r.context), **more)
 
     @property
     def samples_per_task(self) -> int:
@@ -114,8 +113,7 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
     task_ids = list(spec.task_ids) if spec.task_ids is not None else probe.task_ids(spec.split)[: spec.episodes]
     plays = [t for t in task_ids for _ in range(spec.samples_per_task)]
     sampling = SamplingSettings(spec.temperature, 1.0, spec.max_tokens_per_turn, spec.max_context_tokens,
-                                spec.system_prompt, spec.turn_timeout_s, spec.episode_timeout_s, spec.context,
-                                spec.window_fill, spec.max_segments)
+                                spec.system_prompt, spec.turn_timeout_s, spec.episode_timeout_s, spec.context)
     semaphore = asyncio.Semaphore(MAX_CONCURRENT_EPISODES)
 
     async def play(task_id: int):
@@ -192,10 +190,10 @@ def summarise(played: list, k: int) -> dict:
         "success_rate": sum(ep.success for _, ep in played) / n,
         "mean_score": sum(ep.score for _, ep in played) / n,
         "mean_reward": sum(ep.reward for _, ep in played) / n,
-        "mean_turns": sum(ep.num_turns for _, ep in played) / n,
+        "mean_turns": sum(ep.env_turns for _, ep in played) / n,  # the environment's (summaries are not)
         # replies that named no valid action, per turn: how well the model keeps the action format
         "invalid_action_rate": (sum(ep.invalid_actions for _, ep in played)
-                                / max(1, sum(ep.num_turns for _, ep in played))),
+                                / max(1, sum(ep.env_turns for _, ep in played))),
         # how the episodes met the context: ended at it, or went on in windows (rollout.context)
         "context_limit_rate": sum(ep.stop_reason == STOP_CONTEXT for _, ep in played) / n,
         "context_windows": sum(len(ep.hidden_turns_at) for _, ep in played) / n,

@@ -154,11 +154,12 @@ def _add_eval(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the engine's dtype (rollout.engine.dtype; auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--system-prompt", default=None, help="a system prompt, as rollout.system_prompt in training")
-    p.add_argument("--context", choices=("cut", "window"), default="cut",
-                   help="past the context, as rollout.context.policy in training: end the episode (cut) or go on "
-                        "with the oldest turns dropped (window)")
-    p.add_argument("--window-fill", type=float, default=0.5, help="rollout.context.window_fill (window only)")
-    p.add_argument("--max-segments", type=int, default=4, help="rollout.context.max_segments (window only)")
+    p.add_argument("--context", choices=("cut", "window", "summarize"), default="cut",
+                   help="past the context, as rollout.context.policy in training: end the episode (cut), go on "
+                        "with the oldest turns dropped (window) or with the model's summary of them (summarize)")
+    p.add_argument("--window-fill", type=float, default=0.5, help="rollout.context.window_fill (window)")
+    p.add_argument("--max-segments", type=int, default=4, help="rollout.context.max_segments (window, summarize)")
+    p.add_argument("--summary-tokens", type=int, default=128, help="rollout.context.summary_tokens (summarize)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="the engine's KV cache on the CPU (rollout.engine.kv_cache_gib; default 1)")
     p.add_argument("--ids", type=Path, default=None, help="file of task ids (one per line, or a JSON list); "
@@ -173,6 +174,7 @@ def _add_eval(sub) -> None:
 
 
 def _cmd_eval(args) -> int:
+    from horizonrl.actors.context import ContextPolicy
     from horizonrl.actors.evaluate import EvalSpec, evaluate, format_table
     from horizonrl.core.config import EngineConfig
     from horizonrl.core.runtime import setup_logging
@@ -181,16 +183,16 @@ def _cmd_eval(args) -> int:
     if args.k < 1 or (args.samples is not None and args.samples < args.k):
         print("error: need --k >= 1 and --samples >= --k", file=sys.stderr)
         return 2
-    if not 0 < args.window_fill < 1 or args.max_segments < 2:
-        print("error: need 0 < --window-fill < 1 and --max-segments >= 2", file=sys.stderr)
+    if not 0 < args.window_fill < 1 or args.max_segments < 2 or args.summary_tokens < 8:
+        print("error: need 0 < --window-fill < 1, --max-segments >= 2 and --summary-tokens >= 8", file=sys.stderr)
         return 2
     setup_logging("eval", "WARNING")
     spec = EvalSpec(env=args.env, env_settings=json.loads(args.env_settings), split=args.split,
                     episodes=args.episodes, max_turns=args.max_turns, temperature=args.temperature,
                     max_tokens_per_turn=args.max_tokens_per_turn, max_context_tokens=args.max_context_tokens,
                     seed=args.seed, task_ids=_read_ids(args.ids, args.env) if args.ids else None, k=args.k,
-                    samples=args.samples, system_prompt=args.system_prompt, context=args.context,
-                    window_fill=args.window_fill, max_segments=args.max_segments)
+                    samples=args.samples, system_prompt=args.system_prompt,
+                    context=ContextPolicy(args.context, args.window_fill, args.max_segments, args.summary_tokens))
     engine = EngineConfig(dtype=args.dtype, **({"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}))
     result = evaluate(args.model, spec, make_env, engine_config=engine, record_dir=args.record)
     print(format_table(result))

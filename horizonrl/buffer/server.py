@@ -113,8 +113,8 @@ class BufferServer:
                                   skip_equal_reward_groups=cfg.skip_equal_reward_groups,
                                   group_timeout_s=cfg.group_timeout_s)
         budget = TurnBudgetSchedule.from_config(config.algorithm.rounds_ctrl)
-        # no trajectory of the run has more turns than its largest budget (the coordinator's RunShape.max_turns)
-        self.max_turns = max(max(config.algorithm.rounds_ctrl.rounds), budget.final_max_turns)
+        # no trajectory has more turns than the largest budget (coordinator's RunShape.max_turns), and its summaries
+        self.max_turns = max(*budget.rounds, budget.final_max_turns) + config.rollout.context.max_summaries
         self.wal = (WriteAheadLog(config.run_dir.buffer_wal, fsync=cfg.wal_fsync,
                                   segment_bytes=int(cfg.wal_segment_mb * 2**20)) if cfg.wal else None)
         self.recovered_records = self._recover()

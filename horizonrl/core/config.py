@@ -199,18 +199,27 @@ class ConcurrencyConfig(_Frozen):
 
 class ContextConfig(_Frozen):
     """``rollout.context``: what an episode does when its next turn would not fit in ``rollout.max_context_tokens``
-    (actors/episode.py; docs/horizon.md)."""
+    (actors/context.py; docs/horizon.md)."""
 
-    policy: Literal["cut", "window"] = Field(
+    policy: Literal["cut", "window", "summarize"] = Field(
         "cut", description="cut: the episode ends there (stop reason context_limit); window: it goes on in a new "
                            "segment whose prompt keeps the system prompt, the task and the newest turns that fit "
-                           "(the oldest turns dropped, a note says how many), each segment trained as a sample of "
-                           "its own with the episode's return")
+                           "(the oldest turns dropped, a note says how many); summarize: the model first writes a "
+                           "summary of the episode (a turn of its own, trained as an action), and the new segment's "
+                           "prompt is the task, the summary and the latest observation. Each segment is trained as "
+                           "a sample of its own with the episode's return")
     window_fill: float = Field(0.5, gt=0, lt=1, description="window: a new segment's prompt holds at most this share "
                                "of the context, so that several turns fit after it before the next window")
-    max_segments: int = Field(4, ge=2, le=64, description="window: an episode ends (context_limit) rather than "
-                              "start a segment past this many; bounds an episode's tokens, and so a learner step's, at "
-                              "max_segments x max_context_tokens")
+    max_segments: int = Field(4, ge=2, le=64, description="window, summarize: an episode ends (context_limit) rather "
+                              "than start a segment past this many; bounds an episode's tokens, and so a learner "
+                              "step's, at max_segments x max_context_tokens")
+    summary_tokens: int = Field(128, ge=8, description="summarize: the longest summary, in tokens (the context keeps "
+                                "room for it and the request)")
+
+    @property
+    def max_summaries(self) -> int:
+        """Summary turns an episode may hold beside the environment's (one per segment after the first)."""
+        return self.max_segments - 1 if self.policy == "summarize" else 0
 
 
 class RolloutConfig(_Frozen):
@@ -789,7 +798,7 @@ class TrainConfig(_Frozen):
         the context limit in each of its segments (the buffer refuses longer ones at its door; the learner refuses a
         bigger batch)."""
         context = self.rollout.context
-        segments = context.max_segments if context.policy == "window" else 1
+        segments = context.max_segments if context.policy != "cut" else 1
         return self.learner.groups_per_step * self.rollout.n * self.rollout.max_context_tokens * segments
 
 

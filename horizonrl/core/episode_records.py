@@ -18,7 +18,9 @@ The files are JSON Lines, append-only, readable with nothing but the standard li
   0 unless the chat template rewrites history or a context window started a new segment,
   ``Trajectory.sample_starts``); ``samples``: how many samples the episode was trained as;
   ``hidden_turns``: per sample, how many earlier turns its prompt does not show (0 but for a
-  segment a context window started, ``rollout.context.policy: window``).
+  segment the context manager started, ``rollout.context.policy``); per turn ``summary``: true for
+  the model's summaries of the episode (``rollout.context.policy: summarize``; no environment step,
+  their ``observation`` is the message the next segment starts with).
 - ``"trained"``: ``learner_step`` and the ``group_ids`` of the batch that step trained on
   (written when the batch is handed to the learner; a batch handed out again after a learner
   restart gets a newer line, and the last one holds).
@@ -60,6 +62,7 @@ def episode_record(t: Trajectory, evaluation: bool = False) -> dict[str, Any]:
             "version": t.turn_versions[i],
             "epoch": t.turn_epochs[i],
             "sample": sample_of_turn[i] if i < len(sample_of_turn) else 0,
+            "summary": i in t.summary_turns,
         })
     return {
         "kind": "episode", "schema": SCHEMA, "time": round(time.time(), 3), "run_id": t.run_id,

@@ -244,7 +244,7 @@ def batch_metrics(batch: Batch, learner_version: int) -> dict[str, float]:
         metrics.update({
             "batch/reward_mean": _mean(t.reward for t in trajectories),
             "batch/success_mean": _mean(float(t.success) for t in trajectories),
-            "batch/turns_mean": _mean(t.num_turns for t in trajectories),
+            "batch/turns_mean": _mean(t.num_turns - len(t.summary_turns) for t in trajectories),  # the env's
             "batch/max_turns": float(max(t.max_turns for t in trajectories)),
             "batch/staleness_mean": _mean(staleness),
             "batch/staleness_max": float(max(staleness)),

@@ -83,6 +83,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     went on past the context (``rollout.context.policy: window``) is several samples the same
     way; ``hidden_turns[k]`` says how many earlier turns the prompt of sample ``k + 1`` does not
     show (0 for a template's rendering, which shows them all; empty: none hidden anywhere).
+    ``summary_turns`` lists the turns that are the model's summaries of the episode
+    (``rollout.context.policy: summarize``): generated and trained like any turn, reward 0, no
+    environment step, not counted against ``max_turns``.
     """
 
     v: int = SCHEMA_VERSION
@@ -115,6 +118,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     version_spans: list[tuple[int, int, int, int]] = []
     sample_starts: list[int] = []
     hidden_turns: list[int] = []
+    summary_turns: list[int] = []
 
     @property
     def num_tokens(self) -> int:

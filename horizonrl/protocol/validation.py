@@ -62,6 +62,7 @@ class _CountedTrajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     version_spans: msgspec.Raw = msgspec.Raw(b"")
     sample_starts: msgspec.Raw = msgspec.Raw(b"")
     hidden_turns: msgspec.Raw = msgspec.Raw(b"")
+    summary_turns: msgspec.Raw = msgspec.Raw(b"")
     timings: msgspec.Raw = msgspec.Raw(b"")
     text: _CountedText | None = None
 
@@ -84,9 +85,11 @@ def trajectory_size_problem(message: bytes | memoryview, *, max_tokens: int | No
     tid = counted.trajectory_id if is_id(counted.trajectory_id) else counted.trajectory_id[:MAX_ID_CHARS]
     tokens = _msgpack_length(counted.token_ids) // TOKEN_DTYPE.itemsize
     samples = _msgpack_length(counted.sample_starts)
-    if samples > MAX_SAMPLES or _msgpack_length(counted.hidden_turns) > samples:
-        return tid, REJECT_SAMPLES, (f"{samples + 1} samples and {_msgpack_length(counted.hidden_turns)} hidden-turn "
-                                     f"counts; at most {MAX_SAMPLES + 1} samples, one count per start")
+    if samples > MAX_SAMPLES or max(_msgpack_length(counted.hidden_turns), _msgpack_length(counted.summary_turns)) \
+            > samples:
+        return tid, REJECT_SAMPLES, (f"{samples + 1} samples, {_msgpack_length(counted.hidden_turns)} hidden-turn "
+                                     f"counts and {_msgpack_length(counted.summary_turns)} summaries; at most "
+                                     f"{MAX_SAMPLES + 1} samples, one count and one summary per start")
     if max_tokens is not None and tokens > max_tokens * (samples + 1):
         return tid, REJECT_TOO_LONG, f"{tokens} tokens in {samples + 1} samples; the run's context holds {max_tokens}"
     turn_limit = tokens if max_turns is None else min(tokens, max_turns)  # every turn generates a token
@@ -233,6 +236,11 @@ def _sample_starts_problem(t: Trajectory, n: int) -> str | None:
                            or not all(0 <= h <= t.num_turns for h in t.hidden_turns)):
         return (f"hidden_turns {t.hidden_turns[:8]} for {len(t.sample_starts)} sample starts and {t.num_turns} "
                 f"turns: one count per start, each at most the turns")
+    summaries = t.summary_turns
+    if summaries and (len(summaries) > len(t.sample_starts) or summaries != sorted(set(summaries))
+                      or not 0 <= summaries[0] <= summaries[-1] < t.num_turns):
+        return (f"summary turns {t.summary_turns[:8]} of {t.num_turns} turns and {len(t.sample_starts)} sample "
+                "starts: increasing turn numbers, at most one per start")
     previous = t.prompt_length
     for start in t.sample_starts:
         if not previous < start < n:

@@ -210,7 +210,9 @@ def _facts(entry: Entry, index: EpisodeIndex) -> str:
     # An episode whose chat template rewrites history, or that went on past the context in windows, trains
     # as several sequences (docs/episodes.md).
     windows = sum(1 for hidden in r.get("hidden_turns", [])[1:] if hidden)
-    why = f"{windows} context window{'' if windows == 1 else 's'}" if windows else "the template rewrites history"
+    kind = "summar" + ("y" if windows == 1 else "ies") if any(t.get("summary") for t in r.get("turns", [])) \
+        else "window" + ("" if windows == 1 else "s")
+    why = f"{windows} context {kind}" if windows else "the template rewrites history"
     branched = f" · trained as {esc(samples)} samples ({why})" if samples > 1 else ""
     return f"""<dl class="facts">
 <dt>environment</dt><dd>{esc(r.get("env"))}</dd>
@@ -269,8 +271,13 @@ def _segment_note(record: dict[str, Any], position: int) -> str:
         return ""
     hidden = (record.get("hidden_turns") or [])[sample:sample + 1] or [0]
     shown = f"turns {hidden[0] + 1}–{position - 1}" if hidden[0] < position - 1 else "the last observation"
-    what = (f"its prompt shows the task and {shown}; turns 1–{hidden[0]} are not shown (context window)"
-            if hidden[0] else "its prompt is the history as the template renders it")
+    if position > 1 and turns[position - 2].get("summary"):
+        what = f"its prompt is the task, the summary of turn {position - 1} and the latest observation; turns " \
+               f"1–{position - 1} are not shown (context summary)"
+    elif hidden[0]:
+        what = f"its prompt shows the task and {shown}; turns 1–{hidden[0]} are not shown (context window)"
+    else:
+        what = "its prompt is the history as the template renders it"
     return f'<p class="segment small">New sample {sample + 1}: {what}.</p>'
 
 
@@ -292,8 +299,10 @@ def replay_html(entry: Entry, replay: Replay | None, current: int) -> str:
                 answer = f'<p class="bad">no answer: the episode failed here ({esc(r.get("failure"))})</p>'
             else:
                 answer = f'<pre class="observation">{esc(turn.get("observation"))}</pre>'
+            heading = f"Turn {position}: the model's summary (no environment step)" if turn.get("summary") \
+                else f"Turn {position}"
             text = (f'{_segment_note(r, position)}'
-                    f'<h3>Turn {position}</h3><p class="small">policy v{esc(turn.get("version"))} '
+                    f'<h3>{esc(heading)}</h3><p class="small">policy v{esc(turn.get("version"))} '
                     f'(epoch {esc(turn.get("epoch"))}) · reward {_number(turn.get("reward"))}</p>'
                     f'<h4>Reply</h4><pre class="reply">{esc(turn.get("reply"))}</pre>'
                     f'<h4>Action</h4><p class="action">{action}</p><h4>Environment</h4>{answer}')
