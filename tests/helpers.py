@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,3 +182,36 @@ def faults(run_dir: Path) -> list[dict]:
 
     path = Path(run_dir) / "faults.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+class AddressPrintingProcess:
+    """A server started on a port it binds itself, which prints its address on stderr (so no other process can
+    take the port between choosing and binding it): its stderr drained into ``log`` by a thread, its ``url`` the
+    first match of a pattern. The subclass ends it by its pid (``stop``)."""
+
+    proc: subprocess.Popen
+    log: list[str]
+
+    def _start(self, args: list[str], env: dict, listening: re.Pattern, what: str, timeout_s: float) -> str:
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        self.log = []
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                match = listening.search(lines.get(timeout=0.2))
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if match:
+                return match.group(1)
+        raise TimeoutError(f"{what} printed no address within {timeout_s:.0f} s (exit code {self.proc.poll()}): "
+                           f"{''.join(self.log)[-3000:]}")
+
+    def _drain(self, lines: queue.Queue) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode(errors="replace")
+            self.log.append(line)
+            lines.put(line)

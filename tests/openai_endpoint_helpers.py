@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers import AddressPrintingProcess
 
 # Tools in the system turn, tool calls as <tool_call> blocks after the assistant's content, each run of tool
 # results as one user turn of <tool_response> blocks. Like some real templates it refuses what it cannot render
@@ -87,7 +86,7 @@ class ScriptedGenerator:
 _LISTENING = re.compile(r"serving the OpenAI endpoint on (http://127\.0\.0\.1:\d+)")
 
 
-class EndpointProcess:
+class EndpointProcess(AddressPrintingProcess):
     """``horizonrl endpoint`` in its own process on a free port it binds itself (its address read from stderr);
     ended by its pid with SIGINT."""
 
@@ -98,35 +97,11 @@ class EndpointProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         if key:
             env["HORIZONRL_ENDPOINT_KEY"] = key
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        self.log: list[str] = []
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
         try:
-            self.url = self._wait_for_address(lines, timeout_s)
+            self.url = self._start(args, env, _LISTENING, "the endpoint", timeout_s)
         except BaseException:
             self.stop()
             raise
-
-    def _drain(self, lines: queue.Queue) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode(errors="replace")
-            self.log.append(line)
-            lines.put(line)
-
-    def _wait_for_address(self, lines: queue.Queue, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                match = _LISTENING.search(lines.get(timeout=0.5))
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if match:
-                return match.group(1)
-        raise TimeoutError(f"the endpoint printed no address within {timeout_s:.0f} s (exit code "
-                           f"{self.proc.poll()}): {''.join(self.log)[-3000:]}")
 
     def health(self) -> dict:
         import urllib.request
