@@ -48,6 +48,7 @@ def test_a_gpu_job_has_one_exact_step_per_process_with_its_gpus(tmp_path):
     assert all("srun --exact --nodes=" in s for s in found)
     coordinator = next(s for s in found if "horizonrl coordinator" in s)
     assert "--gres=none" in coordinator and '--nodelist="$HEAD_NODE"' in coordinator
+    assert coordinator.startswith("supervise coordinator 5 srun")  # restarted, always on the first node
     buffer = next(s for s in found if "horizonrl buffer" in s)
     assert "--gres=none" in buffer and buffer.startswith("supervise buffer 5 srun")
     learner = next(s for s in found if "horizonrl learner" in s)

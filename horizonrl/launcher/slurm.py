@@ -14,7 +14,9 @@ Restarts follow the run's supervision policy (``supervision.*``: at most so many
 same values the supervisor of the other launchers reads (launcher/supervisor.py): a step of an actor or
 the buffer that fails is started again (it comes back wherever Slurm puts it, and registers again); the
 learner's step is restarted as a gang, every rank resuming from the newest checkpoint (``--resume
-auto``); a dead coordinator ends the job. ``launcher.slurm.max_restarts`` overrides both limits. Slurm's
+auto``); the coordinator's step is restarted on the job's first node, at the same address and ports, and
+continues from the state it saved (``coordinator_state.json``: ``coordinator_restored``), as under the local
+launcher. ``launcher.slurm.max_restarts`` overrides both limits. Slurm's
 own requeue (``--requeue``) with ``resume=auto`` continues a job that lost its node.
 
 The generated script embeds the resolved settings (the config with its overrides applied) so that
@@ -204,7 +206,8 @@ def _cpu_step(config: TrainConfig) -> str:
 def _coordinator_and_buffer(config: TrainConfig, restarts: int) -> list[str]:
     py, step = config.launcher.slurm.python, _cpu_step(config)
     return [
-        f'srun {step} --gres=none --nodelist="$HEAD_NODE" --output="{JOB.log("coordinator")}" \\',
+        "# The coordinator on the first node (its address is every process's), restarted there from its saved state.",
+        f'supervise coordinator {restarts} srun {step} --gres=none --nodelist="$HEAD_NODE" \\',
         f'  {py} -m {PACKAGE_MODULE} coordinator --config "$CONFIG" &',
         "COORDINATOR=$!",
         f'supervise buffer {restarts} srun {step} --gres=none \\',
@@ -245,7 +248,7 @@ def _actors(config: TrainConfig, layout: SlurmLayout, restarts: int) -> list[str
 def _ending(config: TrainConfig) -> list[str]:
     return [
         "",
-        "# The run ends with the learner; a dead coordinator, or a step out of restarts, ends it early.",
+        "# The run ends with the learner; a step out of restarts (the coordinator's included) ends it early.",
         'while kill -0 "$LEARNER" 2>/dev/null; do',
         f'  if [ -e "{JOB.job_failed}" ] || ! kill -0 "$COORDINATOR" 2>/dev/null; then',
         f'    echo "$(date +%T) stopping the job (see {JOB.logs})" >&2; kill "$LEARNER"; break',
