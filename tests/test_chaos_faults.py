@@ -198,3 +198,14 @@ def test_fake_joins_without_the_key_are_refused_by_the_hub_and_counted(tmp_path)
     finally:
         joins.end()
         hub.close()
+
+
+def test_a_coordinator_out_of_restarts_counts_as_given_up_though_it_cannot_count_its_own_end(tmp_path):
+    """The launcher's give-up is read from its own events: the coordinator, which writes faults.jsonl, is the one
+    that died (the first 10-minute squat run ended at its 6th kill and the summary said 'gave up 0')."""
+    from horizonrl.apps.chaos import summarize
+    from horizonrl.core.run_events import EventLog, RunEvent
+
+    EventLog(tmp_path, "launcher").emit(RunEvent.PROCESS_GAVE_UP, name="coordinator", exit_code=-9)
+    summary = summarize(tmp_path, [], elapsed_s=10.0, rc=1, finished=True)
+    assert summary["gave_up"] == 1 and not (tmp_path / "faults.jsonl").exists()

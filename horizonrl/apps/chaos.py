@@ -31,6 +31,7 @@ from horizonrl.apps.chaos_faults import (FakeJoin, FillDisk, Fault, FreezeEngine
                                         SquatCoordinator)
 from horizonrl.core.programs import horizonrl_command
 from horizonrl.core.run_dirs import RunDir
+from horizonrl.core.run_events import RunEvent, read_events
 
 STOP_GRACE_S = 900.0  # the run's own clean stop is bounded by monitor.stop_timeout_s (600 s)
 FIRST_STEP_TIMEOUT_S = 900.0  # a run that reports no learner step in this long is stopped: something is wrong
@@ -144,7 +145,8 @@ def summarize(output_dir: Path, fired: list[dict], elapsed_s: float, rc: int, fi
         "kills": len([f for f in fired if f.get("pid") and f["did"].startswith("kill")]),
         "deaths_seen": sum(f["event"] == "died" for f in faults),
         "restarts": sum(f["event"] == "restarted" for f in faults),
-        "gave_up": sum(f["event"] == "gave_up" for f in faults),
+        # From the launcher's own events: a coordinator out of restarts cannot count its own end in faults.jsonl.
+        "gave_up": len(read_events(output_dir, RunEvent.PROCESS_GAVE_UP)),
         "recovery_s": recovery,
         "recovery_s_median": round(statistics.median(recovery), 1) if recovery else None,
         "learner_steps_reported": steps,
