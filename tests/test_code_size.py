@@ -13,7 +13,7 @@ MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 300
 # class -> its length when the rule was written (2026-12-07); lower these as the classes are split
 CLASS_DEBT = {
-    "actors/actor.py:Actor": 557,
+    "actors/actor.py:Actor": 550,
     "actors/engine.py:RolloutEngine": 513,
     "actors/vllm_worker.py:WeightReceiverExtension": 325,
     "learner/weight_broadcast.py:WeightHub": 462,
