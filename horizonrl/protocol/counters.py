@@ -67,7 +67,7 @@ class ActorCounters(msgspec.Struct, kw_only=True):
     stop_max_turns: Annotated[float, scalar("rollout/stop/max_turns")] = 0.0
     stop_context_limit: Annotated[float, scalar("rollout/stop/context_limit")] = 0.0
     invalid_actions: Annotated[float, scalar("rollout/agent/invalid_actions")] = 0.0  # replies naming no valid action
-    # segments a context window started (rollout.context.policy: window): the episode went on past the context
+    # segments the context manager started (rollout.context: a window or a summary): episodes went on past the context
     context_windows: Annotated[float, scalar("rollout/context_windows")] = 0.0
     # weights: joins of the hub, updates, and the engine's time spent on them
     weight_joins: float = 0.0

@@ -80,7 +80,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", kw_only=True):
     the prompt the engine was given (loss mask 0), no turn span crosses a start, and no sample
     is longer than the context. The trajectory is still one episode: one reward, one member
     of its group, one advantage shared by its samples (``docs/algorithms.md``). An episode that
-    went on past the context (``rollout.context.policy: window``) is several samples the same
+    went on past the context (``rollout.context.policy``: window, summarize) is several samples the same
     way; ``hidden_turns[k]`` says how many earlier turns the prompt of sample ``k + 1`` does not
     show (0 for a template's rendering, which shows them all; empty: none hidden anywhere).
     ``summary_turns`` lists the turns that are the model's summaries of the episode

@@ -229,7 +229,8 @@ def _names_problem(t: Trajectory, env_names: Collection[str] | None) -> str | No
 
 
 def _sample_starts_problem(t: Trajectory, n: int) -> str | None:
-    """``sample_starts`` must increase strictly, after the first prompt and inside the arrays."""
+    """``sample_starts`` must increase strictly, after the first prompt and inside the arrays; ``hidden_turns`` has one
+    count per start, ``summary_turns`` at most one turn per start, in order."""
     if len(t.sample_starts) > MAX_SAMPLES:
         return f"{len(t.sample_starts) + 1} samples; at most {MAX_SAMPLES + 1}"
     if t.hidden_turns and (len(t.hidden_turns) != len(t.sample_starts)
