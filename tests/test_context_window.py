@@ -268,3 +268,14 @@ def test_a_window_after_a_summary_keeps_the_summary_in_the_tasks_place():
     assert shown_conversation(ep, 5) == (["task + summary + o2\n\n[2 turns since the summary not shown]\n\no5", "o6"],
                                          ["r5"])
     assert shown_conversation(ep, 2, turns=2) == (["task\n\n[2 earlier turns not shown]\n\no2"], [])
+
+
+async def test_the_viewer_counts_the_windows_and_the_summaries_of_an_episode(chat):
+    from horizonrl.apps.viewer.pages import _samples_text
+
+    for settings, expected in ((sampling(), "3 samples (2 context windows)"),
+                               (SUMMARIZE, "3 samples (2 context summaries)"),
+                               (sampling("summarize", context=520, summary_tokens=16),
+                                "4 samples (1 context window and 2 context summaries)")):
+        _, _, trajectory = await play(chat, winning(), settings)
+        assert _samples_text(episode_record(trajectory)) == f" · trained as {expected}"

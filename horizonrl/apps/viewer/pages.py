@@ -206,14 +206,7 @@ def _facts(entry: Entry, index: EpisodeIndex) -> str:
         failure = (f'<dt>failure</dt><dd><span class="bad">{esc(r["failure"])}</span> '
                    f'<span class="small">{esc(r.get("failure_message"))}</span></dd>')
     _, full = when(r)
-    samples = r.get("samples", 1)
-    # An episode whose chat template rewrites history, or that went on past the context in windows, trains
-    # as several sequences (docs/episodes.md).
-    windows = sum(1 for hidden in r.get("hidden_turns", [])[1:] if hidden)
-    kind = "summar" + ("y" if windows == 1 else "ies") if any(t.get("summary") for t in r.get("turns", [])) \
-        else "window" + ("" if windows == 1 else "s")
-    why = f"{windows} context {kind}" if windows else "the template rewrites history"
-    branched = f" · trained as {esc(samples)} samples ({why})" if samples > 1 else ""
+    branched = _samples_text(r)
     return f"""<dl class="facts">
 <dt>environment</dt><dd>{esc(r.get("env"))}</dd>
 <dt>task</dt><dd>{esc(r.get("task_id"))} <span class="small">{esc(r.get("category"))}</span>
@@ -226,6 +219,20 @@ def _facts(entry: Entry, index: EpisodeIndex) -> str:
 <dt>group</dt><dd><a href="{esc(list_url(q=group))}">{esc(group)}</a></dd>
 <dt>recorded</dt><dd>{esc(full)} · actor {esc(r.get("actor_id"))} · run {esc(r.get("run_id"))}</dd>
 </dl>"""
+
+
+def _samples_text(record: dict[str, Any]) -> str:
+    """An episode whose chat template rewrites history, or that went on past the context in windows or summaries,
+    trains as several sequences (docs/episodes.md): how many, and why."""
+    samples = record.get("samples", 1)
+    if samples <= 1:
+        return ""
+    summaries = sum(1 for t in record.get("turns", []) if t.get("summary"))
+    windows = sum(1 for hidden in record.get("hidden_turns", [])[1:] if hidden) - summaries
+    parts = [f"{n} {one if n == 1 else many}" for n, one, many in
+             ((windows, "context window", "context windows"), (summaries, "context summary", "context summaries"))
+             if n > 0]
+    return f" · trained as {esc(samples)} samples ({' and '.join(parts) or 'the template rewrites history'})"
 
 
 def _running_rewards(record: dict[str, Any]) -> list[float]:
