@@ -14,6 +14,8 @@ Commands:
   sft | dpo CONFIG [key=value ...]
                                  offline SFT / DPO on AgentGym trajectories (docs/offline.md)
   make-expert-data OUT           Signpost expert trajectories / pairs in AgentGym's format
+  make-corpus OUT_DIR            SearchQA's synthetic corpus and questions
+  make-webarena-tasks            the bundled WebArena sites' tasks and expert plans
   bench [--quick] [--parts ...]  throughput benchmarks, async vs synchronous (docs/benchmarks.md)
   chaos CONFIG --kill ROLE|...   a run under one kind of fault at random times: kill -9, SIGSTOP of an engine,
                                  a hostile-message storm, a full disk (docs/faults.md)
@@ -276,12 +278,18 @@ def _add_offline(sub) -> None:
                        help="dotted.key=value (values parsed as YAML), e.g. lr=1e-5 num_ranks=2")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         p.set_defaults(func=_cmd_offline, paradigm=name)
+    from horizonrl.apps import env_data
+
     p = sub.add_parser("make-expert-data", help="write Signpost expert trajectories (sft) or pairs (dpo) in "
                                                 "AgentGym's format")
-    from horizonrl.envs.signpost_expert import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=_cmd_expert_data)
+    env_data.add_expert_data_arguments(p)
+    p.set_defaults(func=env_data.run_expert_data)
+    p = sub.add_parser("make-corpus", help="write SearchQA's synthetic corpus and questions (corpus.jsonl, "
+                                           "train.jsonl, test.jsonl)")
+    env_data.add_corpus_arguments(p)
+    p.set_defaults(func=env_data.run_corpus)
+    p = sub.add_parser("make-webarena-tasks", help="write the bundled WebArena sites' tasks and expert plans")
+    p.set_defaults(func=env_data.run_webarena_tasks)
 
 
 def _cmd_offline(args) -> int:
@@ -303,12 +311,6 @@ def _cmd_offline(args) -> int:
         return 1
     print(json.dumps({k: summary.get(k) for k in ("checkpoint", "steps", "before", "after")}))
     return 0
-
-
-def _cmd_expert_data(args) -> int:
-    from horizonrl.envs.signpost_expert import run
-
-    return run(args)
 
 
 def _add_run_tools(sub) -> None:

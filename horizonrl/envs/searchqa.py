@@ -93,8 +93,7 @@ class SearchQAEnv:
             raise ValueError("searchqa: random_searches='names' needs answer_ends_episode (one answer per episode)")
         if data_dir is not None and (people, name_parts, countries) != (120, None, 10):
             raise ValueError("searchqa: people, name_parts and countries shape the synthetic corpus; with data_dir, "
-                             "generate it with horizonrl/envs/synthetic_corpus.py's command line (DIR --people N "
-                             "--name-parts K --countries C)")
+                             "generate it with `horizonrl make-corpus DIR --people N --name-parts K --countries C`")
         if data_dir is None:
             data = _synthetic(seed, people, name_parts, countries)
             self.train, self.test = data["train"], data["test"]

@@ -9,21 +9,18 @@ AgentGym's format, so that the offline paradigms can be tried without any hub.
   and ends with that reply. Both sides share everything before it; they differ in that decision.
 
 Conversations end with the last reply, like an actor's episode (the final observation is never
-trained on). CLI: ``horizonrl make-expert-data OUT.jsonl [--kind sft|dpo] [--episodes N]
-[--length L] [--max-turns T] [--seed S]``.
+trained on). The command that writes them: ``horizonrl make-expert-data`` (``apps/env_data.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import re
-import sys
 from typing import Any, Callable
 
 from horizonrl.envs.signpost import DIRECTIONS, SignpostEnv
-from horizonrl.core.agentgym_records import conversation_record, write_records
+from horizonrl.core.agentgym_records import conversation_record
 
 _SIGN = re.compile(r"A sign points (left|right|straight)\.")
 
@@ -99,32 +96,3 @@ def signpost_records(kind: str, episodes: int, length: int = 4, max_turns: int |
         return records
 
     return asyncio.run(build())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="horizonrl make-expert-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out", help="output file: .jsonl (one record per line) or .json (one list, as AgentGym)")
-    parser.add_argument("--env", default="signpost", choices=["signpost"],
-                        help="environment (only signpost has an expert)")
-    parser.add_argument("--kind", default="sft", choices=["sft", "dpo"], help="sft: expert trajectories; dpo: pairs")
-    parser.add_argument("--episodes", type=int, default=1000)
-    parser.add_argument("--length", type=int, default=4, help="Signpost's number of crossroads")
-    parser.add_argument("--max-turns", type=int, default=None, help="turn budget of an episode (default 2 x length)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args: argparse.Namespace) -> int:
-    records = signpost_records(args.kind, args.episodes, args.length, args.max_turns, args.seed)
-    path = write_records(args.out, records)
-    print(f"{len(records)} {args.kind} records of {args.env} (length {args.length}) -> {path}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,13 +9,12 @@ people found invented companies. Questions:
 - 2 hops: "In which city was the founder of <company> born?" (company page -> person page)
 
 Each QA row carries ``supporting_titles`` (the pages to search, in order), which the SearchQA
-oracle uses. ``python -m horizonrl.envs.synthetic_corpus OUT_DIR`` writes ``corpus.jsonl``
+oracle uses. ``horizonrl make-corpus OUT_DIR`` (``apps/env_data.py``) writes ``corpus.jsonl``
 (Search-R1's format), ``train.jsonl`` and ``test.jsonl``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -115,22 +114,3 @@ def write(out_dir: str | Path, **kwargs: Any) -> Path:
             for row in data[name]:
                 f.write(json.dumps(row) + "\n")
     return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--people", type=int, default=120)
-    parser.add_argument("--countries", type=int, default=10,
-                        help="the answers of 'In which country was <person> born?' (10: a guess is right 1 time in 10)")
-    parser.add_argument("--name-parts", type=int, default=None,
-                        help="draw first names and surnames from pools of this many words (default: two new words "
-                             "per person)")
-    args = parser.parse_args()
-    print(write(args.out_dir, seed=args.seed, num_people=args.people, name_parts=args.name_parts,
-                num_countries=args.countries))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
-"""Writes ``local_tasks.json`` (WebArena's task format) and ``local_expert.json`` (a scripted plan per
-task) for the bundled shop and forum: ``python -m horizonrl.envs.webarena.data.generate``.
+"""The bundled shop's and forum's tasks (``local_tasks.json``, WebArena's task format) and a scripted plan per
+task (``local_expert.json``), as ``horizonrl make-webarena-tasks`` writes them (``apps/env_data.py``).
 
 A plan step is one action with its element named by role and accessible name, resolved to an id
 on the live page by ``WebArenaEnv.expert_action``: ``{"click": [role, name]}``,
@@ -8,7 +8,6 @@ on the live page by ``WebArenaEnv.expert_action``: ``{"click": [role, name]}``,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -182,14 +181,3 @@ def build() -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
             "intent_template_id": task_id})
         plans[str(task_id)] = plan
     return task_list, plans
-
-
-def main() -> None:
-    task_list, plans = build()
-    (HERE / "local_tasks.json").write_text(json.dumps(task_list, indent=1) + "\n")
-    (HERE / "local_expert.json").write_text(json.dumps(plans, indent=1) + "\n")
-    print(f"{len(task_list)} tasks")
-
-
-if __name__ == "__main__":
-    main()
