@@ -152,7 +152,7 @@ def test_every_message_is_acknowledged_rejected_or_counted(tmp_path):
              for line in f.read_text().splitlines()]
     assert [(r["kind"], r.get("trajectory_id")) for r in lines] == [("episode", "g1-0"), ("trained", None)]
     assert lines[0]["turns"] == [{"reply": "Action: left", "action": "left", "observation": "Done.", "reward": 0.0,
-                                  "version": 0, "epoch": 0, "sample": 0}]
+                                  "version": 0, "epoch": 0, "sample": 0, "summary": False}]
     assert lines[1]["learner_step"] == 1 and lines[1]["group_ids"] == ["g1"]
 
 
