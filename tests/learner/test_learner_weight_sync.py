@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from queue import Empty
 
 import pytest
 import torch
@@ -38,13 +39,43 @@ def _state_dict(scale: int = 1) -> dict[str, torch.Tensor]:
     return {k: v * scale if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-def _receiver(port: int, actor: int, versions: int, queue, run_id: str = RUN_ID) -> None:
-    """Join as ``actor``, then receive ``versions`` versions (the join's own first); report each."""
-    receiver = join_weight_hub("127.0.0.1", port, actor=actor, run_id=run_id, timeout_s=60)
+JOIN_ATTEMPTS = 3  # an actor's engine retries a failed join (actors/actor.py); a test's receiver does too
+
+
+def _receiver(port: int, actor: int, versions: int, queue, run_id: str = RUN_ID,
+              attempts: int = JOIN_ATTEMPTS) -> None:
+    """Join as ``actor``, then receive ``versions`` versions (the join's own first); report each. A failed join is
+    retried, as an actor's engine does, and each failure is reported as ``("join failed", actor, text)``: a test
+    waiting for a version then says why none came."""
+    for attempt in range(1, attempts + 1):
+        try:
+            receiver = join_weight_hub("127.0.0.1", port, actor=actor, run_id=run_id, timeout_s=40)
+            break
+        except WeightSyncError as error:
+            queue.put(("join failed", actor, f"attempt {attempt}: {error}"))
+            if attempt == attempts:
+                raise
     for _ in range(versions):
         layout, named = receive_weights(receiver)
         queue.put((actor, layout.epoch, layout.version, [(name, tensor.clone()) for name, tensor in named]))
     time.sleep(60)  # stay a member until the test ends
+
+
+def _next_version(queue, timeout_s: float, hub: WeightHub) -> tuple:
+    """The next version a :func:`_receiver` reports, (actor, epoch, version, named); its failed joins on the way are
+    kept, and a wait that ends without a version says what failed and what the hub counted."""
+    failures = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            item = queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Empty:
+            raise AssertionError(f"no version within {timeout_s:.0f} s; failed joins: {failures or 'none'}; "
+                                 f"hub counters {dict(hub.counters)}, members {sorted(hub.members)}") from None
+        if item[0] == "join failed":
+            failures.append(item[1:])
+            continue
+        return item
 
 
 def _idle_member(port: int, actor: int) -> None:
@@ -87,19 +118,19 @@ def test_round_trip_is_exact_and_a_late_joiner_gets_the_newest_version_at_once()
     late = None
     first.start()
     try:
-        actor, epoch, version, named = queue.get(timeout=120)  # the join: version 0
+        actor, epoch, version, named = _next_version(queue, 120, hub)  # the join: version 0
         assert (actor, epoch, version) == (0, 0, 0)
         _assert_exact(named, 0)
         for version in (1, 2):
             stats = hub.send(hub.pack(version, _state_dict(version + 1).items()))
             assert stats["members"] == 1 and stats["dropped"] == 0
             assert stats["bytes"] >= sum(t.numel() * t.element_size() for t in _state_dict().values())
-            actor, _, got, named = queue.get(timeout=60)
+            actor, _, got, named = _next_version(queue, 60, hub)
             assert (actor, got) == (0, version)
             _assert_exact(named, version)
         late = ctx.Process(target=_receiver, args=(_port(hub), 1, 1, queue), daemon=True)
         late.start()
-        actor, _, version, named = queue.get(timeout=120)
+        actor, _, version, named = _next_version(queue, 120, hub)
         assert (actor, version) == (1, 2)  # not version 0: the newest, before anything else
         _assert_exact(named, 2)
         wait_until(lambda: len(hub.members) == 2, 30, "the late joiner to be a member")
@@ -191,13 +222,13 @@ def test_a_member_that_stops_receiving_is_dropped_and_the_others_get_the_version
     idle.start()
     try:
         wait_until(lambda: len(hub.members) == 2, 120, "both engines to join")
-        assert queue.get(timeout=30)[2] == 0
+        assert _next_version(queue, 30, hub)[2] == 0
         hub.timeout_s = 2  # joining may be slow (spawned children); a send must not wait longer than this
         start = time.monotonic()
         stats = hub.send(hub.pack(1, _state_dict(2).items()))
         assert time.monotonic() - start < 20
         assert stats["dropped"] == 1 and set(hub.members) == {(0, 0)} and hub.counters["dropped"] == 1
-        actor, _, version, named = queue.get(timeout=30)
+        actor, _, version, named = _next_version(queue, 30, hub)
         assert (actor, version) == (0, 1)
         _assert_exact(named, 1)
     finally:
@@ -221,7 +252,7 @@ def test_a_member_frozen_mid_transfer_holds_the_send_for_its_bound_not_the_group
     frozen = ctx.Process(target=_receiver, args=(_port(hub), 0, 2, queue), daemon=True)
     frozen.start()
     try:
-        assert queue.get(timeout=120)[2] == 0
+        assert _next_version(queue, 120, hub)[2] == 0
         os.kill(frozen.pid, signal.SIGSTOP)
         hub.timeout_s = 2
         big = {"w": torch.ones(32 << 20)}  # 128 MB: the sender blocks on the frozen peer
@@ -248,16 +279,16 @@ def test_a_dead_member_is_dropped_and_a_rejoin_replaces_the_old_membership():
     first.start()
     second = None
     try:
-        assert queue.get(timeout=120)[2] == 0
+        assert _next_version(queue, 120, hub)[2] == 0
         _stop(first)  # kill -9: its connection breaks
         stats = hub.send(hub.pack(1, _state_dict(2).items()))
         assert stats["dropped"] == 1 and not hub.members
         second = ctx.Process(target=_receiver, args=(_port(hub), 0, 2, queue), daemon=True)  # the same actor, restarted
         second.start()
-        assert queue.get(timeout=120)[2] == 1  # it starts at the current version
+        assert _next_version(queue, 150, hub)[2] == 1  # it starts at the current version
         stats = hub.send(hub.pack(2, _state_dict(3).items()))
         assert stats["dropped"] == 0 and stats["members"] == 1
-        assert queue.get(timeout=30)[2] == 2
+        assert _next_version(queue, 30, hub)[2] == 2
         assert hub.counters["admitted"] == 2
     finally:
         hub.close()
@@ -268,7 +299,7 @@ def test_a_join_of_another_run_is_refused():
     ctx = mp.get_context("spawn")
     hub = _hub(0, timeout_s=5)
     queue = ctx.Queue()
-    stranger = ctx.Process(target=_receiver, args=(_port(hub), 0, 1, queue, "another-run"), daemon=True)
+    stranger = ctx.Process(target=_receiver, args=(_port(hub), 0, 1, queue, "another-run", 1), daemon=True)
     stranger.start()
     try:
         wait_until(lambda: hub.counters["bad_joins"] == 1, 120, "the foreign join to be refused")
