@@ -145,7 +145,7 @@ def learner_run(args) -> dict:
     from horizonrl.core.config import load_config
     from horizonrl.core.model_shape import ModelShape
     from horizonrl.learner.main import build_trainables
-    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import AlgorithmSettings, train_on_batch
     from horizonrl.protocol.transport import free_port
 
     overrides = [o.format(max_tokens=args.max_tokens) for o in VARIANTS[args.child]]
@@ -157,7 +157,8 @@ def learner_run(args) -> dict:
         tr = build_trainables(config, torch.device("cpu"))
         samples = demo_samples(config, seed=0)
         base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        settings, update = LossSettings.from_config(config), UpdateSettings.from_config(config)
+        algorithm = AlgorithmSettings.from_config(config)
+        settings, update = algorithm.loss, algorithm.update
         seconds, profile = [], ""
         for step in range(2):
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \

@@ -214,7 +214,7 @@ def synthetic_samples(vocab: int, rows: int, length: int, seed: int = 0, mixed_s
 
 
 def train_steps(model, optimizer, samples, device, steps: int = 1, micro_batch_size: int | None = None) -> None:
-    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import LossSettings, UpdateSettings, train_on_batch
 
     for _ in range(steps):
         train_on_batch(model, optimizer, samples, rank=0, world_size=1, settings=LossSettings(),
@@ -344,7 +344,7 @@ def check_loss_parity(ctx: Context) -> CheckResult:
 
     from horizonrl.learner.batching import collate
     from horizonrl.learner.model import load_model
-    from horizonrl.learner.train_step import LossSettings, micro_batch_loss
+    from horizonrl.learner.algorithm import LossSettings, micro_batch_loss
 
     micro = collate(synthetic_samples(320, 4, 48, seed=1, mixed_signs=False))
     losses = {}

@@ -42,8 +42,8 @@ def trained_steps(output_dir: str | Path) -> list[dict[str, Any]]:
     checkpoint = latest_checkpoint(output_dir)
     while checkpoint is not None:
         state = read_state(checkpoint)
-        steps = list(state.get("consumed", [])) + steps
-        since = int(state.get("consumed_since", 0))
+        steps = list(state.consumed) + steps
+        since = state.consumed_since
         checkpoint = checkpoint_dir(output_dir, since) if since > 0 else None
         if checkpoint is not None and not checkpoint.is_dir():
             raise FileNotFoundError(f"checkpoint {checkpoint} (named by a newer one) is missing: the run's history "

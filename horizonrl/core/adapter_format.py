@@ -19,7 +19,7 @@ PEFT_PREFIX = "base_model.model."  # PEFT wraps the causal LM twice (PeftModel -
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_FACTORS = ("lora_A", "lora_B")
-# The adapter as it lives in a checkpoint directory (learner/main.py writes it beside the merged weights).
+# The adapter as it lives in a checkpoint directory (learner/services.py writes it beside the merged weights).
 CHECKPOINT_ADAPTER_DIR = "adapter"
 
 

@@ -12,11 +12,12 @@ every process (learner ranks, coordinator) resumes from the same step.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 
 @dataclass(frozen=True)
@@ -194,14 +195,50 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
-def read_state(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+class DataCursor(msgspec.Struct, frozen=True):
+    """Where the learner is in the buffer's stream of batches."""
+
+    next_request_id: int = 0  # the next batch request's id (a resumed learner continues the numbering)
+    batches_consumed: int = 0
+
+
+class TrainState(msgspec.Struct, frozen=True):
+    """A checkpoint's ``train_state.json``: what the learner (and the run's accounting) needs besides the weights,
+    the optimizer and the RNG (``learner/checkpoint.py``). Written last, so its presence marks a complete
+    checkpoint. Fields a newer version adds are ignored by an older one, and a field an older checkpoint lacks
+    takes its default."""
+
+    step: int  # the learner step, which is also the weight version within the epoch
+    weight_version: int = 0
+    data_cursor: DataCursor = DataCursor()
+    lineage: list[tuple[int, int]] = []  # (weight epoch, step) of every incarnation this run's weights branch from
+    consumed: list[dict[str, Any]] = []  # per step since ``consumed_since``: trajectory ids by outcome
+    consumed_since: int = 0  # the checkpoint whose steps ``consumed`` continues (0: the run's start)
+    lr_scheduler: dict[str, Any] | None = None  # the LR schedule's state_dict
+    critic_lr_scheduler: dict[str, Any] | None = None
+    world_size: int | None = None  # the learner ranks that wrote it (each rank's RNG is restored only at the same)
+
+
+def read_state(path: str | Path) -> TrainState:
+    """The ``train_state.json`` of the checkpoint at ``path``; a ValueError that names the file if it is not one."""
+    file = Path(path) / STATE_FILE
+    try:
+        return msgspec.json.decode(file.read_bytes(), type=TrainState)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{file}: not a training state: {exc}") from None
+
+
+def write_state(path: str | Path, state: TrainState) -> None:
+    """``train_state.json`` into the checkpoint at ``path``, whole or not at all (written beside it, then renamed)."""
+    tmp = Path(path) / (STATE_FILE + ".tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state), indent=1))
+    tmp.rename(Path(path) / STATE_FILE)
 
 
 def resumed_step(resume: str | None, output_dir: str | Path) -> int:
     """The learner step a run with this ``resume`` setting starts from (0: a fresh run)."""
     path = resolve_resume(resume, output_dir)
-    return 0 if path is None else int(read_state(path)["step"])
+    return 0 if path is None else read_state(path).step
 
 
 def ensure_run_key(output_dir: str | Path) -> str:

@@ -6,9 +6,10 @@ A checkpoint directory ``<output_dir>/checkpoints/step_N/`` holds
     train_state/                                       DCP: policy + optimizer (+ critic + its optimizer),
                                                        each rank writes its own shards
     rng/rank_<r>.pt                                    each rank's torch RNG state
-    train_state.json                                   learner step, LR schedule, data cursor, the
-                                                       coordinator's schedule state; written LAST, so
-                                                       its presence marks a complete checkpoint
+    train_state.json                                   core/run_dirs.py TrainState: learner step, LR
+                                                       schedule, data cursor, lineage, what each step
+                                                       trained on; written LAST, so its presence marks
+                                                       a complete checkpoint
 
 What a resumed run needs to be indistinguishable from one that never stopped: the weights and
 AdamW moments (DCP), the LR schedule's position, the RNG, the learner step (which is also the
@@ -18,7 +19,6 @@ and the data cursor (the next batch request id).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from horizonrl.core.disk import is_disk_refusal, refusal_text
-from horizonrl.core.run_dirs import STATE_FILE, checkpoint_dir, latest_checkpoint, read_state, resolve_resume
+import msgspec
 
-__all__ = ["STATE_FILE", "checkpoint_dir", "latest_checkpoint", "load_train_state", "read_state", "resolve_resume",
-           "save_train_state"]
+from horizonrl.core.run_dirs import (STATE_FILE, TrainState, checkpoint_dir, latest_checkpoint, read_state,
+                                    resolve_resume, write_state)
+
+__all__ = ["STATE_FILE", "TrainState", "checkpoint_dir", "latest_checkpoint", "load_train_state", "read_state",
+           "resolve_resume", "save_train_state"]
 
 
 def _modules(model, optimizer, critic, critic_optimizer) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
@@ -43,7 +46,7 @@ def _modules(model, optimizer, critic, critic_optimizer) -> dict[str, tuple[nn.M
 
 class CheckpointWriteError(RuntimeError):
     """The disk refused a part of a checkpoint on some rank (full, read-only): raised on every rank alike, so
-    they retry together (learner/main.py) or stop together."""
+    they retry together (learner/services.py) or stop together."""
 
 
 Agree = Callable[[str | None], str | None]  # a rank's refusal (None: it wrote its part) -> the first of any rank
@@ -74,7 +77,7 @@ def agree_by_barrier(error: str | None) -> str | None:
     return error or ("another learner rank could not write its part" if refused.item() else None)
 
 
-def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, state: dict[str, Any],
+def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, state: TrainState,
                      critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None,
                      agree: Agree = agree_by_barrier) -> None:
     """Collective: every rank calls it after rank 0 wrote the Hugging Face files into ``path``. Each part ends
@@ -97,11 +100,10 @@ def save_train_state(path: Path, *, model: nn.Module, optimizer, scheduler, stat
     _agreed(agree, disk_refusal(write_rng))
     error = None
     if dist.get_rank() == 0:
-        full = {**state, "lr_scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
-        if critic_scheduler is not None:
-            full["critic_lr_scheduler"] = critic_scheduler.state_dict()
-        tmp = path / (STATE_FILE + ".tmp")
-        error = disk_refusal(lambda: (tmp.write_text(json.dumps(full, indent=1)), tmp.rename(path / STATE_FILE)))
+        full = msgspec.structs.replace(
+            state, lr_scheduler=scheduler.state_dict(), world_size=dist.get_world_size(),
+            critic_lr_scheduler=critic_scheduler.state_dict() if critic_scheduler is not None else None)
+        error = disk_refusal(lambda: write_state(path, full))
     _agreed(agree, error)
 
 
@@ -112,8 +114,8 @@ def _agreed(agree: Agree, error: str | None) -> None:
 
 
 def load_train_state(path: Path, *, model: nn.Module, optimizer, scheduler,
-                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None) -> dict[str, Any]:
-    """Collective: restore everything :func:`save_train_state` saved; returns the JSON state."""
+                     critic: nn.Module | None = None, critic_optimizer=None, critic_scheduler=None) -> TrainState:
+    """Collective: restore everything :func:`save_train_state` saved; returns its ``train_state.json``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -127,11 +129,13 @@ def load_train_state(path: Path, *, model: nn.Module, optimizer, scheduler,
     dcp.load(to_load, checkpoint_id=str(path / "train_state"))
     for name, (module, optim) in modules.items():
         set_state_dict(module, optim, model_state_dict=to_load[name]["model"], optim_state_dict=to_load[name]["optim"])
-    scheduler.load_state_dict(state["lr_scheduler"])
-    if critic_scheduler is not None and "critic_lr_scheduler" in state:
-        critic_scheduler.load_state_dict(state["critic_lr_scheduler"])
+    if state.lr_scheduler is None:
+        raise ValueError(f"{path / STATE_FILE}: no lr_scheduler state, so not a checkpoint the learner wrote")
+    scheduler.load_state_dict(state.lr_scheduler)
+    if critic_scheduler is not None and state.critic_lr_scheduler is not None:
+        critic_scheduler.load_state_dict(state.critic_lr_scheduler)
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
-    if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
+    if rng_file.is_file() and state.world_size == dist.get_world_size():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
 

@@ -11,7 +11,7 @@
 Every rank runs this same loop with no branch on its rank: rank 0 is given the real services (the
 buffer's client, the coordinator's report socket, the weight hub, the event log) and the other ranks
 null ones that take part only in the collectives. Tests give it fakes and run it in-process
-(tests/learner/test_learner_loop.py); ``learner/main.py`` builds the real ones.
+(tests/learner/test_learner_loop.py); ``learner/services.py`` holds the real ones and ``learner/main.py`` wires them.
 
 Invariants kept here: every trajectory of a batch is trained on or left out for a counted reason
 (``accounting``); the checkpoint of step N names what every step since the previous checkpoint

@@ -316,7 +316,7 @@ def save_hf_checkpoint(model_config, state_dict: dict[str, torch.Tensor], source
     """A Hugging Face checkpoint (config + safetensors + tokenizer files) loadable by transformers and vLLM.
 
     Written to a temporary sibling and renamed, so a directory named step_N is always complete; ``extra(tmp)``
-    writes more into it before the rename (a LoRA run's adapter, learner/main.py ``save_policy``).
+    writes more into it before the rename (a LoRA run's adapter, learner/services.py ``save_policy``).
     """
     from safetensors.torch import save_file
 

@@ -58,13 +58,13 @@ from torch import nn
 from horizonrl.learner.batching import PAD_TOKEN_ID  # right padding: causal attention never looks right
 from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
 from horizonrl.learner.lora import LoraSettings, merged_state_dict, save_adapter
-from horizonrl.learner.main import RankInfo
+from horizonrl.learner.services import RankInfo
 from horizonrl.learner.packing import pack_rows, packed_batch
 from horizonrl.learner.policy_loss import token_logprobs
 from horizonrl.learner.model import (build_sharded_model, flash_attn_installed, gather_full_state_dict,
                                      loss_token_logits, resolve_backend, save_hf_checkpoint)
 from horizonrl.learner.offline_data import DPOData, OfflineDataError, SFTData, load_dpo_data, load_sft_data
-from horizonrl.learner.train_step import lr_multiplier
+from horizonrl.learner.algorithm import lr_multiplier
 from horizonrl.core.config import ConfigError
 from horizonrl.core.offline_config import OfflineConfig, dump_offline_config, load_offline_config
 from horizonrl.core.precision import PrecisionPolicy, resolve_precision

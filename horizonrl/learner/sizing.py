@@ -3,7 +3,7 @@ and the prediction ``scripts/gpu_check.py`` compares the measured peak against.
 
 Pure arithmetic (no torch). The setting it describes is this learner's: FSDP2 over W ranks, master
 weights, gradients and AdamW state in float32 and sharded, compute in bfloat16 (MixedPrecisionPolicy),
-Hugging Face Qwen2-style decoder layers with SDPA/flash attention, the loss of train_step.py.
+Hugging Face Qwen2-style decoder layers with SDPA/flash attention, the loss of algorithm.py.
 
     states        params 4P/W + grads 4P/W + AdamW (exp_avg, exp_avg_sq) 8P/W           = 16P/W
     unsharded     bf16 copies FSDP2 all-gathers: the root (embeddings, head, final norm) stays

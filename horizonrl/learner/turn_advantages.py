@@ -50,11 +50,6 @@ class GiGPOSettings:
     step_weight: float = 1.0  # ω, the paper's default
     norm_by_std: bool = True
 
-    @classmethod
-    def from_config(cls, config) -> "GiGPOSettings":
-        a = config.algorithm
-        return cls(a.gigpo_gamma, a.gigpo_step_weight, a.norm_adv_by_std_in_grpo)
-
 
 @dataclass(frozen=True)
 class EpisodeTurns:

@@ -171,7 +171,7 @@ class LearnerCounters(msgspec.Struct, kw_only=True):
     trajectories_trained: float = 0.0
     tokens_trained: float = 0.0
     failed_skipped: float = 0.0  # failed trajectories in the batches, left out
-    # a checkpoint the disk refused, written again (a fault of the machine, not a restart: learner/main.py)
+    # a checkpoint the disk refused, written again (a fault of the machine, not a restart: learner/services.py)
     checkpoint_write_retries: Annotated[float, scalar("faults/checkpoint_write_retries")] = 0.0
 
 

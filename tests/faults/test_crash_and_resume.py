@@ -57,7 +57,7 @@ class Chain:
     def start(self, name: str, *overrides: str):
         """An incarnation (resumed unless it is the first); returns (process, when it started, step resumed at)."""
         resumed = latest_checkpoint(self.run_dir)
-        step = read_state(resumed)["step"] if resumed is not None else 0
+        step = read_state(resumed).step if resumed is not None else 0
         started = time.time()
         proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={self.tiny_model}",
                                            f"run.output_dir={self.run_dir}", *RUN, UNTIL_KILLED, *overrides,
@@ -148,7 +148,7 @@ def test_a_clean_end_after_two_steps_in_the_one_turn_stage(chain):
         stop_process(proc)
     assert rc == 0, chain.log("clean")
     checkpoint = latest_checkpoint(chain.run_dir)
-    assert checkpoint is not None and read_state(checkpoint)["step"] == 2
+    assert checkpoint is not None and read_state(checkpoint).step == 2
     assert scalars(chain.run_dir)["batch/turns_mean"] == {1: 1.0, 2: 1.0}  # the 1-turn stage
     state = json.loads((chain.run_dir / "actors" / "actor_0.json").read_text())
     chain.next_group_after_clean_stop = state["next_group"]
@@ -285,13 +285,13 @@ def test_ctrl_c_during_a_weight_broadcast_leaves_a_resumable_checkpoint(chain):
     assert run_events(chain.run_dir, RunEvent.BROADCAST_ABANDONED, since=started) or done["weights_dropped"] > 0, \
         (chain.run_dir / "logs" / "learner-0.log").read_text(errors="replace")[-3000:]
     checkpoint = latest_checkpoint(chain.run_dir)
-    assert checkpoint is not None and read_state(checkpoint)["step"] == blocked, (checkpoint, blocked)
+    assert checkpoint is not None and read_state(checkpoint).step == blocked, (checkpoint, blocked)
     chain.stages_done.append("ctrl-c")
 
 
 def test_the_last_resume_runs_to_the_end_and_nothing_was_lost_or_trained_twice(chain):
     chain.require("ctrl-c")
-    resumed_at = read_state(latest_checkpoint(chain.run_dir))["step"]
+    resumed_at = read_state(latest_checkpoint(chain.run_dir)).step
     total = resumed_at + 2
     proc, started, step = chain.start("last", f"learner.total_steps={total}")
     try:

@@ -57,8 +57,9 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
     from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
     from horizonrl.core.config import load_config
     from horizonrl.learner.lora import LoraSettings, merged_state_dict
-    from horizonrl.learner.main import (RankInfo, build_trainables, publish_weights, save_policy, train_step_function,
-                                        weight_bucket_bytes)
+    from horizonrl.learner.algorithm import AlgorithmSettings, train_step_function
+    from horizonrl.learner.main import build_trainables
+    from horizonrl.learner.services import publish_weights, save_policy, weight_bucket_bytes
     from horizonrl.learner.model import gather_full_state_dict
     from horizonrl.learner.weight_broadcast import WeightHub
     from horizonrl.protocol import Batch
@@ -103,8 +104,8 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
             frozen = [n for n, p in tr.model.named_parameters() if not p.requires_grad]
             base_before = {n: t.clone() for n, t in gather_full_state_dict(tr.model).items() if n in frozen}
             start = time.perf_counter()
-            outcome = train_step_function(config, tr, RankInfo(0, 1, 0, "127.0.0.1", dist_port),
-                                          torch.device("cpu"))(batch)
+            outcome = train_step_function(AlgorithmSettings.from_config(config), tr, rank=0, world_size=1,
+                                          device=torch.device("cpu"))(batch)
             timings["step_s"] = time.perf_counter() - start
             base_after = gather_full_state_dict(tr.model)
             base_unchanged = len(base_before) > 200 and all(torch.equal(base_after[n], t) for n, t in base_before.items())

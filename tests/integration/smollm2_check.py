@@ -62,10 +62,11 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
     from horizonrl.actors.actor import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.config import load_config
-    from horizonrl.learner.main import RankInfo, build_trainables, train_step_function
+    from horizonrl.learner.algorithm import AlgorithmSettings, train_step_function
+    from horizonrl.learner.main import build_trainables
     from horizonrl.learner.model import gather_full_state_dict, save_hf_checkpoint
     from horizonrl.learner.weight_broadcast import WeightHub
-    from horizonrl.learner.main import publish_weights, weight_bucket_bytes
+    from horizonrl.learner.services import publish_weights, weight_bucket_bytes
     from horizonrl.protocol import Batch
 
     config = load_config(None, [
@@ -103,7 +104,8 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
             batch = Batch(run_id="check", request_id=1, groups=[[trajectory(i, task, reply, float(i % 2))
                                                                  for i, reply in enumerate(replies)]])
             start = time.perf_counter()
-            outcome = train_step_function(config, tr, RankInfo(0, 1, 0, "127.0.0.1", dist_port), torch.device("cpu"))(batch)
+            outcome = train_step_function(AlgorithmSettings.from_config(config), tr, rank=0, world_size=1,
+                                          device=torch.device("cpu"))(batch)
             timings["step_s"] = time.perf_counter() - start
 
             sent: dict = {}

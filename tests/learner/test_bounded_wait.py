@@ -27,7 +27,7 @@ def _learner_rank(rank: int, port: int, queue, mode: str) -> None:
 
     import torch.distributed as dist
 
-    from horizonrl.learner.main import _all_agree_to_stop, _from_rank_zero
+    from horizonrl.learner.services import _all_agree_to_stop, from_rank_zero
 
     # A process-group timeout far beyond the bound: only the bounded wait can end the test in time.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -42,7 +42,7 @@ def _learner_rank(rank: int, port: int, queue, mode: str) -> None:
         if mode == "stop":
             _all_agree_to_stop((threading.Event(),), BOUND_S)
         else:
-            _from_rank_zero(0, BOUND_S, "weight epoch")
+            from_rank_zero(0, BOUND_S, "weight epoch")
         queue.put(("returned", time.monotonic() - start))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         queue.put((type(exc).__name__ + ": " + str(exc), time.monotonic() - start))
@@ -153,7 +153,7 @@ def test_a_stop_during_a_publish_abandons_it_after_the_grace_and_the_gathers_sti
 
     import torch
 
-    from horizonrl.learner.main import _abandon_after
+    from horizonrl.learner.services import _abandon_after
     from horizonrl.learner.weight_broadcast import WeightHub
 
     ctx = mp.get_context("spawn")

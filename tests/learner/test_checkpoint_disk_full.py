@@ -49,7 +49,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, out: str, refusals: dict,
     import torch.distributed as dist
 
     import horizonrl.learner.checkpoint as checkpoint
-    import horizonrl.learner.main as main
+    import horizonrl.learner.services as services
     from horizonrl.core.config import TrainConfig
     from horizonrl.core.disk import Backoff
     from horizonrl.core.run_events import EventLog, NullEventLog
@@ -67,11 +67,11 @@ def _checkpoint_rank(rank: int, world: int, port: int, out: str, refusals: dict,
             return real(*args, **kwargs)
         return write
 
-    main.save_hf_checkpoint = refusing("hf", real_save_hf)
+    services.save_hf_checkpoint = refusing("hf", real_save_hf)
     checkpoint.torch.save = refusing("rng", torch.save)
-    main.Backoff = lambda limit_s: Backoff(first_s=0.05, max_s=0.1, limit_s=limit_s if limit_s is not None else 0.4)
+    services.Backoff = lambda limit_s: Backoff(first_s=0.05, max_s=0.1, limit_s=limit_s if limit_s is not None else 0.4)
     if limit_s is not None:
-        main.CHECKPOINT_RETRY_LIMIT_S = limit_s
+        services.CHECKPOINT_RETRY_LIMIT_S = limit_s
     config_hf, state = tiny()
     from transformers import Qwen2ForCausalLM
 
@@ -83,7 +83,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, out: str, refusals: dict,
     res = types.SimpleNamespace(events=EventLog(out, "learner-0") if rank == 0 else NullEventLog(), batches=None)
     config = TrainConfig.model_validate({"run": {"output_dir": out}, "model": {"path": out + "/no-tokenizer"},
                                          "envs": [{"name": "signpost"}]})
-    checkpointer = main.TrainStateCheckpointer(config, tr, res, types.SimpleNamespace(rank=rank), timeout_s=60)
+    checkpointer = services.TrainStateCheckpointer(config, tr, res, types.SimpleNamespace(rank=rank), timeout_s=60)
     try:
         path = checkpointer.save(7, [(0, 0)], [], 0)
         outcome = f"saved {path} after {checkpointer.counters.checkpoint_write_retries:.0f} retries"

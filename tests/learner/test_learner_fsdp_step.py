@@ -42,7 +42,7 @@ def _one_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: st
     from horizonrl.learner.batching import samples_from_batch
     from horizonrl.learner.model import gather_full_state_dict, load_critic, load_model, load_reference, shard_model, weights_to_send
     from horizonrl.learner.policy_loss import ClipSettings
-    from horizonrl.learner.train_step import AdvantageSettings, LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import AdvantageSettings, LossSettings, UpdateSettings, train_on_batch
 
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))

@@ -9,7 +9,7 @@ from torch import nn
 
 from horizonrl.learner.batching import MicroBatch
 from horizonrl.learner.policy_loss import ClipSettings, PolicyLossStats, clipped_policy_loss, token_logprobs_and_entropy
-from horizonrl.learner.train_step import LossSettings, micro_batch_loss
+from horizonrl.learner.algorithm import LossSettings, micro_batch_loss
 
 
 class FixedLogits(nn.Module):

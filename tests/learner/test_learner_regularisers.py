@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from horizonrl.learner.policy_loss import ClipSettings, aggregation_weights, clipped_policy_loss, kl_penalty
-from horizonrl.learner.train_step import lr_multiplier
+from horizonrl.learner.algorithm import lr_multiplier
 
 
 def _data(seed=0, n=40):

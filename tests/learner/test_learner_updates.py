@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from horizonrl.learner.batching import samples_from_batch
 from horizonrl.learner.policy_loss import ClipSettings
-from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+from horizonrl.learner.algorithm import LossSettings, UpdateSettings, train_on_batch
 from horizonrl.protocol import Batch
 from horizonrl.protocol.transport import free_port
 

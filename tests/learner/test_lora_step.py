@@ -33,12 +33,12 @@ def _step(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -
     from horizonrl.core.config import load_config
     from horizonrl.core.runtime import exit_skipping_finalization
     from horizonrl.learner.batching import samples_from_batch
-    from horizonrl.learner.checkpoint import load_train_state, save_train_state
+    from horizonrl.learner.checkpoint import TrainState, load_train_state, save_train_state
     from horizonrl.learner.lora import LoraSettings, merged_state_dict
     from horizonrl.learner.main import build_trainables
     from horizonrl.learner.model import gather_full_state_dict
     from horizonrl.learner.policy_loss import ClipSettings
-    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import LossSettings, UpdateSettings, train_on_batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
@@ -63,7 +63,7 @@ def _step(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -
                        settings=LossSettings(temperature=0.8), update=UpdateSettings(micro_batch_size=3), device=cpu)
         saved = {name: tensor.clone() for name, tensor in gather_full_state_dict(tr.model).items()}
         checkpoint = Path(out_dir) / "state"
-        save_train_state(checkpoint, model=tr.model, optimizer=tr.optimizer, scheduler=tr.scheduler, state={"step": 2})
+        save_train_state(checkpoint, model=tr.model, optimizer=tr.optimizer, scheduler=tr.scheduler, state=TrainState(step=2))
         fresh = build_trainables(config, cpu)
         load_train_state(checkpoint, model=fresh.model, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
         restored = gather_full_state_dict(fresh.model)

@@ -73,7 +73,7 @@ def test_the_rl_loss_on_packed_rows_equals_the_padded_one(mode):
 
     from horizonrl.learner.batching import micro_batches_for_rank, samples_from_batch
     from horizonrl.learner.rollout_correction import CorrectionSettings
-    from horizonrl.learner.train_step import LossSettings, micro_batch_loss
+    from horizonrl.learner.algorithm import LossSettings, micro_batch_loss
     from horizonrl.protocol import Batch
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -84,7 +84,7 @@ def _mixed_step(rank: int, world_size: int, port: int, model_dir: str, out_dir: 
     from horizonrl.core.runtime import exit_skipping_finalization
     from horizonrl.learner.batching import samples_from_batch
     from horizonrl.learner.model import build_sharded_model, gather_full_state_dict
-    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import LossSettings, UpdateSettings, train_on_batch
     from horizonrl.protocol import Batch
 
     torch.manual_seed(0)

@@ -132,7 +132,8 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     checkpoint = latest_checkpoint(tmp_path / "split")
     assert checkpoint is not None and checkpoint.name == f"step_{STOP_AT:06d}"
     state = read_state(checkpoint)
-    assert state["step"] == STOP_AT and state["data_cursor"]["next_request_id"] == STOP_AT + 1  # requests 1, 2 answered
+    assert state.step == STOP_AT and state.data_cursor.next_request_id == STOP_AT + 1  # requests 1, 2 answered
+    assert state.lineage == [(0, 0)] and state.lr_scheduler is not None and state.world_size == 1
     assert (checkpoint / "train_state" / ".metadata").is_file() and (checkpoint / "model.safetensors").is_file()
 
     resumed, requests = _run(tmp_path / "split", model_dir, serve_up_to=TOTAL_STEPS, resume="auto")
@@ -183,3 +184,30 @@ def test_turn_budget_after_resume_is_the_uninterrupted_one(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_000008"
     with pytest.raises(FileNotFoundError):
         resolve_resume(str(tmp_path / "checkpoints" / "step_000099"), tmp_path)
+
+
+def test_train_state_reads_an_older_checkpoint_and_names_a_file_that_is_not_one(tmp_path):
+    """``train_state.json`` is a typed struct (core/run_dirs.py TrainState): a checkpoint written before it (with the
+    learner's old "coordinator" entry, which nothing read) still resumes; one that is not a state says which file."""
+    from horizonrl.core.run_dirs import DataCursor, TrainState, write_state
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "train_state.json").write_text('{"step": 4, "weight_version": 4, "data_cursor": {"next_request_id": 5, '
+                                          '"batches_consumed": 4}, "coordinator": {"learner_step": 4, '
+                                          '"next_max_turns": 3}, "lineage": [[0, 0], [1, 2]], "consumed": [], '
+                                          '"consumed_since": 2, "lr_scheduler": {"last_epoch": 4}, "world_size": 1}')
+    state = read_state(old)
+    assert (state.step, state.data_cursor, state.lineage, state.consumed_since) == (4, DataCursor(5, 4),
+                                                                                      [(0, 0), (1, 2)], 2)
+    assert state.lr_scheduler == {"last_epoch": 4} and state.critic_lr_scheduler is None
+
+    new = tmp_path / "new"
+    new.mkdir()
+    write_state(new, TrainState(step=7, lineage=[(0, 0)], consumed=[{"trained": ["a"]}]))
+    assert read_state(new) == TrainState(step=7, lineage=[(0, 0)], consumed=[{"trained": ["a"]}])
+    assert not (new / "train_state.json.tmp").exists()
+
+    (new / "train_state.json").write_text('{"step": "seven"}')
+    with pytest.raises(ValueError, match="train_state.json: not a training state"):
+        read_state(new)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from horizonrl.core.config import load_config
 from horizonrl.learner.batching import samples_from_batch
-from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+from horizonrl.learner.algorithm import AlgorithmSettings, UpdateSettings, train_on_batch
 from horizonrl.protocol import Batch
 from horizonrl.protocol.transport import free_port
 
@@ -41,7 +41,7 @@ def _step(model_dir, overrides: list[str], epochs: int = 1) -> dict:
     from horizonrl.learner.model import load_model
 
     config = load_config("configs/signpost_test.yaml", overrides)
-    settings = LossSettings.from_config(config)
+    settings = AlgorithmSettings.from_config(config).loss
     torch.manual_seed(0)
     model = load_model(str(model_dir), "float32", torch.device("cpu"))
     rng = np.random.default_rng(0)

@@ -73,7 +73,7 @@ def _grads(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     from horizonrl.core.runtime import exit_skipping_finalization
     from horizonrl.learner.batching import samples_from_batch
     from horizonrl.learner.model import build_sharded_model
-    from horizonrl.learner.train_step import LossSettings, UpdateSettings, train_on_batch
+    from horizonrl.learner.algorithm import LossSettings, UpdateSettings, train_on_batch
     from horizonrl.protocol import Batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from horizonrl.core.config import ConfigError, load_config
+from horizonrl.learner.algorithm import AlgorithmSettings
 from horizonrl.learner.batching import collate, samples_from_batch
 from horizonrl.learner.turn_advantages import (
     EpisodeTurns,
@@ -135,7 +136,7 @@ def test_equal_returns_keep_a_group_with_turn_level_signal_and_drop_one_without(
 
 def test_config_selects_gigpo_and_names_the_estimators_on_a_typo():
     config = load_config(CONFIG, ["algorithm.adv_estimator=gigpo", "algorithm.gigpo_gamma=0.9"])
-    settings = GiGPOSettings.from_config(config)
+    settings = AlgorithmSettings.from_config(config).advantage.gigpo
     assert (config.algorithm.adv_estimator, settings.gamma, settings.step_weight) == ("gigpo", 0.9, 1.0)
     with pytest.raises(ConfigError, match="gigpo"):
         load_config(CONFIG, ["algorithm.adv_estimator=gipgo"])
