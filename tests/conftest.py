@@ -42,12 +42,15 @@ def give_engines_cores_of_their_own(worker: str, workers: int) -> None:
     workers' whole-run tests put both their engines on core 0 and each ran 2-2.3x slower. Through vLLM's own
     setting, ``VLLM_CPU_OMP_THREADS_BIND``, which every engine started in the worker inherits: its runs' processes,
     evaluations and benchmarks alike. A test that needs the host's cores for its engines (a tensor-parallel
-    engine, the launcher's spread of two engines) removes it. Nothing when the user set it, or with fewer cores
-    than workers."""
+    engine, the launcher's spread of two engines) removes it. Nothing when the user set it. With more workers than
+    cores, worker k takes core k mod n: the engines of two workers share a core, not those of all of them."""
     cores = sorted(os.sched_getaffinity(0))
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or len(cores) < workers:
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     index = int(worker.removeprefix("gw"))
+    if len(cores) < workers:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        return
     per = len(cores) // workers
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[index * per:(index + 1) * per]))
 

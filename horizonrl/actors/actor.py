@@ -785,6 +785,10 @@ async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvF
 
 def main(config: TrainConfig, index: int, make_env: EnvFactory) -> int:
     """The actor process; ``make_env`` creates the environments (the program wires in ``envs.make_env``)."""
-    stop = StopFlag().install()
+    return run_actor(config, index, StopFlag().install(), make_env)
+
+
+def run_actor(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> int:
+    """Actor ``index`` until ``stop`` (its own event loop: a thread of the inline launcher runs it too)."""
     asyncio.run(_amain(config, index, stop, make_env))
     return 0

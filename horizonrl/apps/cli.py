@@ -67,7 +67,7 @@ def _cmd_train(args) -> int:
         from horizonrl.launcher import resolve_placement
 
         print(dump_config(config), end="")
-        if config.launcher.type != "local":
+        if config.launcher.type not in ("local", "inline"):
             # On a cluster the scheduler picks the GPUs: show the bundles it is asked for.
             from horizonrl.core.placement import cluster_bundles
 
@@ -82,6 +82,16 @@ def _cmd_train(args) -> int:
         plan = resolve_placement(config)
         print("\n" + "\n".join(f"# {line}" for line in plan.table().splitlines()))
         return 0
+    if config.launcher.type == "inline":
+        from horizonrl.apps.inline_run import launch_inline
+        from horizonrl.core.runtime import exit_skipping_finalization
+
+        if args.tensorboard:
+            print("--tensorboard is not started by launcher.type=inline: run tensorboard --logdir "
+                  f"{config.run_dir.tensorboard}", file=sys.stderr)
+        # As the roles' own processes do: the learner's gloo threads and what vLLM imported can abort or stall the
+        # interpreter's finalization after a clean end.
+        exit_skipping_finalization(launch_inline(config, verbose=args.verbose))
     return launch(config, tensorboard=args.tensorboard, verbose=args.verbose)
 
 

@@ -585,7 +585,11 @@ class BufferServer:
 
 
 def main(config: TrainConfig) -> int:
-    stop = StopFlag().install()
+    return run_buffer(config, StopFlag().install())
+
+
+def run_buffer(config: TrainConfig, stop: StopFlag) -> int:
+    """The buffer until ``stop``."""
     server = BufferServer(config, stop)
     try:
         server.run()

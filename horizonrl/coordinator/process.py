@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -401,8 +402,15 @@ def bind_coordinator_port(sock: zmq.Socket, endpoint: str, port: int, stop: Stop
 
 
 def main(config: TrainConfig) -> int:
-    stop = StopFlag().install()
+    return run_coordinator(config, StopFlag().install())
+
+
+def run_coordinator(config: TrainConfig, stop: StopFlag, status_out: Callable[[str], None] | None = None) -> int:
+    """The coordinator until the run finishes or ``stop``; ``status_out`` takes each step's status record (default:
+    stdout, which the launcher reads)."""
     coordinator = Coordinator.for_run(config, stop)
+    if status_out is not None:
+        coordinator.writers.status_out = status_out
     try:
         coordinator.run()
     finally:

@@ -100,6 +100,7 @@ class RunWriters:
         self.wandb = _make_wandb(config)
         self._wandb_rows: list[list] = []  # episode samples since the last step, logged with its scalars
         self._write_log = RateLimitedLog(log, 60.0)
+        self.status_out: Callable[[str], None] = _print_status  # the launcher reads our stdout (inline: a call)
 
     def step(self, scalars: dict[str, float], step: int) -> bool:
         """One learner step's scalars, and (to W&B) the episode samples that came since the step before.
@@ -141,12 +142,7 @@ class RunWriters:
 
     def status(self, step: int, scalars: dict[str, float], *, startup: bool = False) -> None:
         """The step's status record on stdout, for the console of the launcher."""
-        try:
-            sys.stdout.write(status_record_line(step, self.config.learner.total_steps, scalars, startup=startup)
-                             + "\n")
-            sys.stdout.flush()
-        except OSError:
-            pass  # a broken pipe: the launcher that read it is gone (this process stops: stop_when_launcher_dies)
+        self.status_out(status_record_line(step, self.config.learner.total_steps, scalars, startup=startup))
 
     def close(self) -> None:
         self.tensorboard.close()
@@ -180,3 +176,11 @@ def _make_wandb(config: TrainConfig) -> WandbLog | None:
     if settings is None:
         return None
     return WandbLog(settings.model_dump(), config.output_dir, config.run.run_id, config.model_dump(mode="json"))
+
+
+def _print_status(line: str) -> None:
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:
+        pass  # a broken pipe: the launcher that read it is gone (this process stops: stop_when_launcher_dies)

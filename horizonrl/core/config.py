@@ -697,8 +697,10 @@ class LauncherConfig(_Frozen):
     """What starts and restarts the run's processes (docs/cluster.md). Whatever does, they find each other by
     registering with the coordinator (network)."""
 
-    type: Literal["local", "ray", "slurm"] = Field(
-        "local", description="local: subprocesses of `horizonrl train` on this machine, supervised by it; ray: Ray "
+    type: Literal["local", "inline", "ray", "slurm"] = Field(
+        "local", description="local: subprocesses of `horizonrl train` on this machine, supervised by it; inline: "
+                             "every role a thread of the one `horizonrl train` process, for debugging and tests "
+                             "(one learner rank, no restarts; docs/architecture.md); ray: Ray "
                              "actors in one placement group, supervised the same way (supervision.*); slurm: "
                              "`horizonrl slurm CONFIG > job.sbatch`, then sbatch it (its script applies "
                              "supervision.* in bash)")

@@ -59,12 +59,20 @@ class StopFlag:
         return self
 
     def _handle(self, signum: int, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self.request(signal.Signals(signum).name)
+
+    def request(self, signal_name: str) -> None:
+        """What a stop signal does, without one: a process that runs its roles as threads (the inline launcher)
+        stops a role with this."""
+        self.signal_name = signal_name
         self.count += 1
         self._event.set()
 
     def set(self) -> None:
         self._event.set()
+
+    def is_set(self) -> bool:  # a threading.Event's name for it: the learner takes either
+        return self._event.is_set()
 
     def __bool__(self) -> bool:
         return self._event.is_set()

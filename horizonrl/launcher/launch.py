@@ -69,29 +69,32 @@ def run_to_the_end(launcher, console: RunConsole, stop: StopFlag, start: Callabl
 
 
 class _ConsoleHandler(logging.Handler):
-    def __init__(self, console: RunConsole, level: int) -> None:
+    def __init__(self, console: RunConsole, level: int, by_thread: bool = False) -> None:
         super().__init__(level)
         self.console = console
+        self.by_thread = by_thread  # an inline run: each role is a thread, named for it
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.console.line(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} [launcher] "
+            who = record.threadName if self.by_thread else "launcher"
+            self.console.line(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} [{who}] "
                               f"{record.levelname} {record.getMessage()}")
         except Exception:  # noqa: BLE001 - logging must never raise into the launcher
             self.handleError(record)
 
 
 @contextmanager
-def logging_to_console(console: RunConsole, path: Path, *, verbose: bool) -> Iterator[None]:
+def logging_to_console(console: RunConsole, path: Path, *, verbose: bool, name: str = "launcher") -> Iterator[None]:
     """While the run lasts, this process's log records go to ``path`` (from INFO) and to the console (from
-    WARNING; INFO with ``verbose``), through the console so that they never tear its live block."""
+    WARNING; INFO with ``verbose``), through the console so that they never tear its live block. ``name`` heads
+    each record (a logging format: the inline run names the role's thread)."""
     root, own = logging.getLogger(), logging.getLogger("horizonrl")
     path.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(path)
     to_file.setLevel(logging.INFO)
-    to_file.setFormatter(logging.Formatter(f"%(asctime)s launcher[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    to_file.setFormatter(logging.Formatter(f"%(asctime)s {name}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
                                            datefmt="%H:%M:%S"))
-    to_console = _ConsoleHandler(console, logging.INFO if verbose else logging.WARNING)
+    to_console = _ConsoleHandler(console, logging.INFO if verbose else logging.WARNING, by_thread=name != "launcher")
     saved_level = own.level
     own.setLevel(logging.INFO)
     root.addHandler(to_file)

@@ -22,7 +22,7 @@ from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import LAUNCHER_PID_ENV, StopFlag
 from horizonrl.launcher.console import RunConsole, route_line
 from horizonrl.launcher.resolve import managed_env_servers, resolve_placement, server_url
-from horizonrl.launcher.supervisor import ProcessSpec, Supervisor
+from horizonrl.launcher.supervisor import ProcessBackend, ProcessSpec, Supervisor
 from horizonrl.protocol.transport import held_ports_env, hold_port
 
 log = logging.getLogger("horizonrl.launcher")
@@ -178,7 +178,10 @@ class Launcher:
     CUDA_VISIBLE_DEVICES comes from the plan, restarts included), supervised."""
 
     def __init__(self, config: TrainConfig, config_path: Path, *, tensorboard: bool = False, verbose: bool = False,
-                 console: RunConsole | None = None, plan: PlacementPlan | None = None) -> None:
+                 console: RunConsole | None = None, plan: PlacementPlan | None = None,
+                 backend: ProcessBackend | None = None) -> None:
+        """``backend``: what starts the processes (default: :class:`LocalProcesses`; the inline run's threads,
+        apps/inline_run.py, which share this process's ports and so get none held for them)."""
         self.config = config
         self.config_path = config_path
         self.plan = plan if plan is not None else resolve_placement(config)
@@ -186,15 +189,14 @@ class Launcher:
         self.console = console or RunConsole.for_stdout(title=f"run {config.run.name}",
                                                         total=config.learner.total_steps, verbose=verbose)
         self.log_dir = config.run_dir.logs
-        self.processes = LocalProcesses(config, self.plan, lambda name, line: route_line(self.console, name, line,
-                                                                                         verbose=verbose),
-                                        verbose=verbose)
+        self.processes = backend or LocalProcesses(config, self.plan, lambda name, line: route_line(
+            self.console, name, line, verbose=verbose), verbose=verbose)
         self.supervisor = Supervisor(config, self.processes)
         # The coordinator's two ports, held here for the whole run and handed to each coordinator incarnation: a
         # restarted coordinator always binds them again, and no other process can take them while it restarts.
         net = config.network
         self.held_ports = ({port: hold_port(net.bind_address(), port) for port in (net.control_port, net.report_port)}
-                           if net.resolved else {})
+                           if net.resolved and backend is None else {})
 
     def specs(self) -> list[ProcessSpec]:
         """Every process of the run but the learner's ranks (``LocalProcesses.learner_gang``)."""

@@ -96,9 +96,13 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
 
 def main(config: TrainConfig) -> int:
     """Train for ``config.learner.total_steps`` steps; 0 on success or a requested stop, 1 on failure."""
-    ranks = RankInfo.from_environ()
     stop = threading.Event()
     _install_stop_handlers(stop)
+    return run_learner(config, RankInfo.from_environ(), stop)
+
+
+def run_learner(config: TrainConfig, ranks: RankInfo, stop) -> int:
+    """This rank until it is done or ``stop`` (a threading.Event, or the inline launcher's StopFlag)."""
     resources = Resources()
     try:
         train(config, ranks, stop, resources)

@@ -25,9 +25,10 @@ def test_an_openai_agent_trains_through_the_whole_system(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    # One process (launcher.type=inline, apps/inline_run.py): this test is about the loop's logic, not processes.
     proc = start_process(horizonrl_cmd(
         "train", str(REPO / "configs" / "signpost_test.yaml"), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
-        "rollout.num_actors=1", "rollout.n=4", "rollout.max_context_tokens=2048", f"learner.total_steps={STEPS}",
+        "launcher.type=inline", "rollout.num_actors=1", "rollout.n=4", "rollout.max_context_tokens=2048", f"learner.total_steps={STEPS}",
         "learner.groups_per_step=2", "buffer.capacity_groups=4", "buffer.skip_equal_reward_groups=false",
         "monitor.record_fraction=1.0", f"algorithm.rounds_ctrl.rounds=[{TURNS}]",
         f"rollout.agent.command=[python, {REPO / 'examples' / 'babyai_agent.py'}]"), log_path)

@@ -55,8 +55,10 @@ def test_a_qwen3_style_template_trains_through_the_loop_token_exact(tiny_model, 
     assert chat.append_only is False
 
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    # One process (launcher.type=inline, apps/inline_run.py): this test is about the loop's logic, not processes.
     proc = start_process(horizonrl_cmd(
-        "train", str(CONFIG), f"model.path={model}", f"run.output_dir={run_dir}", "rollout.num_actors=1",
+        "train", str(CONFIG), f"model.path={model}", f"run.output_dir={run_dir}", "launcher.type=inline",
+        "rollout.num_actors=1",
         f"learner.total_steps={STEPS}", "learner.groups_per_step=2", "buffer.capacity_groups=4",
         "buffer.max_staleness=0", "monitor.record_fraction=1.0", "eval.episodes=0"), log_path)
     try:

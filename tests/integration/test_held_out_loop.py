@@ -35,7 +35,9 @@ def scalars_by_step(run_dir: Path) -> dict[str, dict[int, float]]:
 def test_held_out_success_is_logged_every_n_steps_and_a_plateau_ends_training(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     # One actor: the learner cannot step before it is up, so it sees the request for step 0 too.
+    # One process (launcher.type=inline, apps/inline_run.py): this test is about the loop's logic, not processes.
     proc = start_process(horizonrl_cmd("train", str(CONFIG), f"model.path={tiny_model}", f"run.output_dir={run_dir}",
+                                       "launcher.type=inline",
                                        f"learner.total_steps={TOTAL_STEPS}", "rollout.num_actors=1", "eval.every=2",
                                        f"eval.episodes_during_training={EPISODES}", "eval.stop_after_plateau=2",
                                        "eval.plateau_min_delta=1.0"), tmp_path / "run.log")

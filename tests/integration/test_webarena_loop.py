@@ -23,9 +23,10 @@ def webarena_tiny_model() -> Path:
 
 def test_webarena_runs_through_the_whole_loop(webarena_tiny_model, tmp_path):
     run_dir = tmp_path / "webarena"
+    # One process (launcher.type=inline, apps/inline_run.py): this test is about the loop's logic, not processes.
     proc = start_process(horizonrl_cmd(
         "train", str(REPO / "configs" / "webarena_tiny.yaml"), f"model.path={webarena_tiny_model}",
-        f"run.output_dir={run_dir}"), tmp_path / "webarena.log")
+        f"run.output_dir={run_dir}", "launcher.type=inline"), tmp_path / "webarena.log")
     try:
         rc = proc.wait(timeout=900)
     finally:
