@@ -2,12 +2,14 @@
 learner (one rank) and each actor, whose vLLM engine still runs in the processes vLLM starts for it.
 
 For debugging (one log; a ``breakpoint()`` in any role's code stops that role's thread in the terminal of
-``horizonrl train CONFIG launcher.type=inline --verbose``) and for the tests of the loop's logic. The roles are the same code as in a local run and
-talk over the same protocol on the same loopback sockets; only what starts them differs. The supervisor is the one
-every launcher uses (launcher/supervisor.py), over :class:`InlineRoles`, which starts a role's thread, "signals"
-it through its own stop flag, and reports its exit code. What needs processes is not here: a thread cannot be
-killed, so no role is restarted (a dead role ends the run), ``chaos`` and ``fault`` have nothing to kill, and
-every role shares this process's cores and memory (``resources.*`` pinning is refused).
+``horizonrl train CONFIG launcher.type=inline --verbose``) and for the tests of the loop's logic. The roles are the
+same code as in a local run and talk over the same protocol on the same loopback sockets; only what starts them
+differs. The supervisor is the one every launcher uses (launcher/supervisor.py), over :class:`InlineRoles`, which
+starts a role's thread, "signals" it through its own stop flag, and reports its exit code. What needs processes
+is not here: a thread cannot be killed, so no role is restarted (a dead role ends the run), ``chaos`` and
+``fault`` have nothing to kill, and every role shares this process's cores and memory (``resources.*`` pinning
+is refused). A Ctrl-C in a terminal reaches vLLM's engine processes too (they are in this process's group): the
+actors are stopping by then anyway.
 """
 
 from __future__ import annotations
