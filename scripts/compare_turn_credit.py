@@ -32,17 +32,17 @@ import time
 from pathlib import Path
 
 
-def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of one TensorBoard scalar of the run, in step order; [] when it was never written."""
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every TensorBoard scalar of the run: tag -> (step, value) in step order. The event files are read once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    points: dict[int, float] = {}
+    points: dict[str, dict[int, float]] = {}
     for path in sorted(glob.glob(str(run_dir / "tensorboard" / "events.*"))):
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            points.update({e.step: e.value for e in acc.Scalars(tag)})
-    return sorted(points.items())
+        for tag in acc.Tags()["scalars"]:
+            points.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return {tag: sorted(values.items()) for tag, values in points.items()}
 
 
 def first_step_at(points: list[tuple[int, float]], threshold: float, smooth: int = 1) -> int | None:
@@ -66,8 +66,8 @@ def arm_of(row: dict) -> str:
     return row.get("arm", row.get("estimator", "?"))  # rows written before arms were named by their estimator
 
 
-def last_value(run_dir: Path, tag: str) -> float:
-    points = scalars(run_dir, tag)
+def last_value(series: dict[str, list[tuple[int, float]]], tag: str) -> float:
+    points = series.get(tag, [])
     return points[-1][1] if points else 0.0
 
 
@@ -88,8 +88,8 @@ def one_run(args, common: list[str], arm: str, overrides: list[str], seed: int) 
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return row
-    held_out = scalars(run_dir, "eval/success_rate")
-    rollout = scalars(run_dir, "rollout/success_rate")
+    series = scalars(run_dir)
+    held_out, rollout = series.get("eval/success_rate", []), series.get("rollout/success_rate", [])
     row |= {
         "learner_steps": int(checkpoint.name.rsplit("_", 1)[-1]),
         "held_out_during": [[s, round(v, 3)] for s, v in held_out],
@@ -97,10 +97,10 @@ def one_run(args, common: list[str], arm: str, overrides: list[str], seed: int) 
         "rollout_last5": round(sum(v for _, v in rollout[-5:]) / max(1, len(rollout[-5:])), 3),
         "steps_to_threshold_held_out": first_step_at(held_out, args.threshold),
         "steps_to_threshold_rollout": first_step_at(rollout, args.threshold, args.smooth),
-        "generated_tokens_per_s": round(last_value(run_dir, "rollout/generated_tokens_total") / wall, 1),
-        "episodes": last_value(run_dir, "rollout/episodes_total"),
-        "stop_context_limit": last_value(run_dir, "rollout/stop/context_limit"),
-        "context_windows": last_value(run_dir, "rollout/context_windows"),
+        "generated_tokens_per_s": round(last_value(series, "rollout/generated_tokens_total") / wall, 1),
+        "episodes": last_value(series, "rollout/episodes_total"),
+        "stop_context_limit": last_value(series, "rollout/stop/context_limit"),
+        "context_windows": last_value(series, "rollout/context_windows"),
         "held_out_after": held_out_success(str(checkpoint), config)[env]["success_rate"],
     }
     return row
@@ -110,8 +110,9 @@ def progress(row: dict, out: Path) -> dict:
     """The row plus the mean episode return (Signpost: the share of crossroads passed) of the held-out
     evaluations during training and of the actors' episodes, first and last 5 steps, read from TensorBoard."""
     run_dir = out / f"{arm_of(row)}-s{row['seed']}"
-    rollout = [v for _, v in scalars(run_dir, "rollout/reward_mean")]
-    held_out = scalars(run_dir, "eval/signpost/mean_reward")
+    series = scalars(run_dir)
+    rollout = [v for _, v in series.get("rollout/reward_mean", [])]
+    held_out = series.get("eval/signpost/mean_reward", [])
     return row | {"held_out_return_during": [[s, round(v, 3)] for s, v in held_out],
                   "rollout_return_first5": round(sum(rollout[:5]) / max(1, len(rollout[:5])), 3),
                   "rollout_return_last5": round(sum(rollout[-5:]) / max(1, len(rollout[-5:])), 3)}

@@ -20,6 +20,7 @@ ends at the context as with ``cut``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,15 @@ class ContextPolicy:
         """Tokens to keep free after a turn so that the policy can still act: the request and the summary."""
         if self.policy != CONTEXT_SUMMARIZE:
             return 0
-        return self.summary_tokens + len(chat.encode(f"\n\n{SUMMARY_REQUEST}")) + 8  # 8: the template's markers
+        return self.summary_tokens + summary_request_tokens(chat) + 8  # 8: the template's markers (an estimate:
+        # Episode._ask_for_summary checks the real length, so a wrong one moves the fallback to a window, never
+        # past the context)
+
+
+@functools.lru_cache(maxsize=8)
+def summary_request_tokens(chat) -> int:
+    """The summary request's length in ``chat``'s tokens: encoded once per tokenizer, not after every turn."""
+    return len(chat.encode(f"\n\n{SUMMARY_REQUEST}"))
 
 
 def shown_conversation(ep: Episode, first: int, turns: int | None = None) -> tuple[list[str], list[str]]:
