@@ -374,7 +374,7 @@ def check_peak_memory(ctx: Context) -> CheckResult:
 
     from horizonrl.learner.model import build_sharded_model, weights_to_send
     from horizonrl.protocol.weight_buckets import plan_buckets
-    from horizonrl.learner.weight_broadcast import gather_buckets, layout_of
+    from horizonrl.learner.weight_gather import gather_buckets, layout_of
 
     init_single_rank(True)
     device = torch.device("cuda")
@@ -478,9 +478,9 @@ def _broadcast_rank(rank: int, port: int, backend: str, total_bytes: int, bucket
                                 timeout=timedelta(seconds=120))
         layout = _broadcast_layout(total_bytes)
         try:
-            from horizonrl.learner.weight_broadcast import gather_buckets
+            from horizonrl.learner.weight_gather import gather_buckets
             from horizonrl.protocol.weight_buckets import plan_buckets
-            api = "horizonrl.learner.weight_broadcast.gather_buckets + protocol.weight_buckets.plan_buckets"
+            api = "horizonrl.learner.weight_gather.gather_buckets + protocol.weight_buckets.plan_buckets"
         except ImportError:  # an older tree: a local equivalent (one buffer, tensors packed in order)
             gather_buckets = plan_buckets = None
             api = "local equivalent"

@@ -1,6 +1,6 @@
 """The size rules of the parts and the bottom layer, checked statically: no function over 80 lines. Classes over
 300 lines are the architecture issue's debt (issue 61: split Actor, RolloutEngine, WeightHub, BufferServer, what is
-left of Coordinator): the ones listed may shrink but not grow, and no other class may pass 300 lines."""
+left of Coordinator; WeightHub is under the line since 2026-12-08): the ones listed may shrink but not grow, and no other class may pass 300 lines."""
 
 import ast
 from pathlib import Path
@@ -16,7 +16,6 @@ CLASS_DEBT = {
     "actors/actor.py:Actor": 550,
     "actors/engine.py:RolloutEngine": 513,
     "actors/vllm_worker.py:WeightReceiverExtension": 325,
-    "learner/weight_broadcast.py:WeightHub": 462,
     "buffer/server.py:BufferServer": 483,
     "buffer/wal.py:WriteAheadLog": 308,
     "coordinator/process.py:Coordinator": 323,

@@ -23,6 +23,7 @@ import torch
 import zmq
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from horizonrl.actors.weight_join import announce_join
 from horizonrl.protocol.codec import ProtocolError, decode_as, encode
 from horizonrl.protocol.messages import (CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightJoin,
                                          WeightLayout)
@@ -52,8 +53,6 @@ class IpcReceiver:
              listen_host: str = "127.0.0.1", connect_timeout_s: float | None = None) -> "IpcReceiver":
         """Listen on ``listen_host`` (the learner is on this machine: loopback), then join the hub at
         ``host:port`` naming that address; WeightSyncError if the hub is not reachable within the timeout."""
-        from horizonrl.actors.weight_receiver import announce_join
-
         context = zmq.Context()
         sock = context.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)

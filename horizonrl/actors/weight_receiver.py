@@ -27,20 +27,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as, encode
+from horizonrl.actors.weight_ipc import IpcReceiver
+from horizonrl.actors.weight_join import announce_join
+from horizonrl.protocol import ProtocolError, WeightJoin, WeightLayout, decode_as
 from horizonrl.protocol.weight_buckets import Bucket, plan_buckets
-from horizonrl.protocol.weights import (JOIN_COUNTER, RUN_KEY_ENV, STORE_PREFIX, WeightSyncError, join_key,
-                                        member_prefix)
+from horizonrl.protocol.weights import WeightSyncError, member_prefix
 from horizonrl.protocol.worker_replies import StageOutcome
-
-if TYPE_CHECKING:
-    from horizonrl.actors.weight_ipc import IpcReceiver
 
 log = logging.getLogger("horizonrl.actors.weights")
 
@@ -215,8 +213,6 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
     if backend not in ("gloo", "nccl", "cuda_ipc"):
         raise ValueError(f"weight-sync backend must be 'gloo', 'nccl' or 'cuda_ipc', not {backend!r}")
     if backend == "cuda_ipc":
-        from horizonrl.actors.weight_ipc import IpcReceiver
-
         return IpcReceiver.join(host, port, actor=actor, run_id=run_id, timeout_s=timeout_s, worker=worker,
                                 connect_timeout_s=connect_timeout_s)
     if backend == "nccl":
@@ -242,52 +238,6 @@ def join_weight_hub(host: str, port: int, *, actor: int, run_id: str, timeout_s:
             f"{timeout_s:.0f} s (is the learner up and hosting the hub at this address?): {exc}"
         ) from exc
     return WeightReceiver(number, backend, timeout_s, group, store, worker, stage_in_host=backend == "nccl")
-
-
-def announce_join(host: str, port: int, timeout_s: float, join: WeightJoin,
-                  connect_timeout_s: float | None = None) -> tuple[dist.Store, dist.Store, int]:
-    """Steps 1 and 2 of a join (``protocol/weights.py``): take a join number and say who joins.
-    Returns (the store, its join prefix, the number); RuntimeError if the store is not reachable within
-    ``connect_timeout_s`` (default ``timeout_s``), the store's timeout for everything after."""
-    store = connect_store(host, port, timeout_s if connect_timeout_s is None else connect_timeout_s)
-    store.set_timeout(timedelta(seconds=timeout_s))
-    joins = dist.PrefixStore(STORE_PREFIX, store)
-    number = joins.add(JOIN_COUNTER, 1)
-    if not join.key:  # the run's key, from the actor process that started this engine (protocol/weights.py)
-        join = msgspec.structs.replace(join, key=os.environ.get(RUN_KEY_ENV, ""))
-    joins.set(join_key(number), encode(join))
-    return store, joins, number
-
-
-STORE_ANSWER_MARGIN_S = 5.0  # past the connect timeout, for the store's first answer
-
-
-def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the TCPStore at ``host:port``; RuntimeError if it is not there and answering within
-    ``timeout_s`` (+ a margin).
-
-    Why a thread: the client's constructor bounds only each connect (a refused port is retried for about twice
-    its timeout), and its first question (a ping) waits without a bound, so a port that takes the connection
-    but never answers — a dead learner's hub port, taken meanwhile by another process's listener — held a
-    rejoining engine until the actor's own timeout failed it (the Ray launcher test, once). The constructor
-    releases the GIL; a thread given up on stays blocked only until that listener closes the connection."""
-    made: list = []
-
-    def connect() -> None:
-        try:
-            made.append(dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s)))
-        except Exception as error:  # noqa: BLE001 - handed to the caller below
-            made.append(error)
-
-    thread = threading.Thread(target=connect, name="connect-weight-hub-store", daemon=True)
-    thread.start()
-    thread.join(timeout_s + STORE_ANSWER_MARGIN_S)
-    if not made:
-        raise RuntimeError(f"the store at {host}:{port} did not answer within {timeout_s + STORE_ANSWER_MARGIN_S:.0f} "
-                           "s: not up, or the port is not the hub's (a dead learner's, taken by another listener)")
-    if isinstance(made[0], Exception):
-        raise RuntimeError(str(made[0]).splitlines()[0] if str(made[0]) else type(made[0]).__name__) from made[0]
-    return made[0]
 
 
 class WeightStream:
@@ -516,7 +466,6 @@ FORMING_MARGIN_S = 5.0  # past the group's timeout, how long the first NCCL coll
 def _notify(address: str, outcome: StageOutcome) -> None:
     """One small message to the actor; if it cannot be delivered, the actor asks the worker (it waits for this
     message a few seconds at a time: ``Engine.stage_weights``)."""
-    import msgspec
     import zmq
 
     context = zmq.Context()

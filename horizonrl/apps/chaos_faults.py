@@ -368,7 +368,7 @@ def _never_receiving_member(host: str, port: int, run_id: str, actor: int, done)
 
     import torch.distributed as dist
 
-    from horizonrl.actors.weight_receiver import announce_join
+    from horizonrl.actors.weight_join import announce_join
     from horizonrl.protocol import WeightJoin
     from horizonrl.protocol.weights import member_prefix
 

@@ -356,7 +356,7 @@ def publish_weights(model, hub, *, version: int, epoch: int, bucket_mb: float, d
 
     ``lora``: a version is the adapter alone (learner/lora.py ``adapter_to_send``), which the engines load as
     their LoRA adapter in place of the last one; the base weights never leave the learner."""
-    from horizonrl.learner.weight_broadcast import gather_without_sending
+    from horizonrl.learner.weight_gather import gather_without_sending
 
     # sharded DTensors: nothing gathered yet
     named = adapter_to_send(model, lora) if lora is not None else weights_to_send(model.config, model.state_dict())

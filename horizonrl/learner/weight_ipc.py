@@ -39,7 +39,7 @@ import torch
 import zmq
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from horizonrl.learner.weight_broadcast import gather_buckets
+from horizonrl.learner.weight_gather import gather_buckets
 from horizonrl.protocol.codec import ProtocolError, decode_as, encode
 from horizonrl.protocol.messages import CudaIpcBuffer, IpcBucketAck, IpcBucketReady, IpcWeights, WeightLayout
 from horizonrl.protocol.weight_buckets import plan_buckets

@@ -12,10 +12,12 @@ import time
 import pytest
 import torch
 
-import horizonrl.learner.weight_broadcast as weight_broadcast
+import horizonrl.learner.weight_admission as weight_admission
+import horizonrl.learner.weight_links as weight_links
 import horizonrl.protocol.weights as weights
-from horizonrl.actors.weight_receiver import announce_join
-from horizonrl.learner.weight_broadcast import Member, WeightHub
+from horizonrl.actors.weight_join import announce_join
+from horizonrl.learner.weight_broadcast import WeightHub
+from horizonrl.learner.weight_links import Member
 from horizonrl.protocol import WeightJoin
 
 RUN_ID = "frozen"
@@ -52,7 +54,7 @@ class Link:
 @pytest.fixture
 def hub(monkeypatch):
     monkeypatch.setattr(weights, "FROZEN_MEMBER_FLOOR_S", 1.0, raising=False)
-    monkeypatch.setattr(weight_broadcast, "STUCK_MARGIN_S", 1.0, raising=False)
+    monkeypatch.setattr(weight_links, "STUCK_MARGIN_S", 1.0)
     THAW.clear()
     hub = WeightHub("127.0.0.1", 0, backend="gloo", timeout_s=300, run_id=RUN_ID, bucket_bytes=40 << 10)
     hub.pack(0, [("w", torch.zeros(64, 64))])
@@ -72,14 +74,14 @@ def test_a_frozen_member_is_dropped_within_the_bound_while_the_others_get_the_ve
     healthy, frozen = Link(), Link(frozen_in="bucket")
     hub.members[(0, 0)] = Member(1, 0, 0, 101, healthy)
     hub.members[(1, 0)] = Member(2, 1, 0, 102, frozen)
-    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device, **_: Link())
-    monkeypatch.setattr(hub, "_form_group", lambda number: object())
+    monkeypatch.setattr(weight_admission, "GroupLink", lambda group, device, **_: Link())
+    monkeypatch.setattr(hub.desk, "_form_group", lambda number: object())
     stats: dict = {}
     start = time.monotonic()
     send = in_thread(lambda: stats.update(hub.send(hub.pack(1, [("w", torch.ones(64, 64))]))))
     time.sleep(0.2)  # the send holds the hub's lock now, stuck on the frozen member
     _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=2, pid=103, worker=0))
-    admission = in_thread(hub._admit, number)
+    admission = in_thread(hub.desk._take, number)
     send.join(30)
     admission.join(30)
     elapsed = time.monotonic() - start
@@ -94,10 +96,10 @@ def test_a_frozen_member_is_dropped_within_the_bound_while_the_others_get_the_ve
 def test_a_joiner_whose_first_collective_never_returns_is_given_up_within_the_bound(hub, monkeypatch):
     """NCCL forms a communicator inside the first collective and waits for the peer there without a time-out:
     an engine frozen between its join and that collective must not hold the admission (and the hub's lock)."""
-    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device, **_: Link(frozen_in="begin"))
-    monkeypatch.setattr(hub, "_form_group", lambda number: object())
+    monkeypatch.setattr(weight_admission, "GroupLink", lambda group, device, **_: Link(frozen_in="begin"))
+    monkeypatch.setattr(hub.desk, "_form_group", lambda number: object())
     _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=0, pid=101, worker=0))
-    admission = in_thread(hub._admit, number)
+    admission = in_thread(hub.desk._take, number)
     admission.join(30)
     assert not admission.is_alive() and hub.counters["failed_joins"] == 1 and not hub.members
     sent = in_thread(lambda: hub.send(hub.pack(1, [("w", torch.ones(64, 64))])))  # the hub is free again

@@ -107,7 +107,8 @@ def _learner_rank(rank: int, dist_port: int, hub_port: int, versions: int, queue
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from horizonrl.learner.weight_broadcast import WeightHub, gather_without_sending
+    from horizonrl.learner.weight_broadcast import WeightHub
+    from horizonrl.learner.weight_gather import gather_without_sending
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=2)
     module = nn.Module()

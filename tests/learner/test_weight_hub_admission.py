@@ -1,7 +1,8 @@
-"""The weight hub's door (learner/weight_broadcast.py): a join without the run's key costs nothing and is
-counted; a joiner that never receives holds no publish (its first version goes outside the hub's lock, from a
-copy no publish rewrites meanwhile); the hub's store listens on the run's bind address only; a join with the key
-(the engine worker reads it from its actor's environment) is admitted with real gloo groups."""
+"""The weight hub's door (learner/weight_admission.py JoinDesk, in front of learner/weight_broadcast.py): a join
+without the run's key costs nothing and is counted; a joiner that never receives holds no publish (its first
+version goes outside the hub's lock, from a copy no publish rewrites meanwhile); the hub's store listens on the
+run's bind address only; a join with the key (the engine worker reads it from its actor's environment) is
+admitted with real gloo groups."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import psutil
 import pytest
 import torch
 
-import horizonrl.learner.weight_broadcast as weight_broadcast
-from horizonrl.actors.weight_receiver import announce_join, join_weight_hub, receive_weights
-from horizonrl.learner.weight_broadcast import Member, WeightHub
+import horizonrl.learner.weight_admission as weight_admission
+from horizonrl.actors.weight_join import announce_join
+from horizonrl.actors.weight_receiver import join_weight_hub, receive_weights
+from horizonrl.learner.weight_broadcast import WeightHub
+from horizonrl.learner.weight_links import Member
 from horizonrl.protocol import WeightJoin
 from horizonrl.protocol.weights import RUN_KEY_ENV
 
@@ -62,21 +65,21 @@ def in_thread(target, *args) -> threading.Thread:
 
 def test_a_join_without_the_runs_key_is_refused_before_anything_is_spent_on_it(hub, monkeypatch):
     formed = []
-    monkeypatch.setattr(hub, "_form_group", lambda number: formed.append(number))
+    monkeypatch.setattr(hub.desk, "_form_group", lambda number: formed.append(number))
     for key in ("", "not-the-key"):
         _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=0, pid=7, key=key))
-        hub._admit(number)
+        hub.desk._take(number)
     assert hub.counters["unauthenticated_joins"] == 2 and not formed and not hub.members
 
 
 def test_a_joiner_that_never_receives_holds_no_publish_and_its_copy_is_not_rewritten(hub, monkeypatch):
-    monkeypatch.setattr(weight_broadcast, "GroupLink", lambda group, device, **_: Link(frozen=True))
-    monkeypatch.setattr(hub, "_form_group", lambda number: object())
+    monkeypatch.setattr(weight_admission, "GroupLink", lambda group, device, **_: Link(frozen=True))
+    monkeypatch.setattr(hub.desk, "_form_group", lambda number: object())
     healthy = Link()
     hub.members[(1, 0)] = Member(1, 1, 0, 101, healthy)
     first_copy = hub.latest.buckets[0]
     _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=0, pid=7, key=KEY))
-    admission = in_thread(hub._admit, number)
+    admission = in_thread(hub.desk._take, number)
     deadline = time.monotonic() + 10
     while hub.latest.readers == 0 and time.monotonic() < deadline:
         time.sleep(0.01)

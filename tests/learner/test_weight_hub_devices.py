@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-import horizonrl.learner.weight_broadcast as weight_broadcast
-from horizonrl.actors.weight_receiver import announce_join
+import horizonrl.learner.weight_admission as weight_admission
+from horizonrl.actors.weight_join import announce_join
 from horizonrl.learner.weight_broadcast import WeightHub
 from horizonrl.protocol import WeightJoin
 
@@ -45,13 +45,13 @@ def test_a_hub_on_a_gpu_hands_its_links_device_memory_at_a_join_and_a_send(monke
     hub = WeightHub("127.0.0.1", 0, backend="gloo", timeout_s=10, run_id=RUN_ID, bucket_bytes=40 << 10)
     try:
         hub.device = torch.device("meta")  # what a hub on a GPU has (NCCL), without one
-        monkeypatch.setattr(weight_broadcast, "GroupLink", RecordingLink)
-        monkeypatch.setattr(hub, "_form_group", lambda number: object())
+        monkeypatch.setattr(weight_admission, "GroupLink", RecordingLink)
+        monkeypatch.setattr(hub.desk, "_form_group", lambda number: object())
         RecordingLink.devices = []
         hub.pack(0, weights(1.0))  # the admission copy: host memory
         assert all(bucket.device.type == "cpu" for bucket in hub.latest.buckets) and len(hub.latest.plan) == 3
         _, _, number = announce_join("127.0.0.1", hub.port, 10, WeightJoin(run_id=RUN_ID, actor=0, pid=1, worker=0))
-        hub._admit(number)  # what the admission thread does for that join
+        hub.desk._take(number)  # what the door's thread does for that join
         assert list(hub.members) == [(0, 0)] and hub.counters["admitted"] == 1
         assert RecordingLink.devices == ["meta"] * 3  # the first version, from the admission copy
         stats = hub.send(hub.pack(1, weights(2.0)))
