@@ -15,8 +15,8 @@ the model's size; a model smaller than one bucket is one payload collective per 
 
 Membership is elastic. A background thread admits each engine that joins (``weight_admission.JoinDesk``):
 it forms the member's two-rank group, and the hub sends it the newest version at once, so a late or
-restarted engine plays with the current weights from its first token. A joiner can come while the other learner ranks are
-busy in a training step, when nothing can be gathered, so rank 0 keeps the newest version in
+restarted engine plays with the current weights from its first token. A joiner can come while the
+other learner ranks are busy in a training step, when nothing can be gathered, so rank 0 keeps the newest version in
 host memory (the *admission copy*, filled from each bucket as it is sent: host RAM of one model
 in the engine's dtype, no GPU memory). :meth:`WeightHub.publish` gives each new version to every
 member, each in its own thread; a member that fails or misses the timeout is dropped (it rejoins
