@@ -121,7 +121,7 @@ async def endpoint_round(url: str, args: argparse.Namespace, client_kind: str) -
 async def bench(args: argparse.Namespace) -> dict:
     from aiohttp import web
 
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.actors.openai_endpoint.endpoint import AgentEndpoint, EndpointSettings
     from horizonrl.actors.openai_endpoint.http_app import EndpointApp

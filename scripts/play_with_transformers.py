@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 
 from horizonrl.actors.engine import Generation  # noqa: E402
 from horizonrl.actors.evaluate import evaluate_with  # noqa: E402
-from horizonrl.actors.actor import load_chat_tokenizer  # noqa: E402
+from horizonrl.core.chat import load_chat_tokenizer  # noqa: E402
 from horizonrl.core.config import load_config  # noqa: E402
 from horizonrl.apps.demo import held_out_specs  # noqa: E402
 from horizonrl.envs import make_env  # noqa: E402

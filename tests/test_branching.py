@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from horizonrl.actors.actor import to_trajectory
+from horizonrl.actors.episode_messages import to_trajectory
 from horizonrl.actors.engine import Generation
 from horizonrl.actors.episode import SamplingSettings, run_episode
 from horizonrl.apps.tiny_model import THINKING_CHAT_TEMPLATE, build_tokenizer

@@ -10,7 +10,7 @@ import copy
 import msgspec
 import pytest
 
-from horizonrl.actors.actor import to_trajectory
+from horizonrl.actors.episode_messages import to_trajectory
 from horizonrl.actors.context import SUMMARY_REQUEST, ContextPolicy, shown_conversation
 from horizonrl.actors.episode import SamplingSettings, run_episode
 from horizonrl.apps.tiny_model import THINKING_CHAT_TEMPLATE, build_tokenizer

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from horizonrl.actors.actor import to_trajectory
+from horizonrl.actors.episode_messages import to_trajectory
 from horizonrl.actors.engine import Generation
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
 from horizonrl.envs import EnvironmentFailure
@@ -149,7 +149,7 @@ async def test_a_prompt_that_fills_the_context_is_dropped_not_played():
 
 
 async def test_the_transcript_is_what_the_agent_saw_and_said_and_reads_as_markdown():
-    from horizonrl.actors.actor import episode_sample
+    from horizonrl.actors.episode_messages import episode_sample
     from horizonrl.coordinator import episode_markdown
 
     s = signs()

@@ -11,7 +11,7 @@ import sys
 import msgspec
 from helpers import make_trajectory
 
-from horizonrl.actors.actor import recorded, to_trajectory
+from horizonrl.actors.episode_messages import recorded, to_trajectory
 from horizonrl.actors.episode import Episode
 from horizonrl.core.environment import extract_action
 from horizonrl.core.episode_records import EpisodeRecordReader, EpisodeRecordWriter, episode_record, trained_record

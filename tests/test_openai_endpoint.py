@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from horizonrl.actors.actor import to_trajectory
+from horizonrl.actors.episode_messages import to_trajectory
 from horizonrl.actors.openai_endpoint.endpoint import AgentEndpoint, EndpointSettings, cut_at_stop
 from horizonrl.actors.openai_endpoint.session import PLAN_APPEND, PLAN_BRANCH, PLAN_EXTEND, PLAN_FIRST
 from horizonrl.actors.openai_endpoint.tool_calls import parse_reply

@@ -26,7 +26,7 @@ def test_a_batch_generates_what_each_prompt_generates_alone(model_dir):
     token; and the three concurrent requests were sampled as one batch."""
     from transformers import AutoModelForCausalLM
 
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
 
     script = load_script("play_with_transformers")
     chat = load_chat_tokenizer(str(model_dir))

@@ -36,7 +36,6 @@ import logging
 import os
 import secrets
 import time
-import zlib
 from collections import defaultdict
 
 import zmq
@@ -46,6 +45,8 @@ from horizonrl.actors.concurrency import InFlightBand, InFlightController
 from horizonrl.actors.delivery import MAX_ACK_BYTES, TrajectoryDelivery
 from horizonrl.actors.engine import RolloutEngine
 from horizonrl.actors.episode import Episode, SamplingSettings, run_episode
+from horizonrl.actors.episode_messages import episode_sample, recorded, to_trajectory
+from horizonrl.core.chat import load_chat_tokenizer
 from horizonrl.actors.evaluate import EvalSpec, evaluate_with
 from horizonrl.actors.task_sequence import TaskSequence
 from horizonrl.core.config import EnvSpec, TrainConfig
@@ -58,19 +59,14 @@ from horizonrl.protocol import (
     FAILURE_ENVIRONMENT,
     FAILURE_TIMEOUT,
     MAX_CONTROL_BYTES,
-    MAX_SAMPLE_TEXT,
     Control,
-    EpisodeSample,
-    EpisodeText,
     Heartbeat,
     HeldOutEval,
     ProtocolError,
-    Trajectory,
     decode_as,
     encode,
     signed_by,
 )
-from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, pack
 from horizonrl.protocol.counters import ActorCounters, ActorGauges, DeliveryCounters, heartbeat_counters
 from horizonrl.protocol.registry import FollowedEndpoint, registration
 from horizonrl.protocol.transport import keep_collectives_on, make_socket, split_endpoint, wire_security
@@ -101,69 +97,6 @@ def group_id_of(actor: int, incarnation: str, number: int) -> str:
     and unguessable before the actor uses it (the incarnation is random: a sender that read the group number in
     ``actors/actor_<i>.json`` still cannot pre-empt the id); its trajectories are ``<group id>-<member>``."""
     return f"a{actor}-{incarnation}-g{number}"
-
-
-def to_trajectory(ep: Episode, *, run_id: str, trajectory_id: str, group_id: str, group_size: int, env: str,
-                  task_id: int, actor_id: int, max_turns: int, category: str, with_text: bool = False) -> Trajectory:
-    return Trajectory(
-        run_id=run_id,
-        trajectory_id=trajectory_id,
-        group_id=group_id,
-        group_size=group_size,
-        env=env,
-        task_id=task_id,
-        actor_id=actor_id,
-        token_ids=pack(ep.token_ids, TOKEN_DTYPE),
-        loss_mask=pack(ep.loss_mask, MASK_DTYPE),
-        logprobs=pack(ep.logprobs, LOGPROB_DTYPE),
-        prompt_length=ep.prompt_length,
-        turn_spans=ep.turn_spans,
-        turn_versions=ep.turn_versions,
-        turn_epochs=ep.turn_epochs,
-        version_spans=ep.version_spans,
-        sample_starts=ep.sample_starts,
-        hidden_turns=[ep.hidden_turns_at.get(start, 0) for start in ep.sample_starts] if ep.hidden_turns_at else [],
-        summary_turns=ep.summary_turns,
-        turn_rewards=ep.turn_rewards,
-        reward=ep.reward,
-        success=ep.success,
-        score=ep.score,
-        num_turns=ep.num_turns,
-        max_turns=max_turns,
-        stop_reason=ep.stop_reason,
-        failure=ep.failure,
-        failure_message=ep.failure_message,
-        category=category,
-        timings={"generate_s": ep.generate_s, "env_s": ep.env_s},
-        text=episode_text(ep) if with_text else None,
-    )
-
-
-def episode_text(ep: Episode) -> EpisodeText:
-    """The episode's texts for the buffer's recording, each cut to MAX_SAMPLE_TEXT characters."""
-    def cut(texts: list[str]) -> list[str]:
-        return [t[:MAX_SAMPLE_TEXT] for t in texts]
-
-    return EpisodeText(first_observation=(ep.observations or [""])[0][:MAX_SAMPLE_TEXT], replies=cut(ep.replies),
-                       actions=cut(ep.actions), observations=cut(ep.observations[1:]))
-
-
-def recorded(group_id: str, fraction: float) -> bool:
-    """Whether the actor sends this group's texts to be recorded: a fixed share of groups, picked
-    by a hash of the id (the same on every actor and after a restart), whole groups at a time so
-    that the episodes of one task under one policy can be compared."""
-    return zlib.crc32(group_id.encode()) < fraction * 2**32
-
-
-def episode_sample(ep: Episode, *, run_id: str, env: str, task_id: int, actor_id: int,
-                   max_turns: int) -> EpisodeSample:
-    """The episode as text for a person to read (each text cut to MAX_SAMPLE_TEXT characters)."""
-    return EpisodeSample(
-        run_id=run_id, env=env, task_id=task_id, actor_id=actor_id, weight_version=min(ep.turn_versions, default=0),
-        max_turns=max_turns, reward=ep.reward, success=ep.success, score=ep.score, num_turns=ep.num_turns,
-        stop_reason=ep.stop_reason, failure=ep.failure,
-        transcript=[(role, text[:MAX_SAMPLE_TEXT]) for role, text in ep.transcript()],
-    )
 
 
 class EnvPool:
@@ -749,14 +682,6 @@ class Actor:
         if self.security is not None:
             self.security.stop()
         self.ctx.term()
-
-
-def load_chat_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    from horizonrl.core.chat import ChatTokenizer
-
-    return ChatTokenizer(AutoTokenizer.from_pretrained(model_path))
 
 
 async def _amain(config: TrainConfig, index: int, stop: StopFlag, make_env: EnvFactory) -> None:

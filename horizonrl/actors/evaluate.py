@@ -21,6 +21,8 @@ from typing import Callable
 
 from horizonrl.actors.context import ContextPolicy
 from horizonrl.actors.episode import SamplingSettings, run_episode
+from horizonrl.actors.episode_messages import to_trajectory
+from horizonrl.core.chat import load_chat_tokenizer
 from horizonrl.core.config import EngineConfig
 from horizonrl.core.environment import EnvFactory
 from horizonrl.core.schedule import TurnBudgetSchedule
@@ -83,8 +85,7 @@ def evaluate(model_path: str, spec: EvalSpec, make_env: EnvFactory, engine_confi
              record_dir: str | None = None) -> dict:
     """Start an engine on ``model_path``, play the episodes, return the metrics (needs a __main__ guard).
     With ``record_dir`` every episode is also recorded there (core/episode_records.py)."""
-    from horizonrl.actors.actor import load_chat_tokenizer
-    from horizonrl.actors.engine import RolloutEngine
+    from horizonrl.actors.engine import RolloutEngine  # vLLM: only where an engine starts
     from tqdm import tqdm
 
     # dtype=None: the engine's dtype as in training (rollout.engine.dtype: bf16 on a GPU, fp32 on the CPU),
@@ -159,7 +160,6 @@ async def evaluate_with(engine, chat, spec: EvalSpec, make_env: EnvFactory, reco
 
 def record_episodes(record_dir: str, spec: EvalSpec, probe, results: list) -> None:
     """Every evaluation episode as a record line (``evaluation: true``), for ``horizonrl view``."""
-    from horizonrl.actors.actor import to_trajectory
     from horizonrl.core.episode_records import EpisodeRecordWriter, episode_record
 
     writer = EpisodeRecordWriter(record_dir)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def evaluate_agent(config, model_path: str, episodes: int) -> dict:
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.actors.evaluate import summarise
     from horizonrl.actors.openai_endpoint.agent_runs import AgentRunner

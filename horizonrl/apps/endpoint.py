@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
     from aiohttp import web
 
-    from horizonrl.actors.actor import load_chat_tokenizer, to_trajectory
+    from horizonrl.core.chat import load_chat_tokenizer
+    from horizonrl.actors.episode_messages import to_trajectory
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.actors.openai_endpoint.endpoint import AgentEndpoint, EndpointSettings
     from horizonrl.actors.openai_endpoint.http_app import EndpointApp

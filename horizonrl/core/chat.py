@@ -233,3 +233,10 @@ class ChatTokenizer:
         grown = self._render([self._probe_history[0], {"role": "assistant", "content": reply},
                               {"role": "user", "content": _PROBE_USER}], add_generation_prompt=True)
         return history.startswith(prompt + reply) and grown.startswith(history)
+
+
+def load_chat_tokenizer(model_path: str) -> ChatTokenizer:
+    """The model's tokenizer (``model_path``: a Hugging Face model directory) as a :class:`ChatTokenizer`."""
+    from transformers import AutoTokenizer  # transformers (and torch under it) only where a tokenizer is loaded
+
+    return ChatTokenizer(AutoTokenizer.from_pretrained(model_path))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from horizonrl.core.adapter_format import LORA_FACTORS, peft_name
+from horizonrl.learner.layers import decoder_layers
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Replace each target linear layer of the decoder layers by a :class:`LoRALinear` holding the same base
     parameters, and freeze everything but the adapters. Works on the meta device (before sharding). Returns the
     adapted layers' names; a target name that matches no linear layer is an error naming those that exist."""
-    from horizonrl.learner.model import decoder_layers
-
     layers = decoder_layers(model)
     prefix = next(name for name, module in model.named_modules() if module is layers)
     adapted, linear_names = [], set()

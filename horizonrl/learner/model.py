@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from horizonrl.core.precision import PrecisionPolicy, learner_attention, precision_from_config
+from horizonrl.learner.layers import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +123,6 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 def _forward_takes_logits_to_keep(model_class: type) -> bool:
     """Read once per class: ``loss_token_logits`` asks on every micro-batch."""
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks (``model.model.layers`` in Qwen2/Llama/Mistral-style models)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
 
 
 def shard_model(model: nn.Module, device_type: str, mp_policy=None) -> nn.Module:

@@ -45,7 +45,7 @@ async def check(model_dir: str, port: int, tensor_parallel_size: int = 1) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.config import EngineConfig
     from horizonrl.learner.model import weights_to_send
@@ -191,7 +191,7 @@ async def update_in_flight(engine, hub, learner, prompt, temperature, version: i
 
     import torch
 
-    from horizonrl.actors.actor import to_trajectory
+    from horizonrl.actors.episode_messages import to_trajectory
     from horizonrl.actors.episode import Episode
     from horizonrl.learner.batching import samples_from_batch
     from horizonrl.learner.model import weights_to_send

@@ -52,7 +52,7 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
     from transformers import AutoModelForCausalLM
     from vllm.lora.request import LoRARequest
 
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.adapter_format import CHECKPOINT_ADAPTER_DIR
     from horizonrl.core.config import load_config

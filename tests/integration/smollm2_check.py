@@ -59,7 +59,7 @@ async def check(model_dir: str, port: int, dist_port: int, out_dir: str) -> dict
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
     from horizonrl.actors.engine import RolloutEngine
     from horizonrl.core.config import load_config
     from horizonrl.learner.algorithm import AlgorithmSettings, train_step_function

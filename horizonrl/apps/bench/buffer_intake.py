@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from horizonrl.apps.bench.report import alternate, paired_ratio, progress, summarize
+from horizonrl.apps.bench.synthetic_trajectories import synthetic_trajectory
 
 PART = "transport"
 MODES = {"log off": ["buffer.wal=false"], "log on (fsync batch)": ["buffer.wal_fsync=batch"],
@@ -26,10 +27,9 @@ BASELINE = "log off"
 def _trajectories(size: int, producer: int, count: int, run_id: str) -> list[bytes]:
     import msgspec
 
-    from horizonrl.apps.bench.transport import _base_trajectory
     from horizonrl.protocol import encode
 
-    base = _base_trajectory(size, "")
+    base = synthetic_trajectory(size, "")
     # version 0 (the starting model): the buffer knows it without a learner announcing anything
     base = msgspec.structs.replace(base, run_id=run_id, group_size=2, turn_versions=[0] * len(base.turn_versions))
     return [encode(msgspec.structs.replace(base, trajectory_id=f"p{producer}-{i}", group_id=f"p{producer}-g{i // 2}",

@@ -170,7 +170,7 @@ def start_engine(model: str, concurrency: int, seed: int = 0, engine: EngineConf
 
 
 def load_chat(model: str):
-    from horizonrl.actors.actor import load_chat_tokenizer
+    from horizonrl.core.chat import load_chat_tokenizer
 
     return load_chat_tokenizer(model)
 

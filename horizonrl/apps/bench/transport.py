@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from horizonrl.apps.bench import buffer_intake
+from horizonrl.apps.bench.synthetic_trajectories import synthetic_trajectory
 from horizonrl.apps.bench.report import (
     alternate,
     make_result,
@@ -51,7 +53,6 @@ from horizonrl.apps.bench.report import (
 )
 
 PART = "transport"
-BENCH_RUN_ID = "bench"
 HOST = "127.0.0.1"
 ZMQ, MPQ_LISTS, MPQ_NUMPY = "zmq+msgpack", "mpq pickle lists", "mpq pickle numpy"
 TRANSPORTS = (ZMQ, MPQ_LISTS, MPQ_NUMPY)
@@ -65,14 +66,10 @@ COUNTS_QUICK = {1024: 2000, 8192: 600, 32768: 160}
 COUNTS_FULL = {1024: 4800, 8192: 1600, 32768: 480}
 LISTS_SHARE = 4
 
-PROMPT_TOKENS = 256  # then turns of TURN_TOKENS generated + TURN_TOKENS observation tokens
-TURN_TOKENS = 64
-VOCAB = 151_000  # a Qwen2.5-sized vocabulary, so ids are not all small ints (pickle would favour them)
-
 
 def make_trajectory(num_tokens: int, producer: int, index: int):
     """A deterministic trajectory of ``num_tokens`` tokens; only its id depends on ``producer`` and ``index``."""
-    return _base_trajectory(num_tokens, f"p{producer}-m{index}")
+    return synthetic_trajectory(num_tokens, f"p{producer}-m{index}")
 
 
 def as_plain_dict(trajectory, arrays: str) -> dict[str, Any]:
@@ -130,8 +127,6 @@ def run(quick: bool, out_dir: Path | None = None, *, sizes: tuple[int, ...] = SI
                 ratios[f"{_kt(size)} × {num_producers}p: zmq / {baseline.removeprefix('mpq ')} traj/s"] = paired_ratio(
                     [m["traj_per_s"] for m in group[ZMQ]], [m["traj_per_s"] for m in group[baseline]])
     if intake:
-        from horizonrl.apps.bench import buffer_intake
-
         intake_rows, intake_ratios, intake_settings = buffer_intake.measure(quick, repeats,
                                                                             timeout_s=max(timeout_s, 120))
         rows += intake_rows
@@ -388,7 +383,7 @@ def _producer_main(index: int, endpoint: str, push_hwm: int, data: mp.Queue, com
     push.connect(endpoint)
     plain_cache: dict[tuple[int, str], dict] = {}
     try:
-        hello = _base_trajectory(16, f"hello{index}")
+        hello = synthetic_trajectory(16, f"hello{index}")
         push.send(encode(hello))
         data.put(as_plain_dict(hello, "lists"), timeout=timeout_s)
         while True:
@@ -407,7 +402,7 @@ def _producer_main(index: int, endpoint: str, push_hwm: int, data: mp.Queue, com
                     push.send(encode(msgspec.structs.replace(base, trajectory_id=f"p{index}-m{i}")))
             else:
                 arrays = "lists" if transport == MPQ_LISTS else "numpy"
-                if (size, arrays) not in plain_cache:  # built once, as the Trajectory is (_BASE_CACHE)
+                if (size, arrays) not in plain_cache:  # built once, as the Trajectory is (synthetic_trajectory's cache)
                     plain_cache[size, arrays] = as_plain_dict(base, arrays)
                 plain = plain_cache[size, arrays]
                 for i in range(count):
@@ -419,39 +414,6 @@ def _producer_main(index: int, endpoint: str, push_hwm: int, data: mp.Queue, com
     finally:
         push.close(linger=0)
         context.term()
-
-
-_BASE_CACHE: dict[int, Any] = {}
-
-
-def _base_trajectory(num_tokens: int, trajectory_id: str):
-    """Prompt, then turns of generated (mask 1, logprob < 0) and observation (mask 0) tokens; seeded by size."""
-    import msgspec
-    import numpy as np
-
-    from horizonrl.protocol import Trajectory
-    from horizonrl.protocol.arrays import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE
-
-    if num_tokens not in _BASE_CACHE:
-        rng = np.random.default_rng(num_tokens)
-        prompt = min(PROMPT_TOKENS, num_tokens // 2)
-        mask = np.zeros(num_tokens, dtype=MASK_DTYPE)
-        spans = []
-        for start in range(prompt, num_tokens, 2 * TURN_TOKENS):
-            end = min(start + TURN_TOKENS, num_tokens)
-            mask[start:end] = 1
-            spans.append((start, end))
-        logprobs = np.where(mask == 1, -rng.exponential(0.5, num_tokens), 0.0).astype(LOGPROB_DTYPE)
-        _BASE_CACHE[num_tokens] = Trajectory(
-            run_id=BENCH_RUN_ID, trajectory_id="", group_id=f"bench-{num_tokens}", group_size=8, env="signpost",
-            task_id=7, actor_id=0,
-            token_ids=rng.integers(0, VOCAB, num_tokens, dtype=TOKEN_DTYPE).tobytes(), loss_mask=mask.tobytes(),
-            logprobs=logprobs.tobytes(), prompt_length=prompt, turn_spans=spans,
-            turn_versions=[i // 4 for i in range(len(spans))], turn_epochs=[0] * len(spans),
-            turn_rewards=[0.0] * len(spans), reward=1.0,
-            success=True, score=1.0, num_turns=len(spans), max_turns=len(spans), stop_reason="done",
-            timings={"generate_s": 1.5, "env_s": 0.25})
-    return msgspec.structs.replace(_BASE_CACHE[num_tokens], trajectory_id=trajectory_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from horizonrl.envs.base import EnvironmentFailure, StepResult
-from horizonrl.envs.webarena import actions as grammar
+import horizonrl.envs.webarena.actions as grammar
 from horizonrl.envs.webarena.actions import Action, ActionError, parse_action
 from horizonrl.envs.webarena.browser import browser_host
 from horizonrl.envs.webarena.evaluators import Judge, Unscorable, evaluate
