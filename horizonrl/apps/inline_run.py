@@ -123,11 +123,36 @@ class InlineRoles:
     def close(self) -> None:
         for name in self.stops:
             self.signal(name, signal.SIGTERM)
+        stuck = []
         for name, thread in self.threads.items():
             thread.join(ROLE_STOP_WAIT_S)
             if thread.is_alive():
+                stuck.append(name)
                 log.error("%s did not end within %.0f s of its stop (left behind: the process exits without it)",
                           name, ROLE_STOP_WAIT_S)
+        if stuck:
+            end_child_processes()
+
+
+def end_child_processes(grace_s: float = 5.0) -> None:
+    """What a role left behind did not shut down (an actor stuck before its engine's shutdown): this process's
+    children (vLLM's engine processes), SIGTERM then SIGKILL after ``grace_s``, each named in the log."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            log.warning("ending pid %d (%s), left by a role that did not stop", child.pid,
+                        " ".join(child.cmdline()[:3]))
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def check_inline(config: TrainConfig) -> None:
