@@ -21,6 +21,11 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
+from horizonrl.actors.actor import run_actor
+from horizonrl.buffer.server import run_buffer
+from horizonrl.coordinator.process import run_coordinator
 from horizonrl.core.config import ConfigError, TrainConfig
 from horizonrl.core.run_events import EventLog, RunEvent
 from horizonrl.core.runtime import StopFlag
@@ -28,7 +33,10 @@ from horizonrl.launcher.console import RunConsole, route_line
 from horizonrl.launcher.launch import logging_to_console, run_to_the_end
 from horizonrl.launcher.local import QUIET_VLLM_LEVEL, Launcher
 from horizonrl.launcher.resolve import check_model_path, managed_env_servers, prepare_run, resolve_placement
+from horizonrl.envs import make_env
 from horizonrl.launcher.supervisor import ProcessSpec
+from horizonrl.learner.main import run_learner
+from horizonrl.learner.services import RankInfo
 
 log = logging.getLogger("horizonrl.launcher")
 
@@ -64,24 +72,14 @@ class InlineRoles:
         """The role's own entry point, the one its process would run, with ``stop`` for its stop signal."""
         config = self.config
         if spec.role == "coordinator":
-            from horizonrl.coordinator.process import run_coordinator
-
             return lambda: run_coordinator(config, stop, self.status_out)
         if spec.role == "buffer":
-            from horizonrl.buffer.server import run_buffer
-
             return lambda: run_buffer(config, stop)
         if spec.role == "learner":
-            from horizonrl.learner.services import RankInfo
-            from horizonrl.learner.main import run_learner
-
             ranks = RankInfo(rank=0, world_size=1, local_rank=0, master_addr=config.network.host,
                              master_port=config.network.dist_port)
             return lambda: run_learner(config, ranks, stop)
         if spec.role == "actor":
-            from horizonrl.actors.actor import run_actor
-            from horizonrl.envs import make_env
-
             index = int(spec.name.split("-", 1)[1])
             return lambda: run_actor(config, index, stop, make_env)
         raise ConfigError(f"launcher.type=inline runs the coordinator, buffer, learner and actors, not {spec.name}")
@@ -137,8 +135,6 @@ class InlineRoles:
 def end_child_processes(grace_s: float = 5.0) -> None:
     """What a role left behind did not shut down (an actor stuck before its engine's shutdown): this process's
     children (vLLM's engine processes), SIGTERM then SIGKILL after ``grace_s``, each named in the log."""
-    import psutil
-
     children = psutil.Process().children(recursive=True)
     for child in children:
         try:
@@ -178,12 +174,6 @@ def import_what_the_roles_import(config: TrainConfig) -> None:
     import importlib
 
     import transformers
-
-    import horizonrl.actors.actor  # noqa: F401 - each role's own modules
-    import horizonrl.buffer.server  # noqa: F401
-    import horizonrl.coordinator.process  # noqa: F401
-    import horizonrl.envs  # noqa: F401
-    import horizonrl.learner.main  # noqa: F401
 
     for module in ("transformers.generation", "transformers.models.auto.modeling_auto", "vllm.engine.arg_utils",
                    "vllm.v1.engine.async_llm", "vllm.sampling_params"):
