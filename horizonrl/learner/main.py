@@ -54,12 +54,6 @@ PROCESS_GROUP_SLACK_S = 300.0
 COLOCATED_ENGINE_START_S = 1800.0
 
 
-
-
-
-
-
-
 def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
     """Policy (+ reference, + critic), each FSDP-sharded, with AdamW and the LR schedule."""
     lc = config.learner
@@ -90,8 +84,6 @@ def build_trainables(config: TrainConfig, device: torch.device) -> Trainables:
                                                  weight_decay=lc.weight_decay)
         out.critic_scheduler = schedule(out.critic_optimizer)
     return out
-
-
 
 
 def main(config: TrainConfig) -> int:
@@ -242,48 +234,6 @@ def _open_weight_hub(config: TrainConfig, res: Resources, backend: str, epoch: i
     res.reports.register(config.run.run_id, "learner-0", {
         ENDPOINT_WEIGHTS: tcp_endpoint(net.advertised_host(), res.weight_hub.port),
         ENDPOINT_WEIGHTS_EPOCH: str(epoch)})
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _init_process_group(config: TrainConfig, ranks: RankInfo, backend: str, timeout_s: float, res: Resources,

@@ -36,8 +36,6 @@ from horizonrl.protocol.weights import ALIGN_BYTES
 log = logging.getLogger("horizonrl.learner")
 
 STOP_SEND_GRACE_S = 5.0  # at a stop, how long a weight broadcast in progress may still take
-
-
 CHECKPOINT_RETRY_LIMIT_S = 600.0  # a disk refusing a checkpoint this long is not coming back: the learner stops
 
 

@@ -26,13 +26,11 @@ log = logging.getLogger("horizonrl.learner.weights")
 STUCK_MARGIN_S = 5.0  # past a member's bound, how long its transfer thread may still take to notice it
 
 
-
 def use_blocking_nccl_waits() -> None:
     """Make ``Work.wait(timeout)`` on NCCL groups created from now on block the host and raise at the
     timeout. Without it, NCCL's wait only orders streams, the ``.item()`` that follows blocks with no
     bound, and a dead peer hangs the process until the watchdog kills it without a word."""
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-
 
 
 class WeightLink(Protocol):
@@ -42,7 +40,6 @@ class WeightLink(Protocol):
     def send_bucket(self, index: int, data: torch.Tensor, what: str, timeout_s: float) -> None: ...
     def finish(self, what: str, timeout_s: float) -> None: ...  # returns once the member has the version
     def close(self) -> None: ...
-
 
 
 class GroupLink:
@@ -95,9 +92,7 @@ class GroupLink:
 _DESTROYERS: list[tuple[threading.Thread, threading.Event]] = []  # each thread, and the event that ends its wait
 
 
-
 _DESTROYERS_LOCK = threading.Lock()  # links close from the hub's transfer threads as well as its own
-
 
 
 def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
@@ -127,7 +122,6 @@ def _destroy_in_background(group: dist.ProcessGroup, wait_s: float) -> None:
         _DESTROYERS[:] = [(t, e) for t, e in _DESTROYERS if t.is_alive()] + [(thread, give_up)]
 
 
-
 def wait_for_dropped_groups(timeout_s: float) -> bool:
     """Whether every dropped group was destroyed within ``timeout_s``. A process that exits while a daemon thread
     is inside gloo's destructor aborts ("terminate called without an active exception"): the hub waits for those
@@ -142,7 +136,6 @@ def wait_for_dropped_groups(timeout_s: float) -> bool:
     for thread, _ in destroyers:
         thread.join(max(0.0, deadline - time.monotonic()))
     return not any(t.is_alive() for t, _ in destroyers)
-
 
 
 @dataclass
@@ -172,7 +165,6 @@ class Member:
                         self.actor, self.worker, STUCK_MARGIN_S)
 
 
-
 def gloo_options(host: str, timeout: timedelta) -> "dist.ProcessGroupGloo._Options":
     """A gloo group's options with its device on ``host``: its pair sockets listen there, not on whatever
     address the machine's hostname resolves to."""
@@ -182,13 +174,11 @@ def gloo_options(host: str, timeout: timedelta) -> "dist.ProcessGroupGloo._Optio
     return options
 
 
-
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
     _wait(lambda: group.broadcast([tensor], options), timeout_s, what)
-
 
 
 def _wait(start_work, timeout_s: float, what: str) -> None:
