@@ -99,13 +99,16 @@ def role_processes(launcher_pid: int, role: str) -> list[psutil.Process]:
     return found
 
 
-def kill_at_a_random_moment(chain: Chain, name: str, victims) -> None:
+def kill_at_a_random_moment(chain: Chain, name: str, victims, also=None) -> None:
     """An incarnation killed a random 0-1.5 s after its third step (a checkpoint newer than the one it resumed
-    exists by then: save_every=2), with ``victims(launcher_pid)``; the run must end, not go on."""
+    exists by then: save_every=2), and once ``also()`` holds when given, with ``victims(launcher_pid)``; the run
+    must end, not go on."""
     proc, started, step = chain.start(name)
     seed = int(time.time()) % 10_000
     try:
         wait_until(lambda: newest_step(chain.run_dir, since=started) >= step + 3, 400, f"learner step {step + 3}")
+        if also is not None:
+            wait_until(also, 400, f"{name}: {also.__doc__}")
         time.sleep(random.Random(seed).uniform(0, 1.5))
         for victim in victims(proc.pid):
             victim.kill()
@@ -158,7 +161,17 @@ def test_a_clean_end_after_two_steps_in_the_one_turn_stage(chain):
 
 def test_kill_9_of_the_buffer_then_resume(chain):
     chain.require("clean")
-    kill_at_a_random_moment(chain, "buffer", lambda pid: role_processes(pid, "buffer"))
+
+    def resumed_actor_played() -> bool:
+        """a group of the resumed actor, in the buffer's log or its outbox"""
+        # The learner's first steps may all train on groups the buffer recovered from its log (a clean stop can
+        # leave it full), long before the resumed actor's engine is up: the kill must come after it has played.
+        try:
+            return any(group_number(t.group_id) >= chain.next_group_after_clean_stop for t in produced(chain.run_dir))
+        except Exception:  # noqa: BLE001 - a record being written as it is read: look again
+            return False
+
+    kill_at_a_random_moment(chain, "buffer", lambda pid: role_processes(pid, "buffer"), also=resumed_actor_played)
     # The resumed actor went on from its next group (no task replayed), under the 2-turn budget from its first
     # group on; the clean incarnation played 1-turn episodes until its step 2 was done.
     trajectories = produced(chain.run_dir)
