@@ -22,7 +22,7 @@ Hugging Face Qwen2-style decoder layers with SDPA/flash attention, the loss of a
 
 Peak = max(forward/backward, end of backward, optimizer step, weight gather), each with the states.
 The broadcast to the engines adds, on rank 0, one bucket plus the largest tensor gathered in the
-engine's dtype (:func:`broadcast_bytes`; learner/weight_broadcast.py gathers parameter by parameter
+engine's dtype (:func:`broadcast_bytes`; learner/weight_gather.py gathers parameter by parameter
 into the bucket). The forward/backward term counts the gradients too: with more than one micro-batch
 per update they exist from the first micro-batch's backward on.
 """
@@ -100,7 +100,7 @@ def learner_memory(shape: ModelShape, *, world_size: int, tokens: int, checkpoin
 
 
 def broadcast_bytes(shape: ModelShape, world_size: int, bucket_bytes: int, engine_bytes: int = COMPUTE_BYTES) -> float:
-    """Rank 0's extra device memory while it gathers a version for the engines (weight_broadcast.gather_buckets):
+    """Rank 0's extra device memory while it gathers a version for the engines (weight_gather.gather_buckets):
     the staging bucket (a tensor larger than a bucket gets a bucket of its own size), and for the largest
     tensor its shard cast to the engine's dtype plus, with more than one rank, the full tensor gathered
     from it (on one rank ``full_tensor()`` returns the cast shard itself: measured on an H200, 0.5B and
